@@ -1,0 +1,152 @@
+package probe
+
+import "testing"
+
+func TestClassify(t *testing.T) {
+	const root = "/var/lib/kubelet"
+	const sha = "3c1322b59623fa39fb5812635250c05175816f4d79b00c35196efc3f601eeeb9"
+	tests := map[string]struct {
+		path string
+		want Target
+		ok   bool
+	}{
+		"csi publish": {
+			path: root + "/pods/uid-1/volumes/kubernetes.io~csi/pvc-1/mount",
+			want: Target{Kind: KindPublish, PodUID: "uid-1", Plugin: CSIPluginDir, Volume: "pvc-1"}, ok: true,
+		},
+		"csi staging per driver": {
+			path: root + "/plugins/kubernetes.io/csi/ru.yandex.s3.csi/" + sha + "/globalmount",
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, Driver: "ru.yandex.s3.csi", HandleHash: sha}, ok: true,
+		},
+		"csi staging legacy pv": {
+			path: root + "/plugins/kubernetes.io/csi/pv/pv-5/globalmount",
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, PV: "pv-5"}, ok: true,
+		},
+		"staging with a short hash is not staging": {
+			path: root + "/plugins/kubernetes.io/csi/drv/abc/globalmount",
+		},
+		"staging with upper-case hex is not staging": {
+			path: root + "/plugins/kubernetes.io/csi/drv/3C1322B59623FA39FB5812635250C05175816F4D79B00C35196EFC3F601EEEB9/globalmount",
+		},
+		"subpath": {
+			path: root + "/pods/uid-1/volume-subpaths/pvc-1/app/3",
+			want: Target{Kind: KindSubPath, PodUID: "uid-1", Volume: "pvc-1", Container: "app", Index: 3}, ok: true,
+		},
+		"subpath with a bad index": {
+			path: root + "/pods/uid-1/volume-subpaths/pvc-1/app/x",
+		},
+		"subpath with a negative index": {
+			path: root + "/pods/uid-1/volume-subpaths/pvc-1/app/-1",
+		},
+		"pod block device": {
+			path: root + "/pods/uid-1/volumeDevices/kubernetes.io~csi/pvc-2",
+			want: Target{Kind: KindBlock, PodUID: "uid-1", Plugin: CSIPluginDir, Volume: "pvc-2"}, ok: true,
+		},
+		"block staging": {
+			path: root + "/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-2",
+			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2"}, ok: true,
+		},
+		"block publish": {
+			path: root + "/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-2/uid-1",
+			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2", PodUID: "uid-1"}, ok: true,
+		},
+		"block global map": {
+			path: root + "/plugins/kubernetes.io/csi/volumeDevices/pvc-2/dev/uid-1",
+			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2", PodUID: "uid-1"}, ok: true,
+		},
+		"nfs volume": {
+			path: root + "/pods/uid-1/volumes/kubernetes.io~nfs/data",
+			want: Target{Kind: KindPluginVolume, PodUID: "uid-1", Plugin: "kubernetes.io~nfs", Volume: "data"}, ok: true,
+		},
+		"csi volume dir without mount is not a target": {
+			path: root + "/pods/uid-1/volumes/kubernetes.io~csi/pvc-1",
+		},
+		"deeper than a publish target": {
+			path: root + "/pods/uid-1/volumes/kubernetes.io~csi/pvc-1/mount/x",
+		},
+		"the root itself": {path: root},
+		"a sibling with the root as prefix": {
+			path: root + "2/pods/uid-1/volumes/kubernetes.io~csi/pvc-1/mount",
+		},
+		"a lookalike elsewhere": {
+			path: "/srv" + root + "/pods/uid-1/volumes/kubernetes.io~csi/pvc-1/mount",
+		},
+		"dot-dot segment": {
+			path: root + "/pods/../pods/uid-1/volumes/kubernetes.io~csi/pvc-1/mount",
+		},
+		"double slash": {
+			path: root + "/pods//uid-1/volumes/kubernetes.io~csi/pvc-1/mount",
+		},
+		"pods only":           {path: root + "/pods"},
+		"unknown plugin tree": {path: root + "/plugins/other/x/y"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			got, ok := Classify(root, tc.path)
+			if ok != tc.ok || got != tc.want {
+				t.Errorf("Classify(%q, %q) = %+v, %v; want %+v, %v", root, tc.path, got, ok, tc.want, tc.ok)
+			}
+		})
+	}
+}
+
+func TestClassifyRootWithTrailingSlash(t *testing.T) {
+	got, ok := Classify("/k/", "/k/pods/u/volume-subpaths/v/c/0")
+	if !ok || got.Kind != KindSubPath {
+		t.Errorf("Classify(/k/, ...) = %+v, %v; want a subpath", got, ok)
+	}
+}
+
+func TestUnder(t *testing.T) {
+	tests := map[string]struct {
+		root, path string
+		want       bool
+	}{
+		"below":          {"/var/lib/kubelet", "/var/lib/kubelet/pods", true},
+		"itself":         {"/var/lib/kubelet", "/var/lib/kubelet", false},
+		"sibling prefix": {"/var/lib/kubelet", "/var/lib/kubelet2/pods", false},
+		"dot-dot out":    {"/var/lib/kubelet", "/var/lib/kubelet/../etc", false},
+		"unclean root":   {"/var/lib/kubelet/", "/var/lib/kubelet/x", true},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			if got := Under(tc.root, tc.path); got != tc.want {
+				t.Errorf("Under(%q, %q) = %v, want %v", tc.root, tc.path, got, tc.want)
+			}
+		})
+	}
+}
+
+func FuzzClassify(f *testing.F) {
+	for _, s := range []string{
+		"/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount",
+		"/var/lib/kubelet/pods/u/volume-subpaths/v/c/0",
+		"/var/lib/kubelet/plugins/kubernetes.io/csi/d/3c1322b59623fa39fb5812635250c05175816f4d79b00c35196efc3f601eeeb9/globalmount",
+		"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/p/dev/u",
+		"/var/lib/kubelet/../../etc",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, p string) {
+		got, ok := Classify("/var/lib/kubelet", p)
+		if !ok {
+			if got != (Target{}) {
+				t.Fatalf("Classify(%q) = %+v, false; want the zero Target", p, got)
+			}
+			return
+		}
+		if got.Kind == KindNone {
+			t.Fatalf("Classify(%q) = ok with KindNone", p)
+		}
+		if !Under("/var/lib/kubelet", p) {
+			t.Fatalf("Classify(%q) = ok for a path not under the root", p)
+		}
+		for _, s := range []string{got.PodUID, got.Volume, got.Container, got.Driver, got.PV} {
+			for i := 0; i < len(s); i++ {
+				if s[i] == '/' {
+					t.Fatalf("Classify(%q) = %+v: a field holds a slash", p, got)
+				}
+			}
+		}
+	})
+}

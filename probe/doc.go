@@ -1,0 +1,24 @@
+// Package probe maps a host mount table to the kubelet's pod volumes and
+// checks their health.
+//
+// probe owns three things:
+//
+//   - Classify: which kubelet path a mount point is (CSI publish target, CSI
+//     staging mount, subPath bind, raw block device, another volume plugin),
+//     with the pod UID, volume, container, index and driver it names.
+//   - Inventory: a mount table (the host's, or a captured file) parsed with
+//     github.com/moby/sys/mountinfo and turned into a graph linked by device
+//     numbers and mountinfo roots, never by path strings: subPath bind ->
+//     publish target -> staging mount -> backend (a FUSE connection, a block
+//     device and its loop backing file or NBD daemon).
+//   - Prober: the health of each backend, probed once per cycle with statfs
+//     and statx(AT_STATX_FORCE_SYNC) (a plain stat answers from the attribute
+//     cache after a FUSE daemon died), super options and ext4 error counters,
+//     and derived to every bind that shares the backend. At most one probe is
+//     in flight per backend; a probe past its deadline marks the backend Hung
+//     and no new probe starts for it until the old one returns, so a wedged
+//     filesystem costs one parked OS thread, never a growing pile of them.
+//
+// probe must not import a Kubernetes client, the remount package or the agent
+// package: it takes a mount table in and gives data out.
+package probe

@@ -1,0 +1,609 @@
+package probe
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+)
+
+// DefaultKubeletRoot is kubelet's default --root-dir.
+const DefaultKubeletRoot = "/var/lib/kubelet"
+
+// Dev is a device number as mountinfo's major:minor field shows it.
+type Dev struct {
+	Major uint32 `json:"major"`
+	Minor uint32 `json:"minor"`
+}
+
+func (d Dev) String() string { return fmt.Sprintf("%d:%d", d.Major, d.Minor) }
+
+// Mount is one kubelet mount of the table, linked into the volume graph.
+type Mount struct {
+	ID       int    `json:"id"`
+	ParentID int    `json:"parentID"`
+	Dev      Dev    `json:"dev"`
+	Root     string `json:"root"`
+	Path     string `json:"path"`
+	Options  string `json:"options"`
+	// Optional holds mountinfo's optional fields (shared:N, master:N...).
+	Optional     string `json:"optional,omitempty"`
+	FSType       string `json:"fsType"`
+	Source       string `json:"source"`
+	SuperOptions string `json:"superOptions"`
+	Target       Target `json:"target"`
+	// Driver and VolumeHandle come from vol_data.json beside a publish target
+	// (live tables only) or from the staging path the mount derives from.
+	Driver       string `json:"driver,omitempty"`
+	VolumeHandle string `json:"volumeHandle,omitempty"`
+	// From is the kubelet mount this one was bound from: a subPath bind's
+	// publish target (or staging mount), a publish target's staging mount.
+	// Linked by device number and mountinfo root, never by path.
+	From *Mount `json:"-"`
+	// Covered is set when another mount sits on the same mount point above
+	// this one: the path reaches the upper mount, not this one.
+	Covered bool `json:"covered,omitempty"`
+	// Backend is the filesystem instance the mount shows.
+	Backend *Backend `json:"-"`
+}
+
+// Deleted reports whether the mount's root was removed from its filesystem
+// (mountinfo shows "//deleted"): a subPath bind whose directory is gone.
+func (m *Mount) Deleted() bool { return strings.HasSuffix(m.Root, "//deleted") }
+
+// BackendKind says what serves a filesystem.
+type BackendKind int
+
+const (
+	// BackendOther is a virtual or local filesystem (tmpfs, overlay...).
+	BackendOther BackendKind = iota
+	// BackendFUSE is a FUSE connection served by a userspace daemon.
+	BackendFUSE
+	// BackendBlock is a filesystem on a block device (loop, nbd, rbd, sd...).
+	BackendBlock
+	// BackendNetwork is a kernel network filesystem (nfs, cifs, ceph...).
+	BackendNetwork
+)
+
+var backendKindNames = [...]string{"other", "fuse", "block", "network"}
+
+func (k BackendKind) String() string {
+	if int(k) < len(backendKindNames) {
+		return backendKindNames[k]
+	}
+	return "backend(" + strconv.Itoa(int(k)) + ")"
+}
+
+// MarshalText makes a BackendKind read as its name in JSON.
+func (k BackendKind) MarshalText() ([]byte, error) { return []byte(k.String()), nil }
+
+// Backend is one filesystem instance (one superblock, one device number)
+// that kubelet mounts show. It is probed once per cycle for all of them.
+type Backend struct {
+	Dev          Dev         `json:"dev"`
+	Kind         BackendKind `json:"kind"`
+	FSType       string      `json:"fsType"`
+	Source       string      `json:"source"`
+	SuperOptions string      `json:"superOptions"`
+	// Conn is the FUSE connection number: the minor of the device, and the
+	// directory name under /sys/fs/fuse/connections.
+	Conn uint32 `json:"conn,omitempty"`
+	// Device is the block device name (loop0, nbd3), from sysfs on live
+	// tables.
+	Device string `json:"device,omitempty"`
+	// Backing is a loop device's backing file, from sysfs.
+	Backing string `json:"backing,omitempty"`
+	// Lower is the backend that holds Backing, when the mount table has it:
+	// a loop device over a file on FUSE is an NBD-like chain.
+	Lower *Backend `json:"-"`
+	// DaemonPID is an NBD device's userspace daemon, from sysfs (0: none
+	// known).
+	DaemonPID int `json:"daemonPID,omitempty"`
+	// Mounts are the kubelet mounts on this backend, staging mounts first.
+	Mounts []*Mount `json:"-"`
+}
+
+// ProbePath is the path the prober checks for the backend: an uncovered
+// staging mount when there is one, else the first uncovered mount. It is
+// empty when every mount of the backend is covered.
+func (b *Backend) ProbePath() string {
+	for _, m := range b.Mounts {
+		if !m.Covered && !m.Deleted() {
+			return m.Path
+		}
+	}
+	return ""
+}
+
+// Inventory is a classified mount table.
+type Inventory struct {
+	// Root is the kubelet root the table was classified under.
+	Root string `json:"root"`
+	// Source names the table: a file path or /proc/<pid>/mountinfo.
+	Source string `json:"source"`
+	// Total is the number of mounts in the whole table.
+	Total int `json:"total"`
+	// Mounts are the kubelet mounts, sorted by path.
+	Mounts []*Mount `json:"mounts"`
+	// Backends are the filesystems under Mounts, in the order of their first
+	// mount; chained lower backends (outside the kubelet root) are included
+	// after them.
+	Backends []*Backend `json:"-"`
+	// Unmounted are CSI publish targets that kubelet set up (vol_data.json
+	// is there) but that are not mount points: a pod writing there writes to
+	// the node's disk. Only live inventories look for them.
+	Unmounted []*Mount `json:"unmounted,omitempty"`
+}
+
+// Options say how to read and link a mount table.
+type Options struct {
+	// Root is the kubelet root directory; DefaultKubeletRoot when empty.
+	Root string
+	// Live reads what the table does not hold from this host: vol_data.json
+	// beside publish targets (through openat2 beneath Root, never following
+	// a symlink), sysfs for block devices, and the pods directory for
+	// publish targets that lost their mount. Leave it false for a captured
+	// table from another machine: nothing but the table is read then.
+	Live bool
+	// SysfsDir is where sysfs is mounted; "/sys" when empty.
+	SysfsDir string
+}
+
+func (o Options) root() string {
+	if o.Root == "" {
+		return DefaultKubeletRoot
+	}
+	return filepath.Clean(o.Root)
+}
+
+func (o Options) sysfs() string {
+	if o.SysfsDir == "" {
+		return "/sys"
+	}
+	return o.SysfsDir
+}
+
+// TableError is a mount table that cannot be parsed. It names the table and
+// the line.
+type TableError struct {
+	Source string
+	Line   int
+	Text   string
+	Err    error
+}
+
+func (e *TableError) Error() string {
+	if e.Line == 0 {
+		return fmt.Sprintf("mount table %s: %v", e.Source, e.Err)
+	}
+	return fmt.Sprintf("mount table %s line %d: %v (line: %q); give a file captured with `cat /proc/self/mountinfo`",
+		e.Source, e.Line, e.Err, truncate(e.Text, 120))
+}
+
+func (e *TableError) Unwrap() error { return e.Err }
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// ReadFile reads and classifies a mount table from a file: a captured
+// mountinfo, or /proc/<pid>/mountinfo for a live one.
+func ReadFile(path string, opts Options) (*Inventory, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read mount table: %w", err)
+	}
+	return Parse(data, path, opts)
+}
+
+// Parse classifies the mountinfo text data; source names it in errors.
+func Parse(data []byte, source string, opts Options) (*Inventory, error) {
+	if len(bytes.TrimSpace(data)) == 0 {
+		return nil, &TableError{Source: source, Err: errors.New("empty mount table")}
+	}
+	infos, err := mountinfo.GetMountsFromReader(bytes.NewReader(data), nil)
+	if err != nil {
+		return nil, locate(data, source, err)
+	}
+	for i, in := range infos {
+		// mountinfo ignores malformed numbers; the kernel never writes an
+		// ID of 0.
+		if in.ID <= 0 || in.Parent < 0 || in.Major < 0 || in.Minor < 0 {
+			return nil, &TableError{Source: source, Line: i + 1, Text: lineAt(data, i+1),
+				Err: errors.New("malformed mount ID, parent ID or major:minor")}
+		}
+	}
+	return Build(infos, source, opts), nil
+}
+
+// locate finds the first line the parser rejects, so the error can name it.
+func locate(data []byte, source string, err error) error {
+	for i, line := range bytes.Split(data, []byte("\n")) {
+		if len(line) == 0 && i == bytes.Count(data, []byte("\n")) {
+			break
+		}
+		if _, lerr := mountinfo.GetMountsFromReader(bytes.NewReader(line), nil); lerr != nil || len(bytes.TrimSpace(line)) == 0 {
+			if lerr == nil {
+				lerr = errors.New("empty line")
+			}
+			// The parser repeats the line in its message; keep the reason.
+			msg := lerr.Error()
+			if _, after, ok := strings.Cut(msg, "' failed: "); ok {
+				msg = after
+			}
+			return &TableError{Source: source, Line: i + 1, Text: string(line), Err: errors.New(msg)}
+		}
+	}
+	return &TableError{Source: source, Err: err}
+}
+
+func lineAt(data []byte, n int) string {
+	for i, line := range bytes.Split(data, []byte("\n")) {
+		if i+1 == n {
+			return string(line)
+		}
+	}
+	return ""
+}
+
+// Build classifies parsed mountinfo entries and links the volume graph.
+func Build(infos []*mountinfo.Info, source string, opts Options) *Inventory {
+	root := opts.root()
+	inv := &Inventory{Root: root, Source: source, Total: len(infos)}
+
+	// The mount point each mount ID sits on, to find covered mounts.
+	covered := make(map[int]bool)
+	pathOf := make(map[int]string, len(infos))
+	for _, in := range infos {
+		pathOf[in.ID] = in.Mountpoint
+	}
+	for _, in := range infos {
+		if p, ok := pathOf[in.Parent]; ok && p == in.Mountpoint && in.Parent != in.ID {
+			covered[in.Parent] = true
+		}
+	}
+
+	for _, in := range infos {
+		t, ok := Classify(root, in.Mountpoint)
+		if !ok {
+			continue
+		}
+		m := &Mount{
+			ID: in.ID, ParentID: in.Parent,
+			Dev:  Dev{uint32(in.Major), uint32(in.Minor)},
+			Root: in.Root, Path: in.Mountpoint, Options: in.Options, Optional: in.Optional,
+			FSType: in.FSType, Source: in.Source, SuperOptions: in.VFSOptions,
+			Target: t, Covered: covered[in.ID],
+		}
+		inv.Mounts = append(inv.Mounts, m)
+	}
+	sort.SliceStable(inv.Mounts, func(i, j int) bool { return inv.Mounts[i].Path < inv.Mounts[j].Path })
+
+	link(inv)
+	backends(inv, infos, opts)
+	if opts.Live {
+		readVolData(inv)
+		inv.Unmounted = findUnmounted(root, inv)
+	}
+	return inv
+}
+
+// link sets Mount.From by device number and mountinfo root: a publish target
+// derives from a staging mount whose root is its root or an ancestor of it,
+// a subPath bind from such a publish target (or staging mount).
+func link(inv *Inventory) {
+	byDev := make(map[Dev][]*Mount)
+	for _, m := range inv.Mounts {
+		byDev[m.Dev] = append(byDev[m.Dev], m)
+	}
+	best := func(m *Mount, kinds ...Kind) *Mount {
+		var pick *Mount
+		for _, k := range kinds {
+			for _, c := range byDev[m.Dev] {
+				if c == m || c.Target.Kind != k || c.Deleted() || !rootContains(c.Root, m.Root) {
+					continue
+				}
+				if pick == nil || len(c.Root) > len(pick.Root) || (len(c.Root) == len(pick.Root) && !c.Covered && pick.Covered) {
+					pick = c
+				}
+			}
+			if pick != nil {
+				return pick
+			}
+		}
+		return nil
+	}
+	for _, m := range inv.Mounts {
+		switch m.Target.Kind {
+		case KindPublish:
+			m.From = best(m, KindStaging)
+		case KindSubPath:
+			m.From = best(m, KindPublish, KindStaging)
+		}
+	}
+	for _, m := range inv.Mounts {
+		if m.Target.Kind == KindSubPath && m.From != nil && m.From.Target.Kind == KindPublish &&
+			m.From.Target.PodUID != m.Target.PodUID {
+			// Two pods share a volume: prefer the subPath's own pod's target.
+			for _, c := range byDev[m.Dev] {
+				if c.Target.Kind == KindPublish && c.Target.PodUID == m.Target.PodUID && rootContains(c.Root, m.Root) {
+					m.From = c
+					break
+				}
+			}
+		}
+		if f := m.From; f != nil {
+			for s := f; s != nil; s = s.From {
+				if s.Target.Kind == KindStaging && s.Target.Driver != "" {
+					m.Driver = s.Target.Driver
+					break
+				}
+			}
+		}
+		if m.Target.Kind == KindStaging {
+			m.Driver = m.Target.Driver
+		}
+	}
+}
+
+// rootContains reports whether mountinfo root child is root parent or below
+// it, by path segments.
+func rootContains(parent, child string) bool {
+	child = strings.TrimSuffix(child, "//deleted")
+	if parent == "/" || parent == child {
+		return true
+	}
+	return strings.HasPrefix(child, parent) && len(child) > len(parent) && child[len(parent)] == '/'
+}
+
+func backendKind(fsType string, major int) BackendKind {
+	base, _, _ := strings.Cut(fsType, ".")
+	switch {
+	case base == "fuse" || base == "fuseblk":
+		if base == "fuse" {
+			return BackendFUSE
+		}
+		return BackendBlock
+	case major != 0:
+		return BackendBlock
+	}
+	switch base {
+	case "nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "9p", "lustre", "gpfs", "beegfs", "afs":
+		return BackendNetwork
+	}
+	return BackendOther
+}
+
+// backends groups kubelet mounts by device and, on live tables, reads what
+// sysfs says of block devices.
+func backends(inv *Inventory, infos []*mountinfo.Info, opts Options) {
+	byDev := make(map[Dev]*Backend)
+	// Staging mounts first so that a backend is probed through its staging
+	// path when it has one.
+	order := make([]*Mount, 0, len(inv.Mounts))
+	for _, m := range inv.Mounts {
+		if m.Target.Kind == KindStaging {
+			order = append(order, m)
+		}
+	}
+	for _, m := range inv.Mounts {
+		if m.Target.Kind != KindStaging {
+			order = append(order, m)
+		}
+	}
+	for _, m := range order {
+		b := byDev[m.Dev]
+		if b == nil {
+			b = &Backend{Dev: m.Dev, Kind: backendKind(m.FSType, int(m.Dev.Major)),
+				FSType: m.FSType, Source: m.Source, SuperOptions: m.SuperOptions}
+			if b.Kind == BackendFUSE {
+				b.Conn = m.Dev.Minor
+			}
+			byDev[m.Dev] = b
+			inv.Backends = append(inv.Backends, b)
+		}
+		b.Mounts = append(b.Mounts, m)
+		m.Backend = b
+	}
+	if !opts.Live {
+		return
+	}
+	sys := opts.sysfs()
+	var lowers []*Backend
+	for _, b := range inv.Backends {
+		if b.Kind != BackendBlock || b.Dev.Major == 0 {
+			continue
+		}
+		b.Device = blockName(sys, b.Dev)
+		switch {
+		case strings.HasPrefix(b.Device, "loop"):
+			b.Backing = readTrim(filepath.Join(sys, "block", b.Device, "loop", "backing_file"))
+		case strings.HasPrefix(b.Device, "nbd"):
+			b.DaemonPID, _ = strconv.Atoi(readTrim(filepath.Join(sys, "block", b.Device, "pid")))
+		}
+		if b.Backing == "" {
+			continue
+		}
+		if in := containing(infos, b.Backing); in != nil {
+			d := Dev{uint32(in.Major), uint32(in.Minor)}
+			lower := byDev[d]
+			if lower == nil {
+				lower = &Backend{Dev: d, Kind: backendKind(in.FSType, in.Major), FSType: in.FSType,
+					Source: in.Source, SuperOptions: in.VFSOptions}
+				if lower.Kind == BackendFUSE {
+					lower.Conn = d.Minor
+				}
+				byDev[d] = lower
+				lowers = append(lowers, lower)
+			}
+			b.Lower = lower
+		}
+	}
+	inv.Backends = append(inv.Backends, lowers...)
+}
+
+// containing returns the mount whose mount point holds path: the longest
+// mount point prefix, the last mounted when several share it.
+func containing(infos []*mountinfo.Info, path string) *mountinfo.Info {
+	path = strings.TrimSuffix(path, " (deleted)")
+	var pick *mountinfo.Info
+	for _, in := range infos {
+		mp := in.Mountpoint
+		if mp != "/" && path != mp && !(strings.HasPrefix(path, mp) && path[len(mp)] == '/') {
+			continue
+		}
+		if pick == nil || len(mp) >= len(pick.Mountpoint) {
+			pick = in
+		}
+	}
+	return pick
+}
+
+func blockName(sys string, d Dev) string {
+	target, err := os.Readlink(filepath.Join(sys, "dev", "block", d.String()))
+	if err != nil {
+		return ""
+	}
+	return filepath.Base(target)
+}
+
+func readTrim(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// volData is what kubelet writes beside a CSI publish target.
+type volData struct {
+	DriverName   string `json:"driverName"`
+	VolumeHandle string `json:"volumeHandle"`
+}
+
+// readVolData fills Driver and VolumeHandle of publish targets from the
+// vol_data.json kubelet keeps beside them.
+func readVolData(inv *Inventory) {
+	for _, m := range inv.Mounts {
+		if m.Target.Kind != KindPublish {
+			continue
+		}
+		rel := strings.TrimPrefix(filepath.Dir(m.Path), inv.Root+"/")
+		vd, err := loadVolData(inv.Root, rel)
+		if err != nil {
+			continue
+		}
+		if vd.DriverName != "" {
+			m.Driver = vd.DriverName
+		}
+		m.VolumeHandle = vd.VolumeHandle
+	}
+	// Propagate to subPath binds and staging mounts of the same volume.
+	for _, m := range inv.Mounts {
+		if m.Target.Kind == KindSubPath && m.From != nil && m.From.VolumeHandle != "" {
+			m.VolumeHandle = m.From.VolumeHandle
+			if m.Driver == "" {
+				m.Driver = m.From.Driver
+			}
+		}
+	}
+}
+
+func loadVolData(root, relDir string) (volData, error) {
+	var vd volData
+	f, err := OpenBeneath(root, filepath.Join(relDir, "vol_data.json"), unix.O_RDONLY)
+	if err != nil {
+		return vd, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, 64<<10))
+	if err != nil {
+		return vd, fmt.Errorf("read %s: %w", f.Name(), err)
+	}
+	if err := json.Unmarshal(b, &vd); err != nil {
+		return vd, fmt.Errorf("parse %s: %w", f.Name(), err)
+	}
+	return vd, nil
+}
+
+// OpenBeneath opens rel below the directory root with openat2, refusing any
+// symlink and any path that would leave root. It never crosses into a mount
+// below root either (RESOLVE_NO_XDEV is not set: kubelet's tree is made of
+// mounts), but it never follows a link out of the tree.
+func OpenBeneath(root, rel string, flags int) (*os.File, error) {
+	dir, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open kubelet root %s: %w", root, err)
+	}
+	defer unix.Close(dir)
+	fd, err := unix.Openat2(dir, rel, &unix.OpenHow{
+		Flags:   uint64(flags | unix.O_CLOEXEC | unix.O_NOFOLLOW),
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		return nil, &os.PathError{Op: "openat2", Path: filepath.Join(root, rel), Err: err}
+	}
+	return os.NewFile(uintptr(fd), filepath.Join(root, rel)), nil
+}
+
+// findUnmounted lists CSI publish targets that kubelet set up (vol_data.json
+// beside them) but that are not mount points in the table.
+func findUnmounted(root string, inv *Inventory) []*Mount {
+	mounted := make(map[string]bool, len(inv.Mounts))
+	for _, m := range inv.Mounts {
+		mounted[m.Path] = true
+	}
+	pods, err := readDirBeneath(root, "pods")
+	if err != nil {
+		return nil
+	}
+	var out []*Mount
+	for _, uid := range pods {
+		rel := filepath.Join("pods", uid, "volumes", CSIPluginDir)
+		vols, err := readDirBeneath(root, rel)
+		if err != nil {
+			continue
+		}
+		for _, v := range vols {
+			p := filepath.Join(root, rel, v, "mount")
+			if mounted[p] {
+				continue
+			}
+			vd, err := loadVolData(root, filepath.Join(rel, v))
+			if err != nil {
+				continue
+			}
+			// Only a target whose directory still exists would be written
+			// to by the pod; kubelet removes it on teardown.
+			f, err := OpenBeneath(root, filepath.Join(rel, v, "mount"), unix.O_PATH|unix.O_DIRECTORY)
+			if err != nil {
+				continue
+			}
+			f.Close()
+			out = append(out, &Mount{Path: p, Driver: vd.DriverName, VolumeHandle: vd.VolumeHandle,
+				Target: Target{Kind: KindPublish, PodUID: uid, Plugin: CSIPluginDir, Volume: v}})
+		}
+	}
+	return out
+}
+
+func readDirBeneath(root, rel string) ([]string, error) {
+	f, err := OpenBeneath(root, rel, unix.O_RDONLY|unix.O_DIRECTORY)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return f.Readdirnames(-1)
+}

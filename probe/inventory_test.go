@@ -1,0 +1,200 @@
+package probe
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func readTestdata(t *testing.T, name string) *Inventory {
+	t.Helper()
+	inv, err := ReadFile(filepath.Join("testdata", name), Options{})
+	if err != nil {
+		t.Fatalf("ReadFile(%s) = %v", name, err)
+	}
+	return inv
+}
+
+func mountAt(t *testing.T, inv *Inventory, suffix string) *Mount {
+	t.Helper()
+	var found *Mount
+	for _, m := range inv.Mounts {
+		if strings.HasSuffix(m.Path, suffix) {
+			if found != nil && !m.Covered {
+				found = m
+				continue
+			}
+			if found == nil {
+				found = m
+			}
+		}
+	}
+	if found == nil {
+		t.Fatalf("no mount ends in %q", suffix)
+	}
+	return found
+}
+
+func TestBuildLinksByDeviceAndRoot(t *testing.T) {
+	inv := readTestdata(t, "s3fs-two-pods.mountinfo")
+	if inv.Total != 12 || len(inv.Mounts) != 6 || len(inv.Backends) != 2 {
+		t.Fatalf("inventory = %d total, %d kubelet mounts, %d backends; want 12, 6, 2", inv.Total, len(inv.Mounts), len(inv.Backends))
+	}
+	staging := mountAt(t, inv, "/globalmount")
+	pub1 := mountAt(t, inv, "8d0e4c6a-5b7e-4a63-9f1e-0c2f6b0a1d11/volumes/kubernetes.io~csi/pvc-1b2c3d4e-0000-4000-8000-000000000001/mount")
+	sub1 := mountAt(t, inv, "/app/1")
+	sub2 := mountAt(t, inv, "/sidecar/0")
+	if pub1.From != staging {
+		t.Errorf("publish.From = %v, want the staging mount", pub1.From)
+	}
+	if sub1.From != pub1 {
+		t.Errorf("subpath app/1 .From = %v, want its own pod's publish target", sub1.From)
+	}
+	if sub2.From == nil || sub2.From.Target.PodUID != sub2.Target.PodUID {
+		t.Errorf("subpath sidecar/0 .From = %v, want the publish target of pod %s", sub2.From, sub2.Target.PodUID)
+	}
+	if sub2.Root != "/logs/my dir" {
+		t.Errorf("escaped root = %q, want %q", sub2.Root, "/logs/my dir")
+	}
+	for _, m := range []*Mount{staging, pub1, sub1, sub2} {
+		if m.Driver != "ru.yandex.s3.csi" {
+			t.Errorf("%s: Driver = %q, want ru.yandex.s3.csi (from the staging path)", m.Path, m.Driver)
+		}
+		if m.Backend != staging.Backend {
+			t.Errorf("%s: on another backend than the staging mount", m.Path)
+		}
+	}
+	b := staging.Backend
+	if b.Kind != BackendFUSE || b.Conn != 52 || b.ProbePath() != staging.Path {
+		t.Errorf("backend = kind %v conn %d probe path %q; want fuse, 52, the staging path", b.Kind, b.Conn, b.ProbePath())
+	}
+}
+
+func TestBuildCoveredAndLegacy(t *testing.T) {
+	inv := readTestdata(t, "mixed-node.mountinfo")
+	var covered, upper *Mount
+	for _, m := range inv.Mounts {
+		if m.Target.Kind == KindStaging && m.Target.Driver == "juicefs.csi.io" {
+			if m.Covered {
+				covered = m
+			} else {
+				upper = m
+			}
+		}
+	}
+	if covered == nil || upper == nil || covered.Dev == upper.Dev {
+		t.Fatalf("want a covered and an upper juicefs staging mount on two devices, got %v and %v", covered, upper)
+	}
+	pub := mountAt(t, inv, "/pvc-7/mount")
+	if pub.From != covered {
+		t.Errorf("publish pvc-7 .From = %v, want the covered staging mount it still shows (same device)", pub.From)
+	}
+	legacy := mountAt(t, inv, "/pv-legacy-5/mount")
+	if legacy.From == nil || legacy.From.Target.PV != "pv-legacy-5" {
+		t.Errorf("legacy publish .From = %v, want the pv/pv-legacy-5 staging mount", legacy.From)
+	}
+	for _, m := range inv.Mounts {
+		if strings.HasPrefix(m.Path, "/srv") {
+			t.Errorf("a lookalike path outside the kubelet root was classified: %s", m.Path)
+		}
+	}
+}
+
+func TestParseErrorsNameTheLine(t *testing.T) {
+	tests := map[string]struct {
+		data string
+		line int
+	}{
+		"too few fields": {"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 0:5 /x rw - tmpfs\n", 2},
+		"no separator":   {"1 0 8:1 / / rw shared:1 ext4 /dev/sda1 rw extra\n", 1},
+		"bad major":      {"1 0 8-1 / / rw - ext4 /dev/sda1 rw\n", 1},
+		"bad id":         {"x 0 8:1 / / rw - ext4 /dev/sda1 rw\n", 1},
+		"empty":          {"\n\n", 0},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			_, err := Parse([]byte(tc.data), "capture.txt", Options{})
+			var te *TableError
+			if !errors.As(err, &te) {
+				t.Fatalf("Parse() error = %v, want a *TableError", err)
+			}
+			if te.Line != tc.line || te.Source != "capture.txt" {
+				t.Errorf("Parse() error at %s line %d, want capture.txt line %d", te.Source, te.Line, tc.line)
+			}
+		})
+	}
+}
+
+func TestReadFileMissing(t *testing.T) {
+	_, err := ReadFile(filepath.Join(t.TempDir(), "nope"), Options{})
+	if !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("ReadFile(missing) error = %v, want os.ErrNotExist", err)
+	}
+}
+
+func TestAssessFromTheTableAlone(t *testing.T) {
+	inv := readTestdata(t, "nbd-faults.mountinfo")
+	rep := Assess(inv)
+	want := map[string]State{
+		"pvc-2b2c3d4e-0000-4000-8000-000000000002/mount":                Shutdown,
+		"pvc-3b2c3d4e-0000-4000-8000-000000000003/mount":                ReadOnly,
+		"pvc-4b2c3d4e-0000-4000-8000-000000000004/mount":                ReadOnly,
+		"volume-subpaths/pvc-4b2c3d4e-0000-4000-8000-000000000004/db/0": Deleted,
+	}
+	for _, r := range rep.Mounts {
+		for suffix, st := range want {
+			if strings.HasSuffix(r.Mount.Path, suffix) && r.State != st {
+				t.Errorf("%s: state %v, want %v", suffix, r.State, st)
+			}
+		}
+	}
+	if got := len(rep.Broken()); got != 7 {
+		t.Errorf("broken = %d, want 7", got)
+	}
+	healthy := Assess(readTestdata(t, "s3fs-two-pods.mountinfo"))
+	for _, r := range healthy.Mounts {
+		if r.State != Unknown {
+			t.Errorf("%s: offline state %v, want Unknown", r.Mount.Path, r.State)
+		}
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	for _, name := range []string{"s3fs-two-pods.mountinfo", "nbd-faults.mountinfo", "mixed-node.mountinfo"} {
+		data, err := os.ReadFile(filepath.Join("testdata", name))
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data)
+	}
+	f.Add([]byte("1 0 0:1 /a\\040b//deleted /var/lib/kubelet/pods/u/volume-subpaths/v/c/0 rw - fuse.x x rw\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		inv, err := Parse(data, "fuzz", Options{})
+		if err != nil {
+			var te *TableError
+			if !errors.As(err, &te) {
+				t.Fatalf("Parse() error %v is not a *TableError", err)
+			}
+			return
+		}
+		for _, m := range inv.Mounts {
+			if !Under(inv.Root, m.Path) {
+				t.Fatalf("mount %q outside the root was kept", m.Path)
+			}
+			if m.Backend == nil || m.Backend.Dev != m.Dev {
+				t.Fatalf("mount %q has backend %v, want one on its device", m.Path, m.Backend)
+			}
+			for f := m.From; f != nil; f = f.From {
+				if f.Dev != m.Dev {
+					t.Fatalf("mount %q linked to %q on another device", m.Path, f.Path)
+				}
+				if f == m {
+					t.Fatalf("mount %q links to itself", m.Path)
+				}
+			}
+		}
+		_ = Assess(inv)
+	})
+}
