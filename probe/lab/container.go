@@ -1,0 +1,154 @@
+package lab
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Propagation modes of a lab container's mount tree.
+const (
+	// PropagationPrivate is the default of a container runtime (a volume
+	// mount with mountPropagation None): nothing mounted on the host later
+	// reaches the container.
+	PropagationPrivate = "private"
+	// PropagationSlave is mountPropagation HostToContainer: mounts made
+	// later under a shared host mount (the kubelet root) reach the
+	// container.
+	PropagationSlave = "slave"
+)
+
+// Container is a stand-in for a running container: a process in its own
+// mount namespace that bind-mounted host paths into a root directory at its
+// start, as a runtime does, and then sleeps until killed.
+type Container struct {
+	t    testing.TB
+	name string
+	root string
+	d    *daemon
+}
+
+// ContainerOption changes how StartContainer sets up a container.
+type ContainerOption func(*containerConfig)
+
+// WithContainerDir puts the container root directory under dir instead of
+// t.TempDir().
+func WithContainerDir(dir string) ContainerOption {
+	return func(c *containerConfig) { c.Root = filepath.Join(dir, c.Name) }
+}
+
+type containerConfig struct {
+	Name        string
+	Root        string
+	Propagation string
+	Binds       []containerBind
+}
+
+type containerBind struct {
+	ContainerPath string
+	HostPath      string
+}
+
+// StartContainer starts a container called name. Its process gets a new mount
+// namespace, applies propagation ("private" or "slave") to its whole tree,
+// then bind-mounts (recursively) each host path of binds at root+container
+// path, creating a directory or a file as the host path is one. Cleanup kills
+// it.
+func StartContainer(t testing.TB, name, propagation string, binds map[string]string, opts ...ContainerOption) *Container {
+	t.Helper()
+	if propagation != PropagationPrivate && propagation != PropagationSlave {
+		t.Fatalf("container %s: propagation %q: want %q or %q", name, propagation, PropagationPrivate, PropagationSlave)
+	}
+	cfg := containerConfig{Name: name, Propagation: propagation}
+	cfg.Root = filepath.Join(t.TempDir(), name)
+	for _, o := range opts {
+		o(&cfg)
+	}
+	for ctr, host := range binds {
+		if !filepath.IsAbs(ctr) {
+			t.Fatalf("container %s: path %q must be absolute", name, ctr)
+		}
+		cfg.Binds = append(cfg.Binds, containerBind{ContainerPath: filepath.Clean(ctr), HostPath: host})
+	}
+	// Parents before children, as a runtime orders mounts.
+	sort.Slice(cfg.Binds, func(i, j int) bool { return cfg.Binds[i].ContainerPath < cfg.Binds[j].ContainerPath })
+	if err := os.MkdirAll(cfg.Root, 0o755); err != nil {
+		t.Fatalf("create container root: %v", err)
+	}
+	root, err := filepath.EvalSymlinks(cfg.Root)
+	if err != nil {
+		t.Fatalf("resolve container root: %v", err)
+	}
+	cfg.Root = root
+
+	// CLONE_NEWNS at clone, not Unshareflags: Go would make the child's tree
+	// private before exec, and slave propagation would then have no master.
+	d, err := startDaemon(roleContainer, cfg, syscall.CLONE_NEWNS)
+	if err != nil {
+		t.Fatalf("start container %s: %v", name, err)
+	}
+	c := &Container{t: t, name: name, root: root, d: d}
+	t.Cleanup(func() {
+		c.d.kill()
+		if t.Failed() {
+			if out := c.d.output.String(); out != "" {
+				t.Logf("container %s output:\n%s", name, out)
+			}
+		}
+	})
+	return c
+}
+
+// Pid is the process id of the container.
+func (c *Container) Pid() int { return c.d.pid() }
+
+// Root is the container's root directory, a host path.
+func (c *Container) Root() string { return c.root }
+
+// Path is containerPath as the container sees it:
+// /proc/<pid>/root/<root>/<containerPath>. The walk through /proc/<pid>/root
+// resolves mounts in the container's mount namespace.
+func (c *Container) Path(containerPath string) string {
+	return filepath.Join("/proc", strconv.Itoa(c.Pid()), "root", c.root, containerPath)
+}
+
+// MountNS is the path of the container's mount namespace file, for setns.
+func (c *Container) MountNS() string {
+	return filepath.Join("/proc", strconv.Itoa(c.Pid()), "ns", "mnt")
+}
+
+// Kill sends SIGKILL to the container and waits until it is reaped; its
+// mount namespace goes with it.
+func (c *Container) Kill() { c.d.kill() }
+
+// runContainerDaemon sets up the container's mounts in the mount namespace
+// it was cloned into and sleeps until it is killed.
+func runContainerDaemon(cfg containerConfig, ready *readiness) error {
+	var flags uintptr = unix.MS_REC | unix.MS_PRIVATE
+	if cfg.Propagation == PropagationSlave {
+		flags = unix.MS_REC | unix.MS_SLAVE
+	}
+	if err := unix.Mount("", "/", "", flags, ""); err != nil {
+		return fmt.Errorf("make mount tree %s: %w", cfg.Propagation, err)
+	}
+	for _, b := range cfg.Binds {
+		target := filepath.Join(cfg.Root, b.ContainerPath)
+		if err := makeMountTarget(b.HostPath, target); err != nil {
+			return fmt.Errorf("bind %s: %w", b.ContainerPath, err)
+		}
+		if err := unix.Mount(b.HostPath, target, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s at %s: %w", b.HostPath, b.ContainerPath, err)
+		}
+	}
+	ready.ok()
+	for {
+		time.Sleep(time.Hour)
+	}
+}

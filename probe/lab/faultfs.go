@@ -1,0 +1,322 @@
+package lab
+
+import (
+	"bufio"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+)
+
+// FUSEMagic is the f_type statfs reports for a FUSE filesystem.
+const FUSEMagic = 0x65735546
+
+// FaultFSType is the file system type of a FaultFS in the mount table.
+const FaultFSType = "fuse.faultfs"
+
+// controlTimeout bounds one exchange on the control socket.
+const controlTimeout = 30 * time.Second
+
+// FaultFS is a go-fuse loopback filesystem served by a separate process, with
+// faults injected over a control socket: an errno for every request, a hang
+// inside every handler, or the death of the daemon.
+type FaultFS struct {
+	t          testing.TB
+	mountpoint string
+	backing    string
+	control    string
+	d          *daemon
+	conn       uint32
+}
+
+// FaultFSOption changes how StartFaultFS sets up the filesystem.
+type FaultFSOption func(*faultFSConfig)
+
+// WithBackingDir serves dir instead of a fresh directory in t.TempDir().
+func WithBackingDir(dir string) FaultFSOption {
+	return func(c *faultFSConfig) { c.Backing = dir }
+}
+
+type faultFSConfig struct {
+	Mountpoint string
+	Backing    string
+	Control    string
+}
+
+// StartFaultFS mounts a FaultFS at mountpoint (created if missing) and
+// returns once the mount answers statfs with the FUSE magic. The mount shows
+// fstype fuse.faultfs and source faultfs in mountinfo. Cleanup aborts the
+// connection (so a hung mount never wedges it), detaches the mount and kills
+// and reaps the daemon.
+func StartFaultFS(t testing.TB, mountpoint string, opts ...FaultFSOption) *FaultFS {
+	t.Helper()
+	cfg := faultFSConfig{Mountpoint: mountpoint}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if cfg.Backing == "" {
+		cfg.Backing = t.TempDir()
+	}
+	if err := os.MkdirAll(mountpoint, 0o755); err != nil {
+		t.Fatalf("create faultfs mountpoint: %v", err)
+	}
+	mp, err := filepath.EvalSymlinks(mountpoint)
+	if err != nil {
+		t.Fatalf("resolve faultfs mountpoint: %v", err)
+	}
+	cfg.Mountpoint = mp
+	var nonce [8]byte
+	if _, err := rand.Read(nonce[:]); err != nil {
+		t.Fatalf("make control socket name: %v", err)
+	}
+	// An abstract socket: no path length limit, nothing to remove.
+	cfg.Control = "@mountmedic-lab-faultfs-" + hex.EncodeToString(nonce[:])
+
+	d, err := startDaemon(roleFaultFS, cfg, 0)
+	if err != nil {
+		t.Fatalf("start faultfs at %s: %v", mp, err)
+	}
+	f := &FaultFS{t: t, mountpoint: mp, backing: cfg.Backing, control: cfg.Control, d: d}
+	t.Cleanup(f.cleanup)
+
+	var st unix.Statfs_t
+	if err := unix.Statfs(mp, &st); err != nil {
+		t.Fatalf("statfs new faultfs at %s: %v", mp, err)
+	}
+	if st.Type != FUSEMagic {
+		t.Fatalf("statfs new faultfs at %s: f_type %#x, want the fuse magic %#x", mp, st.Type, FUSEMagic)
+	}
+	var sb unix.Stat_t
+	if err := unix.Stat(mp, &sb); err != nil {
+		t.Fatalf("stat new faultfs at %s: %v", mp, err)
+	}
+	f.conn = unix.Minor(sb.Dev)
+	return f
+}
+
+// Mountpoint is where the filesystem is mounted (symlinks resolved).
+func (f *FaultFS) Mountpoint() string { return f.mountpoint }
+
+// BackingDir is the directory the filesystem serves.
+func (f *FaultFS) BackingDir() string { return f.backing }
+
+// Pid is the process id of the FUSE daemon.
+func (f *FaultFS) Pid() int { return f.d.pid() }
+
+// Conn is the FUSE connection number: the minor of the mount's st_dev and
+// the name of its directory under /sys/fs/fuse/connections.
+func (f *FaultFS) Conn() uint32 { return f.conn }
+
+// SetErrno makes every request answer e; 0 clears the fault.
+func (f *FaultFS) SetErrno(e syscall.Errno) {
+	f.t.Helper()
+	f.command("errno " + strconv.Itoa(int(e)))
+}
+
+// Hang makes every request block inside its handler until Release or an
+// abort of the connection.
+func (f *FaultFS) Hang() {
+	f.t.Helper()
+	f.command("hang")
+}
+
+// Release ends a Hang: blocked requests go on and new ones are served.
+func (f *FaultFS) Release() {
+	f.t.Helper()
+	f.command("release")
+}
+
+// Kill sends SIGKILL to the daemon and waits until it is reaped. The mount
+// stays; its requests answer ENOTCONN afterwards.
+func (f *FaultFS) Kill() {
+	f.d.kill()
+}
+
+// Abort writes 1 to /sys/fs/fuse/connections/<Conn>/abort: requests in flight
+// fail with ECONNABORTED, later ones with ENOTCONN.
+func (f *FaultFS) Abort() {
+	f.t.Helper()
+	if err := f.abort(); err != nil {
+		f.t.Fatalf("abort faultfs connection: %v", err)
+	}
+}
+
+func (f *FaultFS) abort() error {
+	// Connection numbers are global and reused once a connection ends: only
+	// abort while this namespace still has a mount on our connection, or a
+	// test running beside us could lose its mount.
+	mounts, err := mountinfo.GetMounts(func(m *mountinfo.Info) (bool, bool) {
+		return m.FSType != FaultFSType || m.Major != 0 || uint32(m.Minor) != f.conn, false
+	})
+	if err != nil {
+		return fmt.Errorf("read mount table: %w", err)
+	}
+	if len(mounts) == 0 {
+		return fmt.Errorf("connection %d: no faultfs mount on it any more", f.conn)
+	}
+	p := filepath.Join(fusectlDir, strconv.FormatUint(uint64(f.conn), 10), "abort")
+	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
+		return fmt.Errorf("write %s: %w", p, err)
+	}
+	return nil
+}
+
+func (f *FaultFS) command(cmd string) {
+	f.t.Helper()
+	if err := f.exchange(cmd); err != nil {
+		f.t.Fatalf("faultfs control %q: %v", cmd, err)
+	}
+}
+
+func (f *FaultFS) exchange(cmd string) error {
+	c, err := net.DialTimeout("unix", f.control, controlTimeout)
+	if err != nil {
+		return fmt.Errorf("dial control socket: %w", err)
+	}
+	defer c.Close()
+	if err := c.SetDeadline(time.Now().Add(controlTimeout)); err != nil {
+		return fmt.Errorf("set control deadline: %w", err)
+	}
+	if _, err := c.Write([]byte(cmd + "\n")); err != nil {
+		return fmt.Errorf("send: %w", err)
+	}
+	reply, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		return fmt.Errorf("read reply: %w", err)
+	}
+	if reply != "ok\n" {
+		return fmt.Errorf("daemon answered %q", strings.TrimSpace(reply))
+	}
+	return nil
+}
+
+func (f *FaultFS) cleanup() {
+	// Abort first: it fails every blocked request, so neither the unmount
+	// nor anything the test left hanging can wedge the cleanup. The
+	// connection may be gone already.
+	_ = f.abort()
+	if err := unmountTop(f.mountpoint, func(m *mountinfo.Info) bool {
+		return m.FSType == FaultFSType && m.Major == 0 && uint32(m.Minor) == f.conn
+	}); err != nil {
+		f.t.Errorf("faultfs cleanup: %v", err)
+	}
+	f.d.kill()
+	if f.t.Failed() {
+		if out := f.d.output.String(); out != "" {
+			f.t.Logf("faultfs daemon output:\n%s", out)
+		}
+	}
+}
+
+// unmountTop lazily unmounts the mounts stacked at path while the top one
+// matches ours. A mount someone else stacked on top stays.
+func unmountTop(path string, ours func(*mountinfo.Info) bool) error {
+	for range 16 {
+		mounts, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+		if err != nil {
+			return fmt.Errorf("read mount table: %w", err)
+		}
+		if len(mounts) == 0 || !ours(mounts[len(mounts)-1]) {
+			return nil
+		}
+		if err := unix.Unmount(path, unix.MNT_DETACH); err != nil {
+			if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT) {
+				return nil
+			}
+			return fmt.Errorf("unmount %s: %w", path, err)
+		}
+	}
+	return fmt.Errorf("unmount %s: still mounted after 16 lazy unmounts", path)
+}
+
+// runFaultFSDaemon serves the loopback filesystem and the control socket
+// until the connection ends or the process is killed.
+func runFaultFSDaemon(cfg faultFSConfig, ready *readiness) error {
+	root, err := fs.NewLoopbackRoot(cfg.Backing)
+	if err != nil {
+		return fmt.Errorf("loopback root %s: %w", cfg.Backing, err)
+	}
+	// No attribute, entry or negative caching: each stat and lookup reaches
+	// the daemon, so an injected fault shows at once. Data still goes through
+	// the page cache, so ordinary reads and writes work.
+	var zero time.Duration
+	opts := &fs.Options{
+		EntryTimeout:    &zero,
+		AttrTimeout:     &zero,
+		NegativeTimeout: &zero,
+		MountOptions: fuse.MountOptions{
+			FsName:            "faultfs",
+			Name:              "faultfs",
+			AllowOther:        true,
+			DirectMount:       true,
+			DirectMountStrict: true,
+		},
+	}
+	flt := &faults{}
+	raw := &faultRaw{RawFileSystem: fs.NewNodeFS(root, opts), f: flt}
+	srv, err := fuse.NewServer(raw, cfg.Mountpoint, &opts.MountOptions)
+	if err != nil {
+		return fmt.Errorf("mount fuse at %s: %w", cfg.Mountpoint, err)
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		return fmt.Errorf("wait for fuse mount at %s: %w", cfg.Mountpoint, err)
+	}
+	ln, err := net.Listen("unix", cfg.Control)
+	if err != nil {
+		return fmt.Errorf("listen on control socket: %w", err)
+	}
+	go serveControl(ln, flt)
+	ready.ok()
+	srv.Wait()
+	return nil
+}
+
+func serveControl(ln net.Listener, flt *faults) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go handleControl(c, flt)
+	}
+}
+
+func handleControl(c net.Conn, flt *faults) {
+	defer c.Close()
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		return
+	}
+	verb, arg, _ := strings.Cut(strings.TrimSpace(line), " ")
+	reply := "ok\n"
+	switch verb {
+	case "errno":
+		n, err := strconv.Atoi(arg)
+		if err != nil || n < 0 {
+			reply = fmt.Sprintf("error: bad errno %q\n", arg)
+			break
+		}
+		flt.setErrno(syscall.Errno(n))
+	case "hang":
+		flt.startHang()
+	case "release":
+		flt.release()
+	default:
+		reply = fmt.Sprintf("error: unknown command %q\n", verb)
+	}
+	_, _ = c.Write([]byte(reply))
+}

@@ -1,0 +1,216 @@
+package probe
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+)
+
+func TestMain(m *testing.M) { lab.Main(m) }
+
+const labDriver = "lab.csi.mountmedic.io"
+
+// labVolume is a FaultFS staged, published to one pod and bound by subPath.
+type labVolume struct {
+	fs                      *lab.FaultFS
+	staging, publish, subPt string
+}
+
+func stageFaultFS(t *testing.T, k *lab.Kubelet, handle, podUID string) labVolume {
+	t.Helper()
+	staging := k.StagingPath(labDriver, handle)
+	fs := lab.StartFaultFS(t, staging)
+	if err := os.MkdirAll(filepath.Join(staging, "data"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "data", "hello"), []byte("hi"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	pub := k.Publish(podUID, "pv-"+handle, labDriver, handle, staging, false)
+	sub := k.SubPath(podUID, "pv-"+handle, "app", 0, filepath.Join(pub, "data"))
+	return labVolume{fs: fs, staging: staging, publish: pub, subPt: sub}
+}
+
+func liveInventory(t *testing.T, root string) *Inventory {
+	t.Helper()
+	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return inv
+}
+
+func statesByPath(rep *Report) map[string]Result {
+	out := make(map[string]Result)
+	for _, r := range rep.Mounts {
+		out[r.Mount.Path] = r
+	}
+	return out
+}
+
+// TestProbeRealFaults drives every state from a real fault on real mounts
+// and checks that one probe cycle names each, bounded by its deadline.
+func TestProbeRealFaults(t *testing.T) {
+	lab.RequireRoot(t)
+	lab.RequireBinary(t, "mkfs.ext4")
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	root := k.Root()
+
+	healthy := stageFaultFS(t, k, "healthy", "pod-healthy")
+	dead := stageFaultFS(t, k, "dead", "pod-dead")
+	hung := stageFaultFS(t, k, "hung", "pod-hung")
+	eio := stageFaultFS(t, k, "eio", "pod-eio")
+
+	// A block volume whose filesystem is shut down (ext4 on loop).
+	shutStaging := k.StagingPath(labDriver, "shutdown")
+	shut := lab.NewExt4(t, shutStaging, 16)
+	shutPub := k.Publish("pod-shut", "pv-shutdown", labDriver, "shutdown", shutStaging, false)
+
+	// NBD-like: ext4 on a loop device whose backing file is on FUSE.
+	lowerFS := lab.StartFaultFS(t, filepath.Join(t.TempDir(), "lower"))
+	nbdStaging := k.StagingPath(labDriver, "nbd")
+	nbd := lab.NewExt4On(t, nbdStaging, lowerFS.Mountpoint(), 16)
+	nbdPub := k.Publish("pod-nbd", "pv-nbd", labDriver, "nbd", nbdStaging, false)
+
+	// Missing: kubelet set the volume up, the mount went away.
+	missing := stageFaultFS(t, k, "missing", "pod-missing")
+	// Deleted: the subPath directory was removed under the bind.
+	delStaging := k.StagingPath(labDriver, "deleted")
+	lab.StartFaultFS(t, delStaging)
+	if err := os.MkdirAll(filepath.Join(delStaging, "gone"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	delPub := k.Publish("pod-del", "pv-deleted", labDriver, "deleted", delStaging, false)
+	delSub := k.SubPath("pod-del", "pv-deleted", "app", 0, filepath.Join(delPub, "gone"))
+
+	// The faults.
+	dead.fs.Kill()
+	hung.fs.Hang()
+	eio.fs.SetErrno(unix.EIO)
+	shut.Shutdown()
+	if err := os.WriteFile(filepath.Join(nbdStaging, "f"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	lowerFS.Kill()
+	// A write that reaches the dead backing file aborts the journal.
+	if f, err := os.OpenFile(filepath.Join(nbdStaging, "g"), os.O_CREATE|os.O_WRONLY, 0o644); err == nil {
+		_, _ = f.Write([]byte("y"))
+		_ = f.Sync()
+		f.Close()
+	}
+	_ = nbd
+	for _, p := range []string{missing.subPt, missing.publish, missing.staging} {
+		if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {
+			t.Fatalf("unmount %s: %v", p, err)
+		}
+	}
+	if err := os.Remove(filepath.Join(delStaging, "gone")); err != nil {
+		t.Fatal(err)
+	}
+
+	inv := liveInventory(t, root)
+	p := NewProber(Config{Timeout: 300 * time.Millisecond, Parallel: 4, ReadDevice: true})
+	rep := p.Probe(context.Background(), inv)
+	got := statesByPath(rep)
+
+	want := map[string]State{
+		healthy.staging: Healthy, healthy.publish: Healthy, healthy.subPt: Healthy,
+		dead.staging: Disconnected, dead.publish: Disconnected, dead.subPt: Disconnected,
+		hung.staging: Hung, hung.publish: Hung, hung.subPt: Hung,
+		eio.staging: IOError, eio.publish: IOError, eio.subPt: IOError,
+		shutStaging: Shutdown, shutPub: Shutdown,
+		missing.publish: Missing,
+		delSub:          Deleted,
+	}
+	for path, st := range want {
+		r, ok := got[path]
+		if !ok {
+			t.Errorf("%s: not in the report", path)
+			continue
+		}
+		if r.State != st {
+			t.Errorf("%s: state %v (err %v), want %v", strings.TrimPrefix(path, root), r.State, r.Err, st)
+		}
+	}
+	if r := got[dead.publish]; !errors.Is(r.Err, unix.ENOTCONN) {
+		t.Errorf("dead publish err = %v, want ENOTCONN", r.Err)
+	}
+	if r := got[healthy.publish]; r.Mount.Driver != labDriver || r.Mount.VolumeHandle != "healthy" {
+		t.Errorf("healthy publish driver %q handle %q, want %q and %q from vol_data.json", r.Mount.Driver, r.Mount.VolumeHandle, labDriver, "healthy")
+	}
+	if r := got[nbdPub]; !r.State.Broken() {
+		t.Errorf("NBD-like publish over a dead FUSE backing file: state %v, want a broken state", r.State)
+	}
+	if b := got[nbdPub].Mount.Backend; b.Lower == nil || b.Lower.Kind != BackendFUSE {
+		t.Errorf("NBD-like backend %+v: want its lower backend, the FUSE mount holding the loop file", b)
+	}
+	if rep.InFlight != 1 {
+		t.Errorf("InFlight = %d, want 1 (the hung mount)", rep.InFlight)
+	}
+	// A second cycle starts no second probe of the hung mount.
+	rep2 := p.Probe(context.Background(), liveInventory(t, root))
+	if r := statesByPath(rep2)[hung.publish]; r.State != Hung || rep2.InFlight != 1 {
+		t.Errorf("second cycle: hung publish %v with %d in flight, want Hung with 1", r.State, rep2.InFlight)
+	}
+	hung.fs.Abort()
+}
+
+// TestHungMountsDoNotGrowThreads probes hung mounts for many cycles: the
+// thread count stays flat (one parked thread per hung mount), because no
+// second probe starts while the first is stuck.
+func TestHungMountsDoNotGrowThreads(t *testing.T) {
+	lab.RequireRoot(t)
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	const n = 10
+	var fss []*lab.FaultFS
+	for i := 0; i < n; i++ {
+		v := stageFaultFS(t, k, "hung"+string(rune('a'+i)), "pod")
+		v.fs.Hang()
+		fss = append(fss, v.fs)
+	}
+	defer func() {
+		for _, fs := range fss {
+			fs.Abort()
+		}
+	}()
+	inv := liveInventory(t, k.Root())
+	p := NewProber(Config{Timeout: 50 * time.Millisecond, Parallel: 4})
+	p.Probe(context.Background(), inv)
+	after1 := threads(t)
+	for i := 0; i < 20; i++ {
+		rep := p.Probe(context.Background(), inv)
+		if rep.InFlight != n {
+			t.Fatalf("cycle %d: InFlight = %d, want %d", i, rep.InFlight, n)
+		}
+	}
+	if after20 := threads(t); after20 > after1+4 {
+		t.Errorf("threads grew from %d to %d over 20 cycles of %d hung mounts", after1, after20, n)
+	}
+}
+
+func threads(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Threads:"); ok {
+			var n int
+			for _, c := range strings.TrimSpace(v) {
+				n = n*10 + int(c-'0')
+			}
+			return n
+		}
+	}
+	t.Fatal("no Threads line in /proc/self/status")
+	return 0
+}
