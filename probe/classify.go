@@ -1,6 +1,7 @@
 package probe
 
 import (
+	"fmt"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -198,4 +199,15 @@ func isSHA256Hex(s string) bool {
 		}
 	}
 	return true
+}
+
+// UnmarshalText reads a Kind from its name.
+func (k *Kind) UnmarshalText(b []byte) error {
+	for i, n := range kindNames {
+		if n == string(b) {
+			*k = Kind(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("unknown mount kind %q: want one of %s", b, strings.Join(kindNames[:], ", "))
 }

@@ -2,6 +2,7 @@ package probe
 
 import (
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 
@@ -136,4 +137,15 @@ func TableState(b *Backend) (State, error) {
 		}
 	}
 	return Unknown, nil
+}
+
+// UnmarshalText reads a State from its name.
+func (s *State) UnmarshalText(b []byte) error {
+	for i, n := range stateNames {
+		if n == string(b) {
+			*s = State(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("unknown state %q: want one of %s", b, strings.Join(stateNames[:], ", "))
 }

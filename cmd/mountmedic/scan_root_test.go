@@ -1,0 +1,77 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+)
+
+func TestMain(m *testing.M) { lab.Main(m) }
+
+// TestScanNamesRealFaults is the "done when": on a lab with a dead,
+// a hung, an EIO and a shut-down volume, scan names each within its
+// deadline and exits 2.
+func TestScanNamesRealFaults(t *testing.T) {
+	lab.RequireRoot(t)
+	lab.RequireBinary(t, "mkfs.ext4")
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	const driver = "lab.csi.mountmedic.io"
+	fuse := map[string]*lab.FaultFS{}
+	pubs := map[string]string{}
+	for _, name := range []string{"ok", "dead", "hung", "eio"} {
+		staging := k.StagingPath(driver, name)
+		fuse[name] = lab.StartFaultFS(t, staging)
+		pubs[name] = k.Publish("pod-"+name, "pv-"+name, driver, name, staging, false)
+	}
+	shutStaging := k.StagingPath(driver, "shut")
+	shut := lab.NewExt4(t, shutStaging, 16)
+	pubs["shut"] = k.Publish("pod-shut", "pv-shut", driver, "shut", shutStaging, false)
+
+	fuse["dead"].Kill()
+	fuse["hung"].Hang()
+	defer fuse["hung"].Abort()
+	fuse["eio"].SetErrno(unix.EIO)
+	shut.Shutdown()
+
+	var stdout, stderr bytes.Buffer
+	code := execute(context.Background(), []string{"scan", "--kubelet-root", k.Root(), "--timeout", "500ms", "-o", "json"}, &stdout, &stderr)
+	if code != exitBroken {
+		t.Errorf("scan exit status = %d, want %d (stderr %s)", code, exitBroken, stderr.String())
+	}
+	var doc scanDoc
+	if err := json.Unmarshal(stdout.Bytes(), &doc); err != nil {
+		t.Fatalf("scan -o json output is not JSON: %v\n%s", err, stdout.String())
+	}
+	got := map[string]string{}
+	for _, r := range doc.Mounts {
+		got[r.Path] = r.State.String()
+	}
+	want := map[string]string{"ok": "Healthy", "dead": "Disconnected", "hung": "Hung", "eio": "IOError", "shut": "Shutdown"}
+	for name, st := range want {
+		if got[pubs[name]] != st {
+			t.Errorf("scan: %s volume publish target state %q, want %q", name, got[pubs[name]], st)
+		}
+	}
+	if doc.Broken != 8 {
+		t.Errorf("scan: broken = %d, want 8 (staging and publish of four faulty volumes)", doc.Broken)
+	}
+
+	// The table output names the states too, for a person.
+	stdout.Reset()
+	execute(context.Background(), []string{"scan", "--kubelet-root", k.Root(), "--timeout", "500ms"}, &stdout, &stderr)
+	for _, st := range []string{"Disconnected", "Hung", "IOError", "Shutdown", "Healthy", "8 broken"} {
+		if !bytes.Contains(stdout.Bytes(), []byte(st)) {
+			t.Errorf("scan table output lacks %q:\n%s", st, stdout.String())
+		}
+	}
+	if _, err := os.Stat(pubs["ok"]); err != nil {
+		t.Errorf("healthy volume after scan: %v", err)
+	}
+}
