@@ -302,58 +302,57 @@ func Build(infos []*mountinfo.Info, source string, opts Options) *Inventory {
 
 // link sets Mount.From by device number and mountinfo root: a publish target
 // derives from a staging mount whose root is its root or an ancestor of it,
-// a subPath bind from such a publish target (or staging mount).
+// a subPath bind from its own pod's publish target on the same device (or a
+// staging mount). Candidates are indexed so that thousands of binds of one
+// filesystem cost linear time.
 func link(inv *Inventory) {
-	byDev := make(map[Dev][]*Mount)
-	for _, m := range inv.Mounts {
-		byDev[m.Dev] = append(byDev[m.Dev], m)
+	type devPod struct {
+		dev Dev
+		pod string
 	}
-	best := func(m *Mount, kinds ...Kind) *Mount {
+	staging := make(map[Dev][]*Mount)
+	publish := make(map[devPod][]*Mount)
+	for _, m := range inv.Mounts {
+		switch m.Target.Kind {
+		case KindStaging:
+			staging[m.Dev] = append(staging[m.Dev], m)
+		case KindPublish:
+			k := devPod{m.Dev, m.Target.PodUID}
+			publish[k] = append(publish[k], m)
+		}
+	}
+	best := func(m *Mount, cands []*Mount) *Mount {
 		var pick *Mount
-		for _, k := range kinds {
-			for _, c := range byDev[m.Dev] {
-				if c == m || c.Target.Kind != k || c.Deleted() || !rootContains(c.Root, m.Root) {
-					continue
-				}
-				if pick == nil || len(c.Root) > len(pick.Root) || (len(c.Root) == len(pick.Root) && !c.Covered && pick.Covered) {
-					pick = c
-				}
+		for _, c := range cands {
+			if c == m || c.Deleted() || !rootContains(c.Root, m.Root) {
+				continue
 			}
-			if pick != nil {
-				return pick
+			if pick == nil || len(c.Root) > len(pick.Root) || (len(c.Root) == len(pick.Root) && !c.Covered && pick.Covered) {
+				pick = c
 			}
 		}
-		return nil
+		return pick
 	}
 	for _, m := range inv.Mounts {
 		switch m.Target.Kind {
 		case KindPublish:
-			m.From = best(m, KindStaging)
+			m.From = best(m, staging[m.Dev])
 		case KindSubPath:
-			m.From = best(m, KindPublish, KindStaging)
+			if m.From = best(m, publish[devPod{m.Dev, m.Target.PodUID}]); m.From == nil {
+				m.From = best(m, staging[m.Dev])
+			}
 		}
 	}
 	for _, m := range inv.Mounts {
-		if m.Target.Kind == KindSubPath && m.From != nil && m.From.Target.Kind == KindPublish &&
-			m.From.Target.PodUID != m.Target.PodUID {
-			// Two pods share a volume: prefer the subPath's own pod's target.
-			for _, c := range byDev[m.Dev] {
-				if c.Target.Kind == KindPublish && c.Target.PodUID == m.Target.PodUID && rootContains(c.Root, m.Root) {
-					m.From = c
-					break
-				}
-			}
-		}
-		if f := m.From; f != nil {
-			for s := f; s != nil; s = s.From {
-				if s.Target.Kind == KindStaging && s.Target.Driver != "" {
-					m.Driver = s.Target.Driver
-					break
-				}
-			}
-		}
 		if m.Target.Kind == KindStaging {
 			m.Driver = m.Target.Driver
+			continue
+		}
+		for s := m.From; s != nil; s = s.From {
+			if s.Target.Kind == KindStaging && s.Target.Driver != "" {
+				m.Driver = s.Target.Driver
+				break
+			}
 		}
 	}
 }
