@@ -196,7 +196,7 @@ func TestHungMountsDoNotGrowThreads(t *testing.T) {
 	}
 }
 
-func threads(t *testing.T) int {
+func threads(t testing.TB) int {
 	t.Helper()
 	b, err := os.ReadFile("/proc/self/status")
 	if err != nil {
