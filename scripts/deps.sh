@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests use: the FUSE clients and tools the
+# fault lab drives, the real CSI driver's s3fs, Prometheus/promtool for the
+# metrics checks, containerd/runc for the e2e node, buildah for the image.
+# Installs nothing that is already there.
+set -euo pipefail
+pkgs=(s3fs fuse3 e2fsprogs xfsprogs util-linux prometheus buildah containerd runc jq)
+missing=()
+for p in "${pkgs[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+	echo "deps: installing ${missing[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,384 @@
+// Package kubetest starts a real Kubernetes control plane (etcd, kube-apiserver and,
+// when asked, kube-controller-manager) on loopback ports for integration tests.
+//
+// The binaries come from $MOUNTMEDIC_BIN, else from the cache that scripts/tools.sh
+// fills ($MOUNTMEDIC_CACHE/bin/current, default /var/cache/mountmedic). When they are
+// missing the test is skipped with the command that builds them, unless
+// MOUNTMEDIC_REQUIRE_ROOT=1 (CI), where it fails instead.
+//
+// This package is test support: it is imported from _test.go files only and must not
+// be imported by the agent.
+package kubetest
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// DefaultControllers are the kube-controller-manager controllers most tests need:
+// PodDisruptionBudget status, garbage collection, namespace deletion and the
+// default ServiceAccount of each namespace.
+var DefaultControllers = []string{"disruption", "garbagecollector", "namespace", "serviceaccount", "serviceaccount-token"}
+
+// Options configure Start. The zero value starts etcd and kube-apiserver only.
+type Options struct {
+	// Controllers, when not empty, starts kube-controller-manager with
+	// --controllers set to this list and --leader-elect=false.
+	Controllers []string
+	// APIServerArgs and ControllerManagerArgs are appended to the generated flags.
+	APIServerArgs         []string
+	ControllerManagerArgs []string
+	// StartTimeout bounds the wait for /readyz; zero means one minute.
+	StartTimeout time.Duration
+}
+
+// Cluster is a running control plane. Start registers its teardown with t.Cleanup.
+type Cluster struct {
+	// Config authenticates as an admin (a client certificate in system:masters).
+	Config *rest.Config
+	// Client is a clientset for Config.
+	Client kubernetes.Interface
+	// Kubeconfig is the path of a kubeconfig file for the admin.
+	Kubeconfig string
+	// Server is the apiserver URL, EtcdURL the etcd client URL.
+	Server, EtcdURL string
+	// Dir holds the cluster's certificates, etcd data and logs (logs/<component>.log).
+	Dir string
+	// BinDir is where the binaries were found.
+	BinDir string
+
+	t     testing.TB
+	pki   *pki
+	procs []*process // in start order
+}
+
+// RequireEnv is the variable that turns every skip of this package into a failure.
+const RequireEnv = "MOUNTMEDIC_REQUIRE_ROOT"
+
+// BinDir returns the directory holding the test binaries: $MOUNTMEDIC_BIN, else
+// $MOUNTMEDIC_CACHE/bin/current (default /var/cache/mountmedic/bin/current).
+func BinDir() string {
+	if dir := os.Getenv("MOUNTMEDIC_BIN"); dir != "" {
+		return dir
+	}
+	cache := os.Getenv("MOUNTMEDIC_CACHE")
+	if cache == "" {
+		cache = "/var/cache/mountmedic"
+	}
+	return filepath.Join(cache, "bin", "current")
+}
+
+// FindBinaries returns the paths of the named binaries in BinDir. When one is
+// missing it skips the test with the command that builds them, or fails it when
+// MOUNTMEDIC_REQUIRE_ROOT=1.
+func FindBinaries(t testing.TB, buildArgs string, names ...string) map[string]string {
+	t.Helper()
+	dir := BinDir()
+	paths := make(map[string]string, len(names))
+	var missing []string
+	for _, name := range names {
+		p := filepath.Join(dir, name)
+		if fi, err := os.Stat(p); err != nil || fi.IsDir() || fi.Mode()&0o111 == 0 {
+			missing = append(missing, name)
+			continue
+		}
+		paths[name] = p
+	}
+	if len(missing) > 0 {
+		msg := fmt.Sprintf("missing %s in %s: build them with scripts/tools.sh %s (or set MOUNTMEDIC_BIN)",
+			strings.Join(missing, ", "), dir, buildArgs)
+		if os.Getenv(RequireEnv) == "1" {
+			t.Fatal(msg)
+		}
+		t.Skip(msg)
+	}
+	return paths
+}
+
+// Start starts etcd and kube-apiserver (and kube-controller-manager when
+// opts.Controllers is set), waits until the apiserver is ready and returns the
+// cluster. Everything is stopped when the test ends.
+func Start(t testing.TB, opts Options) *Cluster {
+	t.Helper()
+	names := []string{"etcd", "kube-apiserver"}
+	if len(opts.Controllers) > 0 {
+		names = append(names, "kube-controller-manager")
+	}
+	bins := FindBinaries(t, "controlplane", names...)
+	if opts.StartTimeout == 0 {
+		opts.StartTimeout = time.Minute
+	}
+
+	dir := t.TempDir() // created before the cleanup below, so removed after it
+	c := &Cluster{Dir: dir, BinDir: BinDir(), t: t}
+	t.Cleanup(c.stop)
+	if err := c.start(bins, opts); err != nil {
+		t.Fatalf("start control plane: %v", err)
+	}
+	return c
+}
+
+func (c *Cluster) start(bins map[string]string, opts Options) error {
+	logDir := filepath.Join(c.Dir, "logs")
+	if err := os.MkdirAll(logDir, 0o755); err != nil {
+		return fmt.Errorf("create log dir: %w", err)
+	}
+	var err error
+	if c.pki, err = newPKI(c.Dir); err != nil {
+		return err
+	}
+	ports, err := freePorts(4)
+	if err != nil {
+		return err
+	}
+	etcdPort, peerPort, apiPort, kcmPort := ports[0], ports[1], ports[2], ports[3]
+	c.EtcdURL = fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
+	c.Server = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
+
+	ctx, cancel := context.WithTimeout(context.Background(), opts.StartTimeout)
+	defer cancel()
+
+	etcd, err := c.run("etcd", bins["etcd"], []string{
+		"--name=kubetest",
+		"--data-dir=" + filepath.Join(c.Dir, "etcd"),
+		"--listen-client-urls=" + c.EtcdURL,
+		"--advertise-client-urls=" + c.EtcdURL,
+		"--listen-peer-urls=" + peerURL,
+		"--initial-advertise-peer-urls=" + peerURL,
+		"--initial-cluster=kubetest=" + peerURL,
+		"--unsafe-no-fsync",
+		"--log-level=warn",
+	}, logDir)
+	if err != nil {
+		return err
+	}
+	if err := waitHTTP(ctx, etcd, http.DefaultClient, c.EtcdURL+"/health"); err != nil {
+		return err
+	}
+
+	apiArgs := []string{
+		"--etcd-servers=" + c.EtcdURL,
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		"--secure-port=" + strconv.Itoa(apiPort),
+		"--cert-dir=" + filepath.Join(c.Dir, "apiserver-certs"),
+		"--tls-cert-file=" + c.pki.servingCertFile,
+		"--tls-private-key-file=" + c.pki.servingKeyFile,
+		"--client-ca-file=" + c.pki.caFile,
+		"--authorization-mode=Node,RBAC",
+		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+		"--service-account-key-file=" + c.pki.saPubFile,
+		"--service-account-signing-key-file=" + c.pki.saKeyFile,
+		"--service-cluster-ip-range=10.0.0.0/24",
+		"--endpoint-reconciler-type=none",
+		"--kubelet-preferred-address-types=InternalIP",
+		"--allow-privileged=true",
+		"--profiling=false",
+	}
+	api, err := c.run("kube-apiserver", bins["kube-apiserver"], append(apiArgs, opts.APIServerArgs...), logDir)
+	if err != nil {
+		return err
+	}
+
+	c.Config = &rest.Config{
+		Host: c.Server,
+		TLSClientConfig: rest.TLSClientConfig{
+			CAData:   c.pki.caCert,
+			CertData: c.pki.adminCert,
+			KeyData:  c.pki.adminKey,
+		},
+		QPS:   200,
+		Burst: 400,
+	}
+	if c.Client, err = kubernetes.NewForConfig(c.Config); err != nil {
+		return fmt.Errorf("create admin client: %w", err)
+	}
+	if c.Kubeconfig, err = c.writeKubeconfig(); err != nil {
+		return err
+	}
+	httpClient, err := rest.HTTPClientFor(c.Config)
+	if err != nil {
+		return fmt.Errorf("create admin http client: %w", err)
+	}
+	if err := waitHTTP(ctx, api, httpClient, c.Server+"/readyz"); err != nil {
+		return err
+	}
+
+	if len(opts.Controllers) == 0 {
+		return nil
+	}
+	kcmArgs := []string{
+		"--kubeconfig=" + c.Kubeconfig,
+		"--controllers=" + strings.Join(opts.Controllers, ","),
+		"--leader-elect=false",
+		"--bind-address=127.0.0.1",
+		"--secure-port=" + strconv.Itoa(kcmPort),
+		"--cert-dir=" + filepath.Join(c.Dir, "controller-manager-certs"),
+		"--service-account-private-key-file=" + c.pki.saKeyFile,
+		"--root-ca-file=" + c.pki.caFile,
+		"--profiling=false",
+	}
+	kcm, err := c.run("kube-controller-manager", bins["kube-controller-manager"], append(kcmArgs, opts.ControllerManagerArgs...), logDir)
+	if err != nil {
+		return err
+	}
+	// Its serving certificate is self-signed in cert-dir; /healthz is open to anyone.
+	insecure := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+	return waitHTTP(ctx, kcm, insecure, fmt.Sprintf("https://127.0.0.1:%d/healthz", kcmPort))
+}
+
+func (c *Cluster) run(name, bin string, args []string, logDir string) (*process, error) {
+	p, err := startProcess(name, bin, args, logDir)
+	if err != nil {
+		return nil, err
+	}
+	c.procs = append(c.procs, p)
+	return p, nil
+}
+
+// waitHTTP polls url until it answers 200, p exits, or ctx ends.
+func waitHTTP(ctx context.Context, p *process, client *http.Client, url string) error {
+	var last error
+	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		if p.exited() {
+			return false, p.exitError()
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return false, fmt.Errorf("build request for %s: %w", url, err)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			last = err
+			return false, nil
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			last = fmt.Errorf("%s answered %s", url, resp.Status)
+			return false, nil
+		}
+		return true, nil
+	})
+	if err != nil && p.exited() {
+		return p.exitError()
+	}
+	if err != nil {
+		return fmt.Errorf("wait for %s (%s): %w (last: %v)\n%s", p.name, url, err, last, p.tail(20))
+	}
+	return nil
+}
+
+func (c *Cluster) writeKubeconfig() (string, error) {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["kubetest"] = &clientcmdapi.Cluster{Server: c.Server, CertificateAuthorityData: c.pki.caCert}
+	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{ClientCertificateData: c.pki.adminCert, ClientKeyData: c.pki.adminKey}
+	cfg.Contexts["kubetest"] = &clientcmdapi.Context{Cluster: "kubetest", AuthInfo: "admin"}
+	cfg.CurrentContext = "kubetest"
+	path := filepath.Join(c.Dir, "kubeconfig")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		return "", fmt.Errorf("write kubeconfig: %w", err)
+	}
+	return path, nil
+}
+
+// stop ends the components in reverse start order; on failure it logs their tails.
+func (c *Cluster) stop() {
+	if c.t.Failed() {
+		for _, p := range c.procs {
+			c.t.Logf("last lines of %s (%s):\n%s", p.name, p.log, p.tail(15))
+		}
+	}
+	for i := len(c.procs) - 1; i >= 0; i-- {
+		c.procs[i].stop(10 * time.Second)
+	}
+}
+
+// ImpersonateConfig returns a copy of the admin config that acts as user with
+// groups (through impersonation, so RBAC judges user and groups, not the admin).
+func (c *Cluster) ImpersonateConfig(user string, groups ...string) *rest.Config {
+	cfg := rest.CopyConfig(c.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: groups}
+	return cfg
+}
+
+// ServiceAccountConfig returns a config that authenticates with a real token of the
+// ServiceAccount namespace/name (TokenRequest API, one hour), creating the account if
+// it does not exist. It carries no client certificate, so RBAC sees only the account.
+func (c *Cluster) ServiceAccountConfig(t testing.TB, namespace, name string) *rest.Config {
+	t.Helper()
+	ctx := context.Background()
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name}}
+	if _, err := c.Client.CoreV1().ServiceAccounts(namespace).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatalf("create service account %s/%s: %v", namespace, name, err)
+	}
+	seconds := int64(3600)
+	tr, err := c.Client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &seconds},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("request token for service account %s/%s: %v", namespace, name, err)
+	}
+	return &rest.Config{
+		Host:            c.Server,
+		BearerToken:     tr.Status.Token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: c.pki.caCert},
+		QPS:             c.Config.QPS,
+		Burst:           c.Config.Burst,
+	}
+}
+
+// CreateNamespace creates a namespace and its "default" ServiceAccount (which the
+// ServiceAccount admission plugin wants before it admits a pod) when no
+// controller-manager has made it yet.
+func (c *Cluster) CreateNamespace(t testing.TB, name string) *corev1.Namespace {
+	t.Helper()
+	ctx := context.Background()
+	ns, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create namespace %s: %v", name, err)
+	}
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: name, Name: "default"}}
+	if _, err := c.Client.CoreV1().ServiceAccounts(name).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatalf("create default service account in %s: %v", name, err)
+	}
+	return ns
+}
+
+// Kubectl runs kubectl against the cluster as the admin and returns its combined output.
+func (c *Cluster) Kubectl(args ...string) (string, error) {
+	bin := filepath.Join(c.BinDir, "kubectl")
+	if _, err := os.Stat(bin); err != nil {
+		return "", fmt.Errorf("kubectl not found (build it with scripts/tools.sh kubectl): %w", err)
+	}
+	cmd := exec.Command(bin, append([]string{"--kubeconfig=" + c.Kubeconfig}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			return string(out), fmt.Errorf("kubectl %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+		}
+		return string(out), fmt.Errorf("kubectl %s: %w", strings.Join(args, " "), err)
+	}
+	return string(out), nil
+}

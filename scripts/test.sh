@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The project's test command (README "Testing"; .ci/run calls it): installs
+# what the tests need, then runs gofmt, go vet, every test with -race — unit
+# tests, root tests with real mounts in a private mount namespace, tests
+# against a real kube-apiserver and a real CSI driver — and the fuzz targets
+# briefly. A test that would skip for want of root, /dev/fuse or a tool fails
+# here instead (MOUNTMEDIC_REQUIRE_ROOT=1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" != 0 ]; then
+	echo "test.sh: run as root (sudo scripts/test.sh): the mount and driver tests need it" >&2
+	exit 1
+fi
+scripts/deps.sh
+eval "$(scripts/tools.sh env)"
+export MOUNTMEDIC_REQUIRE_ROOT=1
+
+unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+if [ -n "$unformatted" ]; then
+	echo "gofmt would change: $unformatted" >&2
+	exit 1
+fi
+go vet ./...
+go test -race -count=1 -timeout 30m ./... 2>&1 | tee /tmp/mountmedic-test.log
+for target in FuzzParse FuzzClassify; do
+	go test -run '^$' -fuzz "^${target}\$" -fuzztime "${FUZZTIME:-15s}" ./probe
+done

@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# tools.sh builds the external binaries the tests need and caches them outside the
+# repository, keyed by version, so a second run on the same machine builds nothing.
+#
+#   scripts/tools.sh [all|kube|etcd|s3|crane|<binary>...]   build what is missing
+#   scripts/tools.sh list                                   show what is cached
+#   scripts/tools.sh path                                   print the PATH line only
+#
+# Binaries land in $MOUNTMEDIC_CACHE/bin/<name>-<version>/<name> (default cache
+# /var/cache/mountmedic); $MOUNTMEDIC_CACHE/bin/current/<name> links to the pinned
+# version. Tests find them there, or in $MOUNTMEDIC_BIN when that is set.
+# MOUNTMEDIC_JOBS (default 2) is how many build modules compile at the same time.
+#
+# Every binary is built from a small module under scripts/tools/<module>/ that only
+# pins versions, so none of them enters the graph of the project's own go.mod.
+set -euo pipefail
+
+ETCD_VERSION=v3.6.16
+KUBE_VERSION=v1.37.1
+S3DRIVER_VERSION=v0.43.7
+VERSITYGW_VERSION=v1.8.0
+CRANE_VERSION=v0.22.1
+
+TOOLS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tools
+CACHE=${MOUNTMEDIC_CACHE:-/var/cache/mountmedic}
+BIN=$CACHE/bin
+CURRENT=$BIN/current
+LOGS=$CACHE/logs
+JOBS=${MOUNTMEDIC_JOBS:-2}
+
+# name|version|module dir|package
+COMPONENTS=(
+	"kube-apiserver|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kube-apiserver"
+	"kube-controller-manager|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kube-controller-manager"
+	"kubelet|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kubelet"
+	"kubectl|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kubectl"
+	"etcd|$ETCD_VERSION|etcd|go.etcd.io/etcd/server/v3"
+	"s3driver|$S3DRIVER_VERSION|s3driver|github.com/yandex-cloud/k8s-csi-s3/cmd/s3driver"
+	"versitygw|$VERSITYGW_VERSION|versitygw|github.com/versity/versitygw/cmd/versitygw"
+	"crane|$CRANE_VERSION|crane|github.com/google/go-containerregistry/cmd/crane"
+)
+
+log() { printf '%s tools: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+field() { # field N "a|b|c|d"
+	local IFS='|'
+	# shellcheck disable=SC2206
+	local parts=($2)
+	printf '%s' "${parts[$1]}"
+}
+
+# module_of prints the module path of a package in COMPONENTS.
+module_of() {
+	case $1 in
+	k8s.io/kubernetes/*) echo k8s.io/kubernetes ;;
+	go.etcd.io/etcd/server/v3) echo go.etcd.io/etcd/server/v3 ;;
+	github.com/yandex-cloud/k8s-csi-s3/*) echo github.com/yandex-cloud/k8s-csi-s3 ;;
+	github.com/versity/versitygw/*) echo github.com/versity/versitygw ;;
+	github.com/google/go-containerregistry/*) echo github.com/google/go-containerregistry ;;
+	*) die "no module known for $1" ;;
+	esac
+}
+
+# select_components expands the arguments into component names, one a line.
+select_components() {
+	local arg c
+	[ $# -gt 0 ] || set -- all
+	for arg in "$@"; do
+		case $arg in
+		all) for c in "${COMPONENTS[@]}"; do field 0 "$c"; echo; done ;;
+		kube) printf '%s\n' kube-apiserver kube-controller-manager kubelet kubectl ;;
+		controlplane) printf '%s\n' etcd kube-apiserver kube-controller-manager kubectl ;;
+		s3 | csi) printf '%s\n' s3driver versitygw ;;
+		*)
+			for c in "${COMPONENTS[@]}"; do
+				if [ "$(field 0 "$c")" = "$arg" ]; then echo "$arg"; continue 2; fi
+			done
+			die "unknown component $arg (want all, kube, controlplane, s3, or one of: $(for c in "${COMPONENTS[@]}"; do printf '%s ' "$(field 0 "$c")"; done))"
+			;;
+		esac
+	done
+}
+
+entry() { # entry NAME prints its COMPONENTS line
+	local c
+	for c in "${COMPONENTS[@]}"; do
+		if [ "$(field 0 "$c")" = "$1" ]; then echo "$c"; return; fi
+	done
+	die "unknown component $1"
+}
+
+cached_path() { echo "$BIN/$1-$2/$1"; }
+
+link_current() { # link_current NAME VERSION
+	mkdir -p "$CURRENT"
+	ln -sfn "../$1-$2/$1" "$CURRENT/$1"
+}
+
+# prepare_kube_module pins k8s.io/kubernetes and replaces each staging module that
+# its go.mod points at ./staging/src/k8s.io/X with the published k8s.io/X v0.MINOR.PATCH.
+# The list comes from the kubernetes go.mod in the module cache, not from this script.
+prepare_kube_module() {
+	local dir=$1 gomod staging line mod scratch
+	staging=v0.${KUBE_VERSION#v1.}
+	# Ask outside any module: the kubernetes graph does not load before the replaces exist.
+	scratch=$(mktemp -d)
+	gomod=$(cd "$scratch" && GOFLAGS= go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" |
+		sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
+	rmdir "$scratch"
+	[ -s "$gomod" ] || die "no go.mod for k8s.io/kubernetes@$KUBE_VERSION in the module cache"
+	local edits=("-require=k8s.io/kubernetes@$KUBE_VERSION")
+	while read -r line; do
+		mod=${line%% *}
+		edits+=("-replace=$mod=$mod@$staging")
+	done < <(sed -n 's#^[[:space:]]*\(replace[[:space:]]\+\)\{0,1\}\(k8s\.io/[^[:space:]]*\)[[:space:]]*=>[[:space:]]*\./staging/src/.*#\2 x#p' "$gomod")
+	[ ${#edits[@]} -gt 1 ] || die "found no staging replace directives in $gomod"
+	(cd "$dir" && go mod edit "${edits[@]}")
+}
+
+# prepare_module makes sure the build module requires the pinned version.
+prepare_module() { # prepare_module DIR NAME VERSION PACKAGE
+	local dir=$1 name=$2 version=$3 pkg=$4 mod
+	mkdir -p "$dir"
+	if [ ! -f "$dir/go.mod" ]; then
+		(cd "$dir" && go mod init "github.com/mountmedic/mountmedic/scripts/tools/$(basename "$dir")" >/dev/null 2>&1)
+	fi
+	mod=$(module_of "$pkg")
+	if [ "$mod" = k8s.io/kubernetes ]; then
+		prepare_kube_module "$dir"
+	else
+		(cd "$dir" && go mod edit -require="$mod@$version")
+	fi
+	(cd "$dir" && go mod edit -tool="$pkg")
+}
+
+ldflags_for() { # ldflags_for NAME VERSION
+	local flags="-s -w" v=$2 major minor p
+	case $1 in
+	kube-*|kubelet|kubectl)
+		major=${v#v}; major=${major%%.*}
+		minor=${v#v*.}; minor=${minor%%.*}
+		for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+			flags+=" -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+		done
+		;;
+	esac
+	echo "$flags"
+}
+
+build_one() { # build_one NAME
+	local e name version dir pkg out tmp start took logf
+	e=$(entry "$1")
+	name=$(field 0 "$e"); version=$(field 1 "$e"); dir=$TOOLS_DIR/$(field 2 "$e"); pkg=$(field 3 "$e")
+	out=$(cached_path "$name" "$version")
+	if [ -x "$out" ]; then
+		link_current "$name" "$version"
+		log "$name $version cached"
+		return 0
+	fi
+	mkdir -p "$LOGS" "$(dirname "$out")"
+	logf=$LOGS/$name-$version.log
+	start=$(date +%s)
+	log "$name $version building (log $logf)"
+	tmp=$(mktemp -d "$(dirname "$out")/.build.XXXXXX")
+	if ! (
+		set -e
+		prepare_module "$dir" "$name" "$version" "$pkg"
+		cd "$dir"
+		CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod" \
+			go build -trimpath -ldflags "$(ldflags_for "$name" "$version")" -o "$tmp/$name" "$pkg"
+	) >"$logf" 2>&1; then
+		rm -rf "$tmp"
+		tail -n 30 "$logf" >&2
+		log "$name $version FAILED after $(($(date +%s) - start))s"
+		return 1
+	fi
+	mv -f "$tmp/$name" "$out"
+	rm -rf "$tmp"
+	link_current "$name" "$version"
+	took=$(($(date +%s) - start))
+	log "$name $version built in ${took}s"
+	echo "$name $version ${took}s" >>"$LOGS/timings"
+}
+
+# build_module builds, one after the other, the wanted components of one build
+# module: go commands that share a go.mod must not edit it at the same time.
+build_module() {
+	local name rc=0
+	for name in "$@"; do
+		build_one "$name" || rc=1
+	done
+	return $rc
+}
+
+cmd_list() {
+	local c name version out
+	for c in "${COMPONENTS[@]}"; do
+		name=$(field 0 "$c"); version=$(field 1 "$c"); out=$(cached_path "$name" "$version")
+		if [ -x "$out" ]; then printf '%-24s %-9s %s\n' "$name" "$version" "$out"; else printf '%-24s %-9s missing\n' "$name" "$version"; fi
+	done
+}
+
+main() {
+	case ${1:-} in
+	-h | --help | help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; return 0 ;;
+	list) cmd_list; return 0 ;;
+	path) echo "export PATH=$CURRENT:\$PATH"; return 0 ;;
+	esac
+	command -v go >/dev/null || die "go is not on PATH"
+
+	local wanted names=() mods=() m name e rc=0 start
+	wanted=$(select_components "$@" | awk '!seen[$0]++')
+	start=$(date +%s)
+
+	# Group the wanted components by build module, keeping COMPONENTS order.
+	for e in "${COMPONENTS[@]}"; do
+		m=$(field 2 "$e")
+		case " ${mods[*]} " in *" $m "*) ;; *) mods+=("$m") ;; esac
+	done
+	local failed
+	failed=$(mktemp)
+	for m in "${mods[@]}"; do
+		names=()
+		for e in "${COMPONENTS[@]}"; do
+			name=$(field 0 "$e")
+			if [ "$(field 2 "$e")" = "$m" ] && grep -qx "$name" <<<"$wanted"; then names+=("$name"); fi
+		done
+		[ ${#names[@]} -gt 0 ] || continue
+		while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+		{ build_module "${names[@]}" || echo "$m" >>"$failed"; } &
+	done
+	wait
+	if [ -s "$failed" ]; then rc=1; log "failed build modules: $(tr '\n' ' ' <"$failed")"; fi
+	rm -f "$failed"
+	log "done in $(($(date +%s) - start))s"
+	echo "export PATH=$CURRENT:\$PATH"
+	return $rc
+}
+
+main "$@"
