@@ -1,0 +1,388 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+)
+
+var (
+	// ErrDriverUnavailable marks a CSI driver that is down: its socket is
+	// missing or refuses connections, or a call ended with gRPC Unavailable,
+	// or ran out of time before a connection was up. Retry later.
+	ErrDriverUnavailable = errors.New("csi driver unavailable")
+	// ErrDriverNotFound marks a driver that no registration socket names and
+	// that has no socket at the conventional path.
+	ErrDriverNotFound = errors.New("csi driver not found")
+)
+
+// Default per-call timeouts of a CSIClient.
+const (
+	DefaultStageTimeout   = 30 * time.Second
+	DefaultPublishTimeout = 15 * time.Second
+	DefaultProbeTimeout   = 5 * time.Second
+	// DefaultReconnectMaxDelay caps gRPC's reconnect backoff, so that a
+	// client notices a restarted driver within about a second (gRPC's own
+	// default grows to two minutes).
+	DefaultReconnectMaxDelay = time.Second
+)
+
+// CSIOptions configures a CSIClient. Zero fields take the defaults.
+type CSIOptions struct {
+	// StageTimeout bounds NodeStageVolume and NodeUnstageVolume.
+	StageTimeout time.Duration
+	// PublishTimeout bounds NodePublishVolume and NodeUnpublishVolume.
+	PublishTimeout time.Duration
+	// ProbeTimeout bounds NodeGetCapabilities, NodeGetInfo, Probe and
+	// GetPluginInfo.
+	ProbeTimeout time.Duration
+	// ReconnectMaxDelay caps the backoff between connection attempts.
+	ReconnectMaxDelay time.Duration
+}
+
+func (o CSIOptions) withDefaults() CSIOptions {
+	if o.StageTimeout <= 0 {
+		o.StageTimeout = DefaultStageTimeout
+	}
+	if o.PublishTimeout <= 0 {
+		o.PublishTimeout = DefaultPublishTimeout
+	}
+	if o.ProbeTimeout <= 0 {
+		o.ProbeTimeout = DefaultProbeTimeout
+	}
+	if o.ReconnectMaxDelay <= 0 {
+		o.ReconnectMaxDelay = DefaultReconnectMaxDelay
+	}
+	return o
+}
+
+// NodeCapabilities is what a driver's NodeGetCapabilities advertised.
+type NodeCapabilities struct {
+	StageUnstage          bool // STAGE_UNSTAGE_VOLUME
+	GetVolumeStats        bool // GET_VOLUME_STATS
+	ExpandVolume          bool // EXPAND_VOLUME
+	VolumeCondition       bool // VOLUME_CONDITION
+	SingleNodeMultiWriter bool // SINGLE_NODE_MULTI_WRITER
+	VolumeMountGroup      bool // VOLUME_MOUNT_GROUP
+}
+
+func nodeCapabilities(caps []*csi.NodeServiceCapability) NodeCapabilities {
+	var nc NodeCapabilities
+	for _, c := range caps {
+		switch c.GetRpc().GetType() {
+		case csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME:
+			nc.StageUnstage = true
+		case csi.NodeServiceCapability_RPC_GET_VOLUME_STATS:
+			nc.GetVolumeStats = true
+		case csi.NodeServiceCapability_RPC_EXPAND_VOLUME:
+			nc.ExpandVolume = true
+		case csi.NodeServiceCapability_RPC_VOLUME_CONDITION:
+			nc.VolumeCondition = true
+		case csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER:
+			nc.SingleNodeMultiWriter = true
+		case csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP:
+			nc.VolumeMountGroup = true
+		}
+	}
+	return nc
+}
+
+// RPCError is a CSI call that reached gRPC and failed. It keeps the status
+// code; errors.Is(err, ErrDriverUnavailable) holds when the driver was down
+// rather than refusing the request.
+type RPCError struct {
+	Method   string // e.g. "NodeStageVolume"
+	Endpoint string // socket path
+	Code     codes.Code
+	// unavailable: the driver could not be reached.
+	unavailable bool
+	err         error
+}
+
+func (e *RPCError) Error() string {
+	return fmt.Sprintf("csi %s on %s: %v", e.Method, e.Endpoint, e.err)
+}
+
+// Unwrap returns the gRPC status error.
+func (e *RPCError) Unwrap() error { return e.err }
+
+// Is reports ErrDriverUnavailable for a driver that could not be reached.
+func (e *RPCError) Is(target error) bool {
+	return target == ErrDriverUnavailable && e.unavailable
+}
+
+// GRPCStatus lets status.Code and status.FromError see through the wrapping.
+func (e *RPCError) GRPCStatus() *status.Status {
+	st, _ := status.FromError(e.err)
+	return st
+}
+
+// Final reports whether the operation is known to be over: false when the
+// driver may still be working on it (Canceled, DeadlineExceeded,
+// Unavailable, ResourceExhausted, Aborted), as kubelet's isFinalError
+// decides before it trusts a failed NodeStage/NodePublish to have done
+// nothing.
+func (e *RPCError) Final() bool {
+	switch e.Code {
+	case codes.Canceled, codes.DeadlineExceeded, codes.Unavailable, codes.ResourceExhausted, codes.Aborted:
+		return false
+	}
+	return true
+}
+
+// CSIClient talks to one CSI node plugin over its unix socket. It is safe
+// for concurrent use. The gRPC connection is made lazily and re-made after a
+// driver restart.
+type CSIClient struct {
+	path string
+	opts CSIOptions
+	conn *grpc.ClientConn
+	node csi.NodeClient
+	id   csi.IdentityClient
+
+	mu   sync.Mutex
+	caps *NodeCapabilities
+}
+
+// DialCSI prepares a client for the CSI socket at endpoint (an absolute path
+// or a unix:// URL). It fails with ErrDriverUnavailable when the socket does
+// not exist, and refuses anything that is not a unix socket. No connection is
+// made until the first call.
+func DialCSI(ctx context.Context, endpoint string, opts CSIOptions) (*CSIClient, error) {
+	path, err := socketPath(endpoint)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkSocket(path); err != nil {
+		return nil, err
+	}
+	opts = opts.withDefaults()
+	bo := backoff.DefaultConfig
+	bo.BaseDelay = 100 * time.Millisecond
+	bo.MaxDelay = opts.ReconnectMaxDelay
+	conn, err := grpc.NewClient("unix://"+path,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithNoProxy(),
+		grpc.WithAuthority("localhost"),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bo, MinConnectTimeout: opts.ProbeTimeout}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("csi client for %s: %w", path, err)
+	}
+	klog.FromContext(ctx).V(4).Info("CSI client ready", "endpoint", path)
+	return &CSIClient{
+		path: path,
+		opts: opts,
+		conn: conn,
+		node: csi.NewNodeClient(conn),
+		id:   csi.NewIdentityClient(conn),
+	}, nil
+}
+
+// Endpoint returns the socket path the client talks to.
+func (c *CSIClient) Endpoint() string { return c.path }
+
+// Close releases the connection.
+func (c *CSIClient) Close() error { return c.conn.Close() }
+
+// call runs one RPC under its own timeout and classifies its error.
+func (c *CSIClient) call(ctx context.Context, method string, timeout time.Duration, rpc func(context.Context) error) error {
+	logger := klog.FromContext(ctx)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	err := rpc(ctx)
+	if err == nil {
+		return nil
+	}
+	err = c.classify(method, err)
+	logger.V(4).Info("CSI call failed", "endpoint", c.path, "method", method, "err", err)
+	return err
+}
+
+func (c *CSIClient) classify(method string, err error) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		return fmt.Errorf("csi %s on %s: %w", method, c.path, err)
+	}
+	e := &RPCError{Method: method, Endpoint: c.path, Code: st.Code(), err: err}
+	switch st.Code() {
+	case codes.Unavailable:
+		e.unavailable = true
+	case codes.DeadlineExceeded:
+		// Out of time with no connection up: the driver never answered.
+		e.unavailable = c.conn.GetState() != connectivity.Ready
+	}
+	return e
+}
+
+// NodeGetCapabilities returns the driver's node capabilities, asking the
+// driver once and then answering from a cache that lives as long as the
+// client.
+func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (NodeCapabilities, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.caps != nil {
+		return *c.caps, nil
+	}
+	var resp *csi.NodeGetCapabilitiesResponse
+	err := c.call(ctx, "NodeGetCapabilities", c.opts.ProbeTimeout, func(ctx context.Context) error {
+		var err error
+		resp, err = c.node.NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
+		return err
+	})
+	if err != nil {
+		return NodeCapabilities{}, err
+	}
+	caps := nodeCapabilities(resp.GetCapabilities())
+	c.caps = &caps
+	return caps, nil
+}
+
+// NodeGetInfo asks the driver for its node ID, volume limit and topology.
+func (c *CSIClient) NodeGetInfo(ctx context.Context) (*csi.NodeGetInfoResponse, error) {
+	var resp *csi.NodeGetInfoResponse
+	err := c.call(ctx, "NodeGetInfo", c.opts.ProbeTimeout, func(ctx context.Context) error {
+		var err error
+		resp, err = c.node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+		return err
+	})
+	return resp, err
+}
+
+// Probe asks the driver whether it is ready. A driver that leaves the answer
+// unset is ready, as the CSI spec says.
+func (c *CSIClient) Probe(ctx context.Context) (bool, error) {
+	var resp *csi.ProbeResponse
+	err := c.call(ctx, "Probe", c.opts.ProbeTimeout, func(ctx context.Context) error {
+		var err error
+		resp, err = c.id.Probe(ctx, &csi.ProbeRequest{})
+		return err
+	})
+	if err != nil {
+		return false, err
+	}
+	if resp.GetReady() == nil {
+		return true, nil
+	}
+	return resp.GetReady().GetValue(), nil
+}
+
+// GetPluginInfo returns the driver's name and version.
+func (c *CSIClient) GetPluginInfo(ctx context.Context) (*csi.GetPluginInfoResponse, error) {
+	var resp *csi.GetPluginInfoResponse
+	err := c.call(ctx, "GetPluginInfo", c.opts.ProbeTimeout, func(ctx context.Context) error {
+		var err error
+		resp, err = c.id.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+		return err
+	})
+	return resp, err
+}
+
+// NodeStageVolume sends req (see StageRequest).
+func (c *CSIClient) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) error {
+	switch {
+	case req.GetVolumeId() == "":
+		return errors.New("csi NodeStageVolume: missing volume id")
+	case req.GetStagingTargetPath() == "":
+		return errors.New("csi NodeStageVolume: missing staging target path")
+	case req.GetVolumeCapability() == nil:
+		return errors.New("csi NodeStageVolume: missing volume capability")
+	}
+	klog.FromContext(ctx).V(4).Info("Calling NodeStageVolume", "endpoint", c.path,
+		"volumeID", req.GetVolumeId(), "stagingPath", req.GetStagingTargetPath())
+	return c.call(ctx, "NodeStageVolume", c.opts.StageTimeout, func(ctx context.Context) error {
+		_, err := c.node.NodeStageVolume(ctx, req)
+		return err
+	})
+}
+
+// NodePublishVolume sends req (see PublishRequest).
+func (c *CSIClient) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) error {
+	switch {
+	case req.GetVolumeId() == "":
+		return errors.New("csi NodePublishVolume: missing volume id")
+	case req.GetTargetPath() == "":
+		return errors.New("csi NodePublishVolume: missing target path")
+	case req.GetVolumeCapability() == nil:
+		return errors.New("csi NodePublishVolume: missing volume capability")
+	}
+	klog.FromContext(ctx).V(4).Info("Calling NodePublishVolume", "endpoint", c.path,
+		"volumeID", req.GetVolumeId(), "stagingPath", req.GetStagingTargetPath(), "targetPath", req.GetTargetPath())
+	return c.call(ctx, "NodePublishVolume", c.opts.PublishTimeout, func(ctx context.Context) error {
+		_, err := c.node.NodePublishVolume(ctx, req)
+		return err
+	})
+}
+
+// NodeUnpublishVolume asks the driver to unpublish volumeID from targetPath.
+func (c *CSIClient) NodeUnpublishVolume(ctx context.Context, volumeID, targetPath string) error {
+	if volumeID == "" || targetPath == "" {
+		return errors.New("csi NodeUnpublishVolume: missing volume id or target path")
+	}
+	klog.FromContext(ctx).V(4).Info("Calling NodeUnpublishVolume", "endpoint", c.path,
+		"volumeID", volumeID, "targetPath", targetPath)
+	return c.call(ctx, "NodeUnpublishVolume", c.opts.PublishTimeout, func(ctx context.Context) error {
+		_, err := c.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: volumeID, TargetPath: targetPath})
+		return err
+	})
+}
+
+// NodeUnstageVolume asks the driver to unstage volumeID from stagingPath.
+func (c *CSIClient) NodeUnstageVolume(ctx context.Context, volumeID, stagingPath string) error {
+	if volumeID == "" || stagingPath == "" {
+		return errors.New("csi NodeUnstageVolume: missing volume id or staging path")
+	}
+	klog.FromContext(ctx).V(4).Info("Calling NodeUnstageVolume", "endpoint", c.path,
+		"volumeID", volumeID, "stagingPath", stagingPath)
+	return c.call(ctx, "NodeUnstageVolume", c.opts.StageTimeout, func(ctx context.Context) error {
+		_, err := c.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volumeID, StagingTargetPath: stagingPath})
+		return err
+	})
+}
+
+// socketPath turns an endpoint (an absolute path, unix:///path or
+// unix:/path) into a socket path, refusing any other scheme.
+func socketPath(endpoint string) (string, error) {
+	p := endpoint
+	switch {
+	case strings.HasPrefix(p, "unix://"):
+		p = strings.TrimPrefix(p, "unix://")
+	case strings.HasPrefix(p, "unix:"):
+		p = strings.TrimPrefix(p, "unix:")
+	}
+	if !filepath.IsAbs(p) {
+		return "", fmt.Errorf("csi endpoint %q is not a unix socket path: give an absolute path or unix:///path", endpoint)
+	}
+	return filepath.Clean(p), nil
+}
+
+// checkSocket reports a missing path as ErrDriverUnavailable and refuses a
+// path that exists but is not a socket.
+func checkSocket(path string) error {
+	fi, err := os.Stat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("csi socket %s: %w: %w", path, ErrDriverUnavailable, err)
+	}
+	if err != nil {
+		return fmt.Errorf("csi socket %s: %w", path, err)
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("csi endpoint %s is not a unix socket (mode %v)", path, fi.Mode().Type())
+	}
+	return nil
+}

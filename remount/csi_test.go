@@ -1,0 +1,311 @@
+package remount
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// shortTimeouts keep tests quick; no test asserts a duration.
+var shortTimeouts = CSIOptions{
+	StageTimeout:   200 * time.Millisecond,
+	PublishTimeout: 200 * time.Millisecond,
+	ProbeTimeout:   200 * time.Millisecond,
+}
+
+func dial(t *testing.T, path string, opts CSIOptions) *CSIClient {
+	t.Helper()
+	c, err := DialCSI(t.Context(), path, opts)
+	if err != nil {
+		t.Fatalf("DialCSI(%s) = %v, want a client", path, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// watchdog fails the test if fn does not return: a per-call timeout that is
+// not honoured would otherwise hang until the test binary's timeout.
+func watchdog(t *testing.T, fn func() error) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- fn() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(30 * time.Second):
+		t.Fatal("call did not return: per-call timeout not honoured")
+		return nil
+	}
+}
+
+func TestDialCSIRefuses(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tests := map[string]struct {
+		endpoint        string
+		wantUnavailable bool
+	}{
+		"missing socket":     {endpoint: filepath.Join(dir, "nope.sock"), wantUnavailable: true},
+		"missing unix url":   {endpoint: "unix://" + filepath.Join(dir, "nope.sock"), wantUnavailable: true},
+		"regular file":       {endpoint: file},
+		"directory":          {endpoint: dir},
+		"tcp endpoint":       {endpoint: "tcp://127.0.0.1:10000"},
+		"relative path":      {endpoint: "csi.sock"},
+		"relative unix path": {endpoint: "unix:csi.sock"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			c, err := DialCSI(t.Context(), tc.endpoint, CSIOptions{})
+			if err == nil {
+				c.Close()
+				t.Fatalf("DialCSI(%q) = nil error, want an error", tc.endpoint)
+			}
+			if got := errors.Is(err, ErrDriverUnavailable); got != tc.wantUnavailable {
+				t.Errorf("DialCSI(%q) = %v; errors.Is(ErrDriverUnavailable) = %v, want %v", tc.endpoint, err, got, tc.wantUnavailable)
+			}
+		})
+	}
+}
+
+func TestCSIClientCalls(t *testing.T) {
+	notReady := false
+	f := &fakeDriver{
+		caps: []csi.NodeServiceCapability_RPC_Type{
+			csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+			csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP,
+			csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+		},
+		ready: &notReady,
+	}
+	path, _ := serveDriver(t, f)
+	ctx := t.Context()
+	c := dial(t, "unix://"+path, shortTimeouts)
+	if c.Endpoint() != path {
+		t.Errorf("Endpoint() = %q, want %q", c.Endpoint(), path)
+	}
+
+	want := NodeCapabilities{StageUnstage: true, VolumeMountGroup: true, SingleNodeMultiWriter: true}
+	for i := range 3 {
+		got, err := c.NodeGetCapabilities(ctx)
+		if err != nil || got != want {
+			t.Fatalf("NodeGetCapabilities() call %d = %+v, %v; want %+v, nil", i, got, err, want)
+		}
+	}
+	if n := f.capsCalls.Load(); n != 1 {
+		t.Errorf("driver got %d NodeGetCapabilities calls, want 1 (cached)", n)
+	}
+
+	info, err := c.NodeGetInfo(ctx)
+	if err != nil || info.GetNodeId() != "node-1" || info.GetMaxVolumesPerNode() != 7 {
+		t.Errorf("NodeGetInfo() = %v, %v; want node-1, 7", info, err)
+	}
+	pi, err := c.GetPluginInfo(ctx)
+	if err != nil || pi.GetName() != "fake.csi.example.com" {
+		t.Errorf("GetPluginInfo() = %v, %v; want fake.csi.example.com", pi, err)
+	}
+	if ready, err := c.Probe(ctx); err != nil || ready {
+		t.Errorf("Probe() = %v, %v; want false, nil", ready, err)
+	}
+
+	vr := VolumeRequest{
+		Driver: "fake.csi.example.com", VolumeHandle: "bucket/prefix", AccessMode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		StageUnstage: true, StagingPath: "/var/lib/kubelet/staging", TargetPath: "/var/lib/kubelet/target",
+		StageSecrets: map[string]string{"secretAccessKey": "s3cr3t"},
+	}
+	stage, publish := StageRequest(vr), PublishRequest(vr)
+	if err := c.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatalf("NodeStageVolume() = %v", err)
+	}
+	if err := c.NodePublishVolume(ctx, publish); err != nil {
+		t.Fatalf("NodePublishVolume() = %v", err)
+	}
+	if err := c.NodeUnpublishVolume(ctx, vr.VolumeHandle, vr.TargetPath); err != nil {
+		t.Fatalf("NodeUnpublishVolume() = %v", err)
+	}
+	if err := c.NodeUnstageVolume(ctx, vr.VolumeHandle, vr.StagingPath); err != nil {
+		t.Fatalf("NodeUnstageVolume() = %v", err)
+	}
+	wantGot := []proto.Message{
+		stage, publish,
+		&csi.NodeUnpublishVolumeRequest{VolumeId: vr.VolumeHandle, TargetPath: vr.TargetPath},
+		&csi.NodeUnstageVolumeRequest{VolumeId: vr.VolumeHandle, StagingTargetPath: vr.StagingPath},
+	}
+	got := f.received()
+	if len(got) != len(wantGot) {
+		t.Fatalf("driver received %d requests, want %d", len(got), len(wantGot))
+	}
+	for i := range got {
+		if !proto.Equal(got[i], wantGot[i]) {
+			t.Errorf("driver request %d = %v, want %v", i, got[i], wantGot[i])
+		}
+	}
+}
+
+func TestCSIClientRejectsIncompleteRequests(t *testing.T) {
+	f := &fakeDriver{}
+	path, _ := serveDriver(t, f)
+	c := dial(t, path, shortTimeouts)
+	ctx := t.Context()
+	capab := &csi.VolumeCapability{}
+	errs := map[string]error{
+		"stage without volume id":     c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{StagingTargetPath: "/s", VolumeCapability: capab}),
+		"stage without staging path":  c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", VolumeCapability: capab}),
+		"stage without capability":    c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s"}),
+		"publish without target path": c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "v", VolumeCapability: capab}),
+		"unpublish without target":    c.NodeUnpublishVolume(ctx, "v", ""),
+		"unstage without volume id":   c.NodeUnstageVolume(ctx, "", "/s"),
+	}
+	for name, err := range errs {
+		if err == nil {
+			t.Errorf("%s: got nil error, want one", name)
+		}
+	}
+	if n := len(f.received()); n != 0 {
+		t.Errorf("driver received %d requests, want 0", n)
+	}
+}
+
+func TestCSIClientErrorCodes(t *testing.T) {
+	tests := map[string]struct {
+		code            codes.Code
+		wantUnavailable bool
+		wantFinal       bool
+	}{
+		"not found":          {code: codes.NotFound, wantFinal: true},
+		"invalid argument":   {code: codes.InvalidArgument, wantFinal: true},
+		"internal":           {code: codes.Internal, wantFinal: true},
+		"aborted":            {code: codes.Aborted},
+		"resource exhausted": {code: codes.ResourceExhausted},
+		"unavailable":        {code: codes.Unavailable, wantUnavailable: true},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			f := &fakeDriver{err: status.Error(tc.code, "driver says no")}
+			path, _ := serveDriver(t, f)
+			c := dial(t, path, shortTimeouts)
+			err := c.NodeStageVolume(t.Context(), StageRequest(VolumeRequest{VolumeHandle: "v", StagingPath: "/s"}))
+			var rpcErr *RPCError
+			if !errors.As(err, &rpcErr) {
+				t.Fatalf("NodeStageVolume() = %v, want an *RPCError", err)
+			}
+			if rpcErr.Code != tc.code || status.Code(err) != tc.code {
+				t.Errorf("NodeStageVolume() code = %v (status.Code %v), want %v", rpcErr.Code, status.Code(err), tc.code)
+			}
+			if rpcErr.Method != "NodeStageVolume" {
+				t.Errorf("RPCError.Method = %q, want NodeStageVolume", rpcErr.Method)
+			}
+			if got := errors.Is(err, ErrDriverUnavailable); got != tc.wantUnavailable {
+				t.Errorf("errors.Is(%v, ErrDriverUnavailable) = %v, want %v", err, got, tc.wantUnavailable)
+			}
+			if got := rpcErr.Final(); got != tc.wantFinal {
+				t.Errorf("Final() = %v, want %v", got, tc.wantFinal)
+			}
+		})
+	}
+}
+
+func TestCSIClientDriverDown(t *testing.T) {
+	t.Run("server stopped", func(t *testing.T) {
+		path, srv := serveDriver(t, &fakeDriver{})
+		c := dial(t, path, shortTimeouts)
+		if _, err := c.NodeGetInfo(t.Context()); err != nil {
+			t.Fatalf("NodeGetInfo() before stop = %v", err)
+		}
+		srv.Stop()
+		_, err := c.NodeGetInfo(t.Context())
+		if !errors.Is(err, ErrDriverUnavailable) {
+			t.Errorf("NodeGetInfo() after stop = %v, want ErrDriverUnavailable", err)
+		}
+		// Dialing afresh finds no socket.
+		if _, err := DialCSI(t.Context(), path, shortTimeouts); !errors.Is(err, ErrDriverUnavailable) {
+			t.Errorf("DialCSI() after stop = %v, want ErrDriverUnavailable", err)
+		}
+	})
+	t.Run("socket left behind", func(t *testing.T) {
+		path := filepath.Join(socketDir(t), "csi.sock")
+		deadSocket(t, path)
+		c := dial(t, path, shortTimeouts)
+		_, err := c.NodeGetCapabilities(t.Context())
+		if !errors.Is(err, ErrDriverUnavailable) {
+			t.Errorf("NodeGetCapabilities() on a dead socket = %v, want ErrDriverUnavailable", err)
+		}
+		if status.Code(err) != codes.Unavailable {
+			t.Errorf("status.Code(%v) = %v, want Unavailable", err, status.Code(err))
+		}
+	})
+	t.Run("socket never answers", func(t *testing.T) {
+		path := filepath.Join(socketDir(t), "csi.sock")
+		silentSocket(t, path)
+		c := dial(t, path, shortTimeouts)
+		err := watchdog(t, func() error { _, err := c.NodeGetInfo(t.Context()); return err })
+		if !errors.Is(err, ErrDriverUnavailable) {
+			t.Errorf("NodeGetInfo() on a socket that never answers = %v, want ErrDriverUnavailable", err)
+		}
+	})
+	t.Run("driver comes back", func(t *testing.T) {
+		path, srv := serveDriver(t, &fakeDriver{})
+		c := dial(t, path, shortTimeouts)
+		srv.Stop()
+		if _, err := c.NodeGetInfo(t.Context()); !errors.Is(err, ErrDriverUnavailable) {
+			t.Fatalf("NodeGetInfo() while down = %v, want ErrDriverUnavailable", err)
+		}
+		serveUnix(t, path, func(s *grpc.Server) { registerDriver(s, &fakeDriver{}) })
+		err := watchdog(t, func() error {
+			for {
+				_, err := c.NodeGetInfo(t.Context())
+				if !errors.Is(err, ErrDriverUnavailable) {
+					return err
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+		if err != nil {
+			t.Errorf("NodeGetInfo() after the driver came back = %v, want nil", err)
+		}
+	})
+}
+
+func TestCSIClientTimeouts(t *testing.T) {
+	f := &fakeDriver{block: true}
+	path, _ := serveDriver(t, f)
+	c := dial(t, path, shortTimeouts)
+	ctx := t.Context() // no deadline: only the per-call timeout can end a call
+	vr := VolumeRequest{VolumeHandle: "v", StagingPath: "/s", TargetPath: "/t", StageUnstage: true}
+	calls := map[string]func() error{
+		"NodeStageVolume":     func() error { return c.NodeStageVolume(ctx, StageRequest(vr)) },
+		"NodePublishVolume":   func() error { return c.NodePublishVolume(ctx, PublishRequest(vr)) },
+		"NodeUnpublishVolume": func() error { return c.NodeUnpublishVolume(ctx, "v", "/t") },
+		"NodeUnstageVolume":   func() error { return c.NodeUnstageVolume(ctx, "v", "/s") },
+		"NodeGetCapabilities": func() error { _, err := c.NodeGetCapabilities(ctx); return err },
+		"NodeGetInfo":         func() error { _, err := c.NodeGetInfo(ctx); return err },
+	}
+	for name, call := range calls {
+		t.Run(name, func(t *testing.T) {
+			err := watchdog(t, call)
+			var rpcErr *RPCError
+			if !errors.As(err, &rpcErr) || rpcErr.Code != codes.DeadlineExceeded {
+				t.Fatalf("%s() on a blocked driver = %v, want an *RPCError with DeadlineExceeded", name, err)
+			}
+			if errors.Is(err, ErrDriverUnavailable) {
+				t.Errorf("%s() = %v matches ErrDriverUnavailable; a connected driver that is slow is not down", name, err)
+			}
+			if rpcErr.Final() {
+				t.Errorf("%s(): Final() = true, want false (the driver may still be working)", name)
+			}
+		})
+	}
+	if _, err := c.NodeGetCapabilities(ctx); err == nil {
+		t.Error("NodeGetCapabilities() cached a failed answer")
+	}
+}

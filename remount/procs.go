@@ -1,0 +1,229 @@
+package remount
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// ProcessMount is a mount as one process sees it in /proc/<pid>/mountinfo.
+type ProcessMount struct {
+	Pid      int
+	ID       int
+	ParentID int
+	Dev      probe.Dev
+	// Root is the mountinfo root: the directory of the filesystem the
+	// mount shows (a subPath bind shows a subdirectory of the volume).
+	Root string
+	// Path is the mount point relative to the process's root.
+	Path    string
+	Options string
+	// Optional holds the propagation fields (shared:N, master:N).
+	Optional string
+	FSType   string
+	// Covered is set when another mount sits on the same mount point above
+	// this one.
+	Covered bool
+}
+
+// ProcessMounts lists the mounts of device dev in the mount namespace of
+// process pid, read from <procDir>/<pid>/mountinfo: matched by device
+// number, never by path, since the container's paths are its own.
+func ProcessMounts(procDir string, pid int, dev probe.Dev) ([]ProcessMount, error) {
+	p := filepath.Join(procDir, strconv.Itoa(pid), "mountinfo")
+	data, err := os.ReadFile(p)
+	if err != nil {
+		return nil, fmt.Errorf("read mount table of pid %d: %w", pid, err)
+	}
+	infos, err := mountinfo.GetMountsFromReader(bytes.NewReader(data), nil)
+	if err != nil {
+		return nil, fmt.Errorf("parse %s: %w", p, err)
+	}
+	return mountsOf(infos, pid, dev), nil
+}
+
+func mountsOf(infos []*mountinfo.Info, pid int, dev probe.Dev) []ProcessMount {
+	pathOf := make(map[int]string, len(infos))
+	for _, in := range infos {
+		pathOf[in.ID] = in.Mountpoint
+	}
+	covered := make(map[int]bool)
+	for _, in := range infos {
+		if p, ok := pathOf[in.Parent]; ok && p == in.Mountpoint && in.Parent != in.ID {
+			covered[in.Parent] = true
+		}
+	}
+	var out []ProcessMount
+	for _, in := range infos {
+		if uint32(in.Major) != dev.Major || uint32(in.Minor) != dev.Minor {
+			continue
+		}
+		out = append(out, ProcessMount{
+			Pid: pid, ID: in.ID, ParentID: in.Parent, Dev: dev, Root: in.Root, Path: in.Mountpoint,
+			Options: in.Options, Optional: in.Optional, FSType: in.FSType, Covered: covered[in.ID],
+		})
+	}
+	return out
+}
+
+// PlanSwap finds, in the containers of processes pids, every uncovered mount
+// of the dead volume and returns the swaps that replace them with clones of
+// source, the fresh publish target on the host. dead is the dead backend's
+// device number and deadRoot the mountinfo root of its publish target
+// (usually "/"): a container mount whose root is deadRoot is the whole
+// volume, one whose root lies below it a subPath, cloned from the same
+// subdirectory of source. Read-only and propagation are taken from the
+// container's own mount. Processes that share a mount namespace are visited
+// once, and processes in our own namespace (the host's) never.
+func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source string) ([]SwapTarget, error) {
+	if procDir == "" {
+		procDir = "/proc"
+	}
+	ours, err := os.Readlink(filepath.Join(procDir, "self", "ns", "mnt"))
+	if err != nil {
+		return nil, fmt.Errorf("own mount namespace: %w", err)
+	}
+	seen := map[string]bool{ours: true}
+	var out []SwapTarget
+	var errs []error
+	for _, pid := range pids {
+		ns, err := os.Readlink(filepath.Join(procDir, strconv.Itoa(pid), "ns", "mnt"))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // exited
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("mount namespace of pid %d: %w", pid, err))
+			continue
+		}
+		if seen[ns] {
+			continue
+		}
+		seen[ns] = true
+		mounts, err := ProcessMounts(procDir, pid, dead)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		for _, m := range mounts {
+			if m.Covered || strings.HasSuffix(m.Root, "//deleted") {
+				continue
+			}
+			sub, ok := relRoot(deadRoot, m.Root)
+			if !ok {
+				continue
+			}
+			out = append(out, SwapTarget{
+				Pid: pid, ContainerPath: m.Path, Source: source, SubDir: sub,
+				ReadOnly:    hasOption(m.Options, "ro"),
+				Propagation: propagationOf(m.Optional),
+				MountID:     m.ID,
+			})
+		}
+	}
+	return out, errors.Join(errs...)
+}
+
+// relRoot returns the mountinfo root child relative to parent ("" when they
+// are equal), by path segments.
+func relRoot(parent, child string) (string, bool) {
+	parent, child = filepath.Clean(parent), filepath.Clean(child)
+	if parent == child {
+		return "", true
+	}
+	if parent == "/" {
+		return strings.TrimPrefix(child, "/"), true
+	}
+	if probe.Under(parent, child) {
+		return strings.TrimPrefix(child, parent+"/"), true
+	}
+	return "", false
+}
+
+func hasOption(opts, name string) bool {
+	for _, o := range strings.Split(opts, ",") {
+		if o == name {
+			return true
+		}
+	}
+	return false
+}
+
+// PodPIDs lists the processes whose cgroup names the pod podUID, scanning
+// <procDir>/<pid>/cgroup: the cgroupfs driver names the pod's cgroup
+// "pod<uid>", the systemd driver "...-pod<uid with _ for ->.slice". Paths
+// outside the reader's cgroup namespace show with ".." segments and still
+// match. The sandbox (pause) process is included; PlanSwap skips it because
+// its namespace lacks the volume.
+func PodPIDs(procDir, podUID string) ([]int, error) {
+	if procDir == "" {
+		procDir = "/proc"
+	}
+	if !validUID(podUID) {
+		return nil, fmt.Errorf("pod UID %q: want the pod's metadata.uid (hex digits and dashes)", podUID)
+	}
+	entries, err := os.ReadDir(procDir)
+	if err != nil {
+		return nil, fmt.Errorf("list processes: %w", err)
+	}
+	var pids []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 0 {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join(procDir, e.Name(), "cgroup"))
+		if err != nil {
+			continue // exited, or a kernel thread
+		}
+		if cgroupHasPod(data, podUID) {
+			pids = append(pids, pid)
+		}
+	}
+	slices.Sort(pids)
+	return pids, nil
+}
+
+func validUID(uid string) bool {
+	if uid == "" {
+		return false
+	}
+	for _, c := range uid {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') && (c < 'A' || c > 'F') && c != '-' {
+			return false
+		}
+	}
+	return true
+}
+
+// cgroupHasPod reports whether a /proc/<pid>/cgroup file names the pod.
+func cgroupHasPod(data []byte, uid string) bool {
+	cgroupfs := "pod" + uid
+	systemd := "pod" + strings.ReplaceAll(uid, "-", "_") + ".slice"
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		// hierarchy-ID:controllers:path; the path may hold colons.
+		parts := strings.SplitN(sc.Text(), ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		for _, seg := range strings.Split(parts[2], "/") {
+			if seg == cgroupfs || seg == systemd || strings.HasSuffix(seg, "-"+systemd) {
+				return true
+			}
+		}
+	}
+	return false
+}

@@ -1,0 +1,94 @@
+package remount
+
+import (
+	"strconv"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// Tier is a rung of the repair ladder, least disruptive first. Eviction,
+// the last rung, is the agent's: it needs the API server.
+type Tier int
+
+const (
+	// TierRestage aborts a hung FUSE connection, lazily unmounts the dead
+	// subPath binds, publish targets and staging mount, and sends
+	// NodeStageVolume and NodePublishVolume through the driver's socket.
+	// With HostToContainer propagation it reaches running containers.
+	TierRestage Tier = iota
+	// TierLiveSwap puts the fresh mount (or its subPath directory) into each
+	// running container's mount namespace in place of the dead one.
+	TierLiveSwap
+	// TierRestart stops the pod's containers through the CRI so kubelet
+	// starts them again on the fresh mount (dead subPath binds unmounted
+	// first so kubelet binds them again).
+	TierRestart
+)
+
+var tierNames = [...]string{"restage", "liveswap", "restart"}
+
+func (t Tier) String() string {
+	if int(t) >= 0 && int(t) < len(tierNames) {
+		return tierNames[t]
+	}
+	return "tier(" + strconv.Itoa(int(t)) + ")"
+}
+
+// Volume is one broken CSI volume on this node, as the agent resolved it:
+// the staging mount shared by its pods and, per pod, the publish request
+// kubelet would send, the pod's dead binds and its running containers.
+type Volume struct {
+	Driver       string
+	VolumeHandle string
+	// Stage is the request for NodeStageVolume (any pod's VolumeRequest:
+	// the stage part does not depend on the pod).
+	Stage VolumeRequest
+	// Backend is the dead filesystem (its FUSE connection is aborted first
+	// when Hung is set).
+	Backend *probe.Backend
+	Hung    bool
+	// Pods are the pods on this node that use the volume.
+	Pods []PodVolume
+}
+
+// PodVolume is one pod's use of a Volume.
+type PodVolume struct {
+	// Publish is the request for NodePublishVolume at this pod's target.
+	Publish VolumeRequest
+	// Dead are this pod's kubelet mounts on the dead backend: its publish
+	// target and subPath binds.
+	Dead []*probe.Mount
+	// Containers are the pod's running containers that mount the volume.
+	Containers []ContainerMount
+}
+
+// ContainerMount is where a running container sees a volume.
+type ContainerMount struct {
+	PodUID      types.UID
+	Container   string
+	ContainerID string
+	// Pid is a process of the container (its init), to enter its mount
+	// namespace.
+	Pid int
+	// MountPath is the volumeMount's mountPath inside the container.
+	MountPath string
+	// SubPath is the volumeMount's subPath ("" for the whole volume).
+	SubPath  string
+	ReadOnly bool
+}
+
+// Outcome is what a tier did for a volume.
+type Outcome struct {
+	Tier    Tier
+	Actions []Action
+	// Healed: probing after the tier found the volume healthy everywhere
+	// the tier can reach (for a dry run: never).
+	Healed bool
+	// Err is why the tier failed; errors.Is(Err, ErrDriverUnavailable)
+	// means retry later, not escalate.
+	Err  error
+	Took time.Duration
+}

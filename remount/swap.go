@@ -1,0 +1,569 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+// Live swap.
+//
+// A running container sees a volume through its own bind mount, made by the
+// runtime when the container started, in the container's mount namespace.
+// Re-staging and re-publishing on the host never reach it when its mounts
+// are private (the default) and never reach a subPath. Swapper replaces the
+// dead mount inside the container's namespace with a clone of the fresh one.
+// What the lab shows on Linux 6.18, and how Swapper uses it:
+//
+//   - open_tree(OPEN_TREE_CLONE|AT_RECURSIVE) must run in the host mount
+//     namespace: it only clones a mount of the caller's namespace (EINVAL
+//     otherwise). The clone is a detached tree; it can be moved into another
+//     namespace with move_mount.
+//   - The clone of a mount below the shared kubelet root joins the source's
+//     peer group, so a clone moved as is would make the container's volume a
+//     peer of the host's. mount_setattr(AT_RECURSIVE) on the detached tree
+//     sets the propagation the container had (private for None, slave for
+//     HostToContainer, shared for Bidirectional) and MOUNT_ATTR_RDONLY for a
+//     read-only volumeMount, before anything is visible in the container.
+//   - Entering the namespace: a goroutine locks its OS thread, unshares
+//     CLONE_FS (setns of a mount namespace refuses a thread sharing its fs
+//     with others) and setns()es into /proc/<pid>/ns/mnt. The thread is never
+//     unlocked: the goroutine ends locked and Go ends the thread with it.
+//   - After setns, absolute paths resolve in the container: "/proc/self" may
+//     be the container's procfs, where our PID does not exist. So nothing
+//     inside the namespace uses an absolute path: the container path is
+//     resolved (before setns, in the host namespace) with openat2 from an
+//     O_PATH descriptor of /proc/<pid>/root — the process's own root, which
+//     works for runtimes that pivot_root and for those that chroot — with
+//     RESOLVE_IN_ROOT|RESOLVE_NO_SYMLINKS, the parent first, then the last
+//     name with O_PATH (no call into the dead filesystem, see OpenSafe).
+//     These descriptors point at mounts of the container's namespace; after
+//     setns, move_mount accepts the parent descriptor as its target
+//     directory and umount2 takes the last name relative to the thread's
+//     working directory, set with fchdir to the parent.
+//   - move_mount(MOVE_MOUNT_BENEATH) (6.5) puts the clone under the dead
+//     mount; umount2(MNT_DETACH) of the top then reveals it: the container
+//     never sees the bare directory below. Where the kernel refuses to mount
+//     beneath (EINVAL: a shared parent that would propagate, a locked mount,
+//     an older kernel), Swapper detaches the dead mount first and then moves
+//     the clone there.
+//   - A subPath is the same operation with the subdirectory of the fresh
+//     volume as source, opened below it without following any symlink (the
+//     volume's content is the user's: a symlink there must not bind a host
+//     directory into the container).
+//   - Files open and working directories on the dead mount stay dead; only
+//     new lookups see the fresh mount.
+//
+// Finding the processes: PodPIDs scans /proc/*/cgroup for the pod UID, and
+// PlanSwap reads each process's mountinfo and matches the dead mount by
+// device number and mountinfo root, one process per mount namespace. This
+// needs no runtime socket, works with any runtime, and finds every container
+// of the pod (and skips the sandbox, whose namespace lacks the volume). It
+// needs hostPID, which setns needs anyway. Where pods have no cgroup of
+// their own (kubelet with cgroupsPerQOS: false), CRIClient.PodContainers
+// and CRIClient.ContainerPID give the PIDs instead.
+
+// Propagation is the mount propagation of a volumeMount.
+type Propagation int
+
+const (
+	// PropagationNone is mountPropagation None: a private mount.
+	PropagationNone Propagation = iota
+	// PropagationHostToContainer is a slave of the host's mount.
+	PropagationHostToContainer
+	// PropagationBidirectional is a peer of the host's mount.
+	PropagationBidirectional
+)
+
+var propagationNames = [...]string{"None", "HostToContainer", "Bidirectional"}
+
+func (p Propagation) String() string {
+	if int(p) >= 0 && int(p) < len(propagationNames) {
+		return propagationNames[p]
+	}
+	return "Propagation(" + strconv.Itoa(int(p)) + ")"
+}
+
+func (p Propagation) flag() uint64 {
+	switch p {
+	case PropagationHostToContainer:
+		return unix.MS_SLAVE
+	case PropagationBidirectional:
+		return unix.MS_SHARED
+	}
+	return unix.MS_PRIVATE
+}
+
+// propagationOf reads the propagation of a mount from mountinfo's optional
+// fields: shared:N is a peer group, master:N a slave.
+func propagationOf(optional string) Propagation {
+	var master bool
+	for _, f := range strings.Fields(optional) {
+		switch {
+		case strings.HasPrefix(f, "shared:"):
+			return PropagationBidirectional
+		case strings.HasPrefix(f, "master:"):
+			master = true
+		}
+	}
+	if master {
+		return PropagationHostToContainer
+	}
+	return PropagationNone
+}
+
+// SwapTarget is one dead mount in one container to replace.
+type SwapTarget struct {
+	// Pid is a process of the container; its mount namespace and root are
+	// used.
+	Pid int
+	// ContainerPath is the mount point as the process sees it (its
+	// mountinfo), relative to its root.
+	ContainerPath string
+	// Source is the fresh mount on the host, below the kubelet root: the
+	// re-published target of the volume.
+	Source string
+	// SubDir is, for a subPath, the subdirectory of Source to mount: the
+	// dead mount's mountinfo root relative to the volume's root. Empty for
+	// the whole volume.
+	SubDir string
+	// ReadOnly re-applies read-only (MOUNT_ATTR_RDONLY) to the clone.
+	ReadOnly bool
+	// Propagation is given to the clone (recursively).
+	Propagation Propagation
+	// MountID is the dead mount's ID in the container's mountinfo. When set,
+	// the swap happens only while that mount is on top at ContainerPath;
+	// otherwise it fails with ErrMountChanged.
+	MountID int
+}
+
+func (t SwapTarget) label() string { return fmt.Sprintf("pid %d:%s", t.Pid, t.ContainerPath) }
+
+// Swapper replaces dead mounts inside running containers' mount namespaces
+// with clones of fresh mounts on the host.
+type Swapper struct {
+	// Root is the kubelet root; probe.DefaultKubeletRoot when empty.
+	Root string
+	// ProcDir is where procfs is mounted; "/proc" when empty.
+	ProcDir string
+	// DryRun resolves and checks sources and container paths and returns
+	// the plan without cloning, entering a namespace or changing a mount.
+	DryRun bool
+	// Sys are the operations that change mounts; zero fields take the
+	// host's.
+	Sys Syscalls
+}
+
+func (s *Swapper) root() string {
+	if s.Root == "" {
+		return probe.DefaultKubeletRoot
+	}
+	return s.Root
+}
+
+func (s *Swapper) procDir() string {
+	if s.ProcDir == "" {
+		return "/proc"
+	}
+	return s.ProcDir
+}
+
+// Swap replaces each target's dead mount with a clone of its source, in the
+// target process's mount namespace. Targets of one process are swapped on
+// one thread, shallowest container path first: a subPath mounted inside the
+// volume's own mount point is then bound again inside the fresh volume
+// rather than looked up through the dead one. A target that fails is an
+// action with an error; the others go on. The error joins the actions'
+// errors.
+func (s *Swapper) Swap(ctx context.Context, targets []SwapTarget) ([]Action, error) {
+	byPid := make(map[int][]SwapTarget)
+	var pids []int
+	for _, t := range targets {
+		if _, ok := byPid[t.Pid]; !ok {
+			pids = append(pids, t.Pid)
+		}
+		byPid[t.Pid] = append(byPid[t.Pid], t)
+	}
+	var actions []Action
+	for _, pid := range pids {
+		ts := byPid[pid]
+		slices.SortStableFunc(ts, func(a, b SwapTarget) int {
+			return depth(a.ContainerPath) - depth(b.ContainerPath)
+		})
+		if err := ctx.Err(); err != nil {
+			for _, t := range ts {
+				actions = append(actions, Action{Op: OpSwap, Path: t.label(), DryRun: s.DryRun,
+					Err: fmt.Errorf("swap %s: %w", t.label(), err)})
+			}
+			continue
+		}
+		actions = append(actions, s.swapPid(ctx, pid, ts)...)
+	}
+	return actions, actionsErr(actions)
+}
+
+// swap is one target on its way: its actions entry, the clone of its source
+// and the container descriptors.
+type swap struct {
+	t      SwapTarget
+	a      *Action
+	tree   int // detached clone; -1 in dry-run
+	nested bool
+	src    string
+}
+
+func (s *Swapper) swapPid(ctx context.Context, pid int, ts []SwapTarget) []Action {
+	logger := klog.FromContext(ctx).WithValues("pid", pid)
+	sys := s.Sys.orHost()
+	actions := make([]Action, len(ts))
+	for i, t := range ts {
+		actions[i] = Action{Op: OpSwap, Path: t.label(), DryRun: s.DryRun}
+	}
+	failAll := func(err error) []Action {
+		for i := range actions {
+			if actions[i].Err == nil {
+				actions[i].Err = fmt.Errorf("swap %s: %w", actions[i].Path, err)
+			}
+		}
+		logger.Error(err, "Live swap failed")
+		return actions
+	}
+
+	proc := filepath.Join(s.procDir(), strconv.Itoa(pid))
+	if err := checkOtherNamespace(s.procDir(), pid); err != nil {
+		return failAll(err)
+	}
+	nsfd, err := unix.Open(filepath.Join(proc, "ns", "mnt"), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return failAll(fmt.Errorf("open mount namespace of pid %d: %w", pid, err))
+	}
+	defer unix.Close(nsfd)
+	rootfd, err := unix.Open(filepath.Join(proc, "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return failAll(fmt.Errorf("open root of pid %d: %w", pid, err))
+	}
+	defer unix.Close(rootfd)
+
+	// Host side: resolve and clone every source while this thread is in
+	// the host namespace.
+	var work []*swap
+	var done []string // container paths swapped or to be swapped before
+	for i, t := range ts {
+		w := &swap{t: t, a: &actions[i], tree: -1}
+		cp := filepath.Clean(t.ContainerPath)
+		if !filepath.IsAbs(t.ContainerPath) || cp == "/" {
+			w.a.Err = fmt.Errorf("swap %s: container path must be an absolute path below /", w.a.Path)
+			continue
+		}
+		for _, d := range done {
+			if probe.Under(d, cp) {
+				w.nested = true
+			}
+		}
+		tree, src, err := s.cloneSource(sys, t)
+		if err != nil {
+			w.a.Err = fmt.Errorf("swap %s: %w", w.a.Path, err)
+			logger.Error(err, "Live swap refused", "containerPath", t.ContainerPath)
+			continue
+		}
+		w.tree, w.src = tree, src
+		done = append(done, cp)
+		work = append(work, w)
+	}
+	defer func() {
+		for _, w := range work {
+			if w.tree >= 0 {
+				unix.Close(w.tree)
+			}
+		}
+	}()
+	if len(work) == 0 {
+		return actions
+	}
+
+	if s.DryRun {
+		for _, w := range work {
+			s.planInNamespace(rootfd, w)
+			if w.a.Err == nil {
+				logger.V(2).Info("Would swap", "containerPath", w.t.ContainerPath, "detail", w.a.Detail)
+			}
+		}
+		return actions
+	}
+
+	err = inMountNamespace(sys, nsfd, func() {
+		for _, w := range work {
+			start := time.Now()
+			s.swapInNamespace(sys, rootfd, w)
+			w.a.Took = time.Since(start)
+		}
+	})
+	if err != nil {
+		return failAll(err)
+	}
+	for _, w := range work {
+		if w.a.Err != nil {
+			logger.Error(w.a.Err, "Live swap failed", "containerPath", w.t.ContainerPath)
+		} else {
+			logger.V(2).Info("Swapped", "containerPath", w.t.ContainerPath, "detail", w.a.Detail)
+		}
+	}
+	return actions
+}
+
+// checkOtherNamespace refuses a process in our own mount namespace: a swap
+// there would replace host mounts, not a container's.
+func checkOtherNamespace(procDir string, pid int) error {
+	theirs, err := os.Readlink(filepath.Join(procDir, strconv.Itoa(pid), "ns", "mnt"))
+	if err != nil {
+		return fmt.Errorf("mount namespace of pid %d: %w", pid, err)
+	}
+	ours, err := os.Readlink(filepath.Join(procDir, "self", "ns", "mnt"))
+	if err != nil {
+		return fmt.Errorf("own mount namespace: %w", err)
+	}
+	if theirs == ours {
+		return fmt.Errorf("pid %d shares our mount namespace %s: not a container", pid, ours)
+	}
+	return nil
+}
+
+// cloneSource resolves the target's source below the kubelet root and, unless
+// in dry-run, clones it into a detached tree with the target's read-only
+// flag and propagation.
+func (s *Swapper) cloneSource(sys Syscalls, t SwapTarget) (tree int, desc string, err error) {
+	src, err := OpenSafe(s.root(), t.Source)
+	if err != nil {
+		return -1, "", err
+	}
+	defer src.Close()
+	if !src.IsMountPoint() {
+		return -1, "", fmt.Errorf("source %s is not a mount point", t.Source)
+	}
+	fd, desc := src.FD(), t.Source
+	if t.SubDir != "" {
+		sub := filepath.Clean(t.SubDir)
+		if filepath.IsAbs(sub) || sub == ".." || strings.HasPrefix(sub, "../") {
+			return -1, "", &UnsafePathError{Path: t.SubDir, Root: t.Source, Reason: "subPath leaves the volume"}
+		}
+		desc = filepath.Join(t.Source, sub)
+		if sub != "." {
+			subfd, err := openat2(src.FD(), sub, unix.O_PATH, resolveSafe)
+			if err != nil {
+				return -1, "", resolveErr(t.Source, desc, desc, err)
+			}
+			defer unix.Close(subfd)
+			fd = subfd
+		}
+	}
+	if s.DryRun {
+		return -1, desc, nil
+	}
+	tree, err = sys.OpenTree(fd, "", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE|unix.AT_EMPTY_PATH)
+	if err != nil {
+		return -1, "", fmt.Errorf("clone %s: %w", desc, err)
+	}
+	attr := unix.MountAttr{Propagation: t.Propagation.flag()}
+	if t.ReadOnly {
+		attr.Attr_set = unix.MOUNT_ATTR_RDONLY
+	}
+	if err := sys.MountSetattr(tree, "", unix.AT_EMPTY_PATH|unix.AT_RECURSIVE, &attr); err != nil {
+		unix.Close(tree)
+		return -1, "", fmt.Errorf("set %s%s on the clone of %s: %w", t.Propagation, roText(t.ReadOnly), desc, err)
+	}
+	return tree, desc, nil
+}
+
+func roText(ro bool) string {
+	if ro {
+		return ", read-only"
+	}
+	return ""
+}
+
+// containerTarget is a container path resolved below the process's root.
+type containerTarget struct {
+	parent, fd         int
+	name               string
+	parentID, mountID  int
+	mountPoint, exists bool
+}
+
+func (c *containerTarget) close() {
+	if c.fd >= 0 {
+		unix.Close(c.fd)
+	}
+	if c.parent >= 0 {
+		unix.Close(c.parent)
+	}
+}
+
+// resolveContainer resolves path inside the process root rootfd, refusing
+// symlinks, without calling into the filesystem mounted there.
+func resolveContainer(rootfd int, path string) (*containerTarget, error) {
+	rel := strings.TrimPrefix(filepath.Clean(path), "/")
+	dir, name := filepath.Split(rel)
+	dir = strings.TrimSuffix(dir, "/")
+	if dir == "" {
+		dir = "."
+	}
+	c := &containerTarget{parent: -1, fd: -1, name: name}
+	parent, err := openat2(rootfd, dir, unix.O_PATH|unix.O_DIRECTORY,
+		unix.RESOLVE_IN_ROOT|unix.RESOLVE_NO_SYMLINKS|unix.RESOLVE_NO_MAGICLINKS)
+	if err != nil {
+		return nil, containerResolveErr(path, err)
+	}
+	c.parent = parent
+	if c.parentID, err = fdMountID(parent); err != nil {
+		c.close()
+		return nil, fmt.Errorf("mount ID of the parent of %s: %w", path, err)
+	}
+	fd, err := openat2(parent, name, unix.O_PATH, resolveSafe)
+	if errors.Is(err, unix.ENOENT) {
+		return c, nil
+	}
+	if err != nil {
+		c.close()
+		return nil, containerResolveErr(path, err)
+	}
+	c.fd, c.exists = fd, true
+	if c.mountID, err = fdMountID(fd); err != nil {
+		c.close()
+		return nil, fmt.Errorf("mount ID of %s: %w", path, err)
+	}
+	c.mountPoint = c.mountID != c.parentID
+	return c, nil
+}
+
+func containerResolveErr(path string, err error) error {
+	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
+		return &UnsafePathError{Path: path, Root: "the container root", Reason: "a symlink in the container path", Err: err}
+	}
+	return fmt.Errorf("resolve container path %s: %w", path, err)
+}
+
+// check decides what to do at the resolved container path: replace the
+// mount on top, bind into a directory of a freshly swapped parent, or
+// nothing (an error).
+func (w *swap) check(c *containerTarget) error {
+	switch {
+	case !c.exists:
+		return fmt.Errorf("container path %s does not exist", w.t.ContainerPath)
+	case c.mountPoint && w.t.MountID != 0 && c.mountID != w.t.MountID:
+		return fmt.Errorf("mount %d is on top at %s, not mount %d: %w", c.mountID, w.t.ContainerPath, w.t.MountID, ErrMountChanged)
+	case !c.mountPoint && !w.nested:
+		return fmt.Errorf("nothing is mounted at %s: %w", w.t.ContainerPath, ErrMountChanged)
+	}
+	return nil
+}
+
+func (w *swap) detail(c *containerTarget, how string) string {
+	d := fmt.Sprintf("clone of %s (%s%s)", w.src, w.t.Propagation, roText(w.t.ReadOnly))
+	if c.mountPoint {
+		return fmt.Sprintf("replace mount %d with a %s%s", c.mountID, d, how)
+	}
+	return "bind a " + d + " inside the swapped parent" + how
+}
+
+// planInNamespace is the dry-run: resolve and check from the host, change
+// nothing. A path inside a parent that would be swapped first is not
+// resolved: the walk would go through the dead mount.
+func (s *Swapper) planInNamespace(rootfd int, w *swap) {
+	if w.nested {
+		w.a.Detail = fmt.Sprintf("bind a clone of %s (%s%s) inside the swapped parent", w.src, w.t.Propagation, roText(w.t.ReadOnly))
+		return
+	}
+	c, err := resolveContainer(rootfd, w.t.ContainerPath)
+	if err != nil {
+		w.a.Err = fmt.Errorf("swap %s: %w", w.a.Path, err)
+		return
+	}
+	defer c.close()
+	if err := w.check(c); err != nil {
+		w.a.Err = fmt.Errorf("swap %s: %w", w.a.Path, err)
+		return
+	}
+	w.a.Detail = w.detail(c, "")
+}
+
+// swapInNamespace runs on the thread that entered the container's mount
+// namespace.
+func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
+	fail := func(err error) { w.a.Err = fmt.Errorf("swap %s: %w", w.a.Path, err) }
+	c, err := resolveContainer(rootfd, w.t.ContainerPath)
+	if err != nil {
+		fail(err)
+		return
+	}
+	defer c.close()
+	if err := w.check(c); err != nil {
+		fail(err)
+		return
+	}
+	if !c.mountPoint {
+		// The dead mount went with its swapped parent: bind the clone at
+		// the same place inside the fresh parent.
+		if err := sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+			fail(fmt.Errorf("move the clone to %s: %w", w.t.ContainerPath, err))
+			return
+		}
+		w.a.Detail = w.detail(c, "")
+		return
+	}
+	// Under the dead mount first, then the dead mount away: no gap.
+	err = sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH|moveMountBeneath)
+	beneath := err == nil
+	if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOSYS) {
+		fail(fmt.Errorf("move the clone beneath mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
+		return
+	}
+	if err := sys.Fchdir(c.parent); err != nil {
+		fail(fmt.Errorf("enter the parent of %s: %w", w.t.ContainerPath, err))
+		return
+	}
+	if err := sys.Unmount(c.name, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) {
+		fail(fmt.Errorf("unmount dead mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
+		return
+	}
+	if beneath {
+		w.a.Detail = w.detail(c, ", mounted beneath")
+		return
+	}
+	if err := sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		fail(fmt.Errorf("move the clone to %s after unmounting mount %d: %w", w.t.ContainerPath, c.mountID, err))
+		return
+	}
+	w.a.Detail = w.detail(c, ", after unmounting")
+}
+
+// inMountNamespace runs fn on a locked OS thread that entered the mount
+// namespace nsfd. The thread is never unlocked: its goroutine ends locked and
+// Go ends the thread, whose fs and namespace are no longer the process's.
+func inMountNamespace(sys Syscalls, nsfd int, fn func()) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		if err := sys.Unshare(unix.CLONE_FS); err != nil {
+			errc <- fmt.Errorf("unshare fs: %w", err)
+			return
+		}
+		if err := sys.Setns(nsfd, unix.CLONE_NEWNS); err != nil {
+			errc <- fmt.Errorf("enter mount namespace: %w", err)
+			return
+		}
+		fn()
+		errc <- nil
+	}()
+	return <-errc
+}

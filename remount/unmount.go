@@ -1,0 +1,266 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+// DefaultFusectlDir is where the fuse control filesystem is mounted.
+const DefaultFusectlDir = "/sys/fs/fuse/connections"
+
+// fusectlMagic is the f_type statfs reports for the fuse control filesystem.
+const fusectlMagic = 0x65735543
+
+// Unmounter lazily unmounts dead mounts below the kubelet root, aborting
+// their FUSE connections first when asked. It never stats a mount point and
+// never runs umount(8) or mount-utils (both stat the target first and hang on
+// a hung FUSE daemon): unmounting is umount2(MNT_DETACH) on the descriptor
+// of a safe path (see OpenSafe), which returns at once even on a hung mount.
+type Unmounter struct {
+	// Root is the kubelet root; probe.DefaultKubeletRoot when empty.
+	Root string
+	// DryRun resolves and checks every path and returns the plan, without
+	// unmounting, mounting or aborting anything.
+	DryRun bool
+	// FusectlDir is where the fuse control filesystem is mounted, or gets
+	// mounted when it is missing; DefaultFusectlDir when empty.
+	FusectlDir string
+	// Sys are the operations that change mounts; zero fields take the
+	// host's.
+	Sys Syscalls
+}
+
+func (u *Unmounter) root() string {
+	if u.Root == "" {
+		return probe.DefaultKubeletRoot
+	}
+	return u.Root
+}
+
+func (u *Unmounter) fusectlDir() string {
+	if u.FusectlDir == "" {
+		return DefaultFusectlDir
+	}
+	return u.FusectlDir
+}
+
+// Unmount lazily unmounts the top mount at each path, deepest paths first
+// (a subPath bind before the publish target before the staging mount), each
+// path once. A path that is not a mount point, or is gone, counts as done: a
+// second call does nothing. Each path must pass OpenSafe; a refused path is
+// an action whose error satisfies errors.Is(err, ErrUnsafePath), and the
+// other paths are still unmounted. The error joins the actions' errors.
+//
+// Unmount removes whatever mount is on top at the path. When the caller read
+// the mounts from a mount table, UnmountMounts is safer: it leaves a path
+// alone when another mount has come on top since.
+func (u *Unmounter) Unmount(ctx context.Context, paths []string) ([]Action, error) {
+	targets := make([]unmountTarget, 0, len(paths))
+	for _, p := range paths {
+		targets = append(targets, unmountTarget{path: p})
+	}
+	return u.unmountAll(ctx, targets)
+}
+
+// UnmountMounts lazily unmounts mounts read from a mount table, deepest
+// first. It unmounts a path only while the mount on top there is the one the
+// table named (same mount ID); otherwise the action fails with
+// ErrMountChanged and nothing is unmounted there. With abort set, it first
+// aborts the FUSE connection of every FUSE backend among mounts, which fails
+// the requests a hung daemon holds (they answer ECONNABORTED, later ones
+// ENOTCONN) so that nothing stays blocked on the detached mount.
+func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount, abort bool) ([]Action, error) {
+	var actions []Action
+	if abort {
+		seen := make(map[probe.Dev]bool)
+		for _, m := range mounts {
+			if !isFUSE(m) || seen[m.Dev] {
+				continue
+			}
+			seen[m.Dev] = true
+			acts, _ := u.AbortFUSE(ctx, m.Dev)
+			actions = append(actions, acts...)
+		}
+	}
+	targets := make([]unmountTarget, 0, len(mounts))
+	for _, m := range mounts {
+		targets = append(targets, unmountTarget{path: m.Path, id: m.ID})
+	}
+	acts, _ := u.unmountAll(ctx, targets)
+	actions = append(actions, acts...)
+	return actions, actionsErr(actions)
+}
+
+func isFUSE(m *probe.Mount) bool {
+	if m.Backend != nil {
+		return m.Backend.Kind == probe.BackendFUSE || strings.HasPrefix(m.Backend.FSType, "fuseblk")
+	}
+	base, _, _ := strings.Cut(m.FSType, ".")
+	return base == "fuse" || base == "fuseblk"
+}
+
+type unmountTarget struct {
+	path string
+	id   int // 0: whatever is on top
+}
+
+func (u *Unmounter) unmountAll(ctx context.Context, targets []unmountTarget) ([]Action, error) {
+	// Deepest first, so that a mount below another path is gone before its
+	// parent; each path once, or a second pass would unmount the next mount
+	// down a stack.
+	slices.SortStableFunc(targets, func(a, b unmountTarget) int {
+		da, db := depth(a.path), depth(b.path)
+		if da != db {
+			return db - da
+		}
+		return strings.Compare(filepath.Clean(b.path), filepath.Clean(a.path))
+	})
+	targets = slices.CompactFunc(targets, func(a, b unmountTarget) bool {
+		return filepath.Clean(a.path) == filepath.Clean(b.path)
+	})
+	sys := u.Sys.orHost()
+	var actions []Action
+	for _, t := range targets {
+		if err := ctx.Err(); err != nil {
+			actions = append(actions, Action{Op: OpUnmount, Path: t.path, DryRun: u.DryRun,
+				Err: fmt.Errorf("unmount %s: %w", t.path, err)})
+			continue
+		}
+		actions = append(actions, u.unmountOne(ctx, sys, t))
+	}
+	return actions, actionsErr(actions)
+}
+
+func depth(p string) int { return strings.Count(filepath.Clean(p), "/") }
+
+func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarget) Action {
+	logger := klog.FromContext(ctx).WithValues("path", t.path)
+	a := Action{Op: OpUnmount, Path: t.path, DryRun: u.DryRun}
+	sp, err := OpenSafe(u.root(), t.path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		a.Detail = "path gone: not mounted"
+		return a
+	case err != nil:
+		a.Err = fmt.Errorf("unmount %s: %w", t.path, err)
+		logger.Error(err, "Refused to unmount")
+		return a
+	}
+	defer sp.Close()
+	if !sp.IsMountPoint() {
+		a.Detail = "not mounted"
+		return a
+	}
+	if t.id != 0 && sp.MountID != t.id {
+		a.Err = fmt.Errorf("unmount %s: mount %d is on top there, not mount %d: %w", t.path, sp.MountID, t.id, ErrMountChanged)
+		logger.V(2).Info("Left a changed mount alone", "want", t.id, "found", sp.MountID)
+		return a
+	}
+	a.Detail = "mount " + strconv.Itoa(sp.MountID)
+	if u.DryRun {
+		logger.V(2).Info("Would unmount lazily", "mountID", sp.MountID)
+		return a
+	}
+	start := time.Now()
+	err = sys.Unmount(sp.FDPath(), unix.MNT_DETACH)
+	a.Took = time.Since(start)
+	switch {
+	case errors.Is(err, unix.EINVAL):
+		// Not a mount point (any more), or a mount locked into a less
+		// privileged namespace; either way nothing is ours to unmount.
+		a.Detail += ": not mounted"
+	case err != nil:
+		a.Err = fmt.Errorf("unmount %s: %w", t.path, err)
+		logger.Error(err, "Lazy unmount failed", "mountID", sp.MountID)
+	default:
+		logger.V(2).Info("Unmounted lazily", "mountID", sp.MountID)
+	}
+	return a
+}
+
+// FusectlConn is the name of a FUSE connection's directory under the
+// fuse control filesystem: the kernel's dev_t of the superblock printed in
+// decimal, MKDEV(major, minor) = major<<20 | minor. For fuse mounts (major 0)
+// it is the minor; fuseblk mounts carry their block device's number.
+func FusectlConn(dev probe.Dev) uint32 { return dev.Major<<20 | dev.Minor }
+
+// AbortFUSE aborts the FUSE connection of the filesystem with device number
+// dev: it writes 1 to <FusectlDir>/<conn>/abort, mounting the fuse control
+// filesystem there first if it is missing. Requests in flight then fail with
+// ECONNABORTED and later ones with ENOTCONN, so a hung daemon no longer
+// blocks callers. A connection that is gone already counts as done.
+func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev) ([]Action, error) {
+	logger := klog.FromContext(ctx).WithValues("dev", dev.String())
+	sys := u.Sys.orHost()
+	dir := u.fusectlDir()
+	var actions []Action
+	if err := ctx.Err(); err != nil {
+		actions = append(actions, Action{Op: OpAbortFUSE, Path: dir, DryRun: u.DryRun,
+			Err: fmt.Errorf("abort fuse connection of %s: %w", dev, err)})
+		return actions, actionsErr(actions)
+	}
+
+	mounted, err := isFusectl(dir)
+	if err != nil {
+		actions = append(actions, Action{Op: OpMountFusectl, Path: dir, DryRun: u.DryRun,
+			Err: fmt.Errorf("check fusectl at %s: %w", dir, err)})
+		return actions, actionsErr(actions)
+	}
+	if !mounted {
+		a := Action{Op: OpMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted"}
+		if !u.DryRun {
+			start := time.Now()
+			err := sys.Mount("none", dir, "fusectl", 0, "")
+			a.Took = time.Since(start)
+			if err != nil && !errors.Is(err, unix.EBUSY) {
+				a.Err = fmt.Errorf("mount fusectl at %s: %w", dir, err)
+				actions = append(actions, a)
+				return actions, actionsErr(actions)
+			}
+			logger.V(2).Info("Mounted fusectl", "dir", dir)
+		}
+		actions = append(actions, a)
+	}
+
+	conn := FusectlConn(dev)
+	p := filepath.Join(dir, strconv.FormatUint(uint64(conn), 10), "abort")
+	a := Action{Op: OpAbortFUSE, Path: p, DryRun: u.DryRun, Detail: fmt.Sprintf("fuse connection %d of device %s", conn, dev)}
+	if u.DryRun {
+		logger.V(2).Info("Would abort FUSE connection", "conn", conn)
+		return append(actions, a), nil
+	}
+	start := time.Now()
+	err = sys.WriteFile(p, []byte("1"))
+	a.Took = time.Since(start)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		a.Detail += ": connection gone"
+	case err != nil:
+		a.Err = fmt.Errorf("abort fuse connection %d: %w", conn, err)
+		logger.Error(err, "FUSE abort failed", "conn", conn)
+	default:
+		logger.V(2).Info("Aborted FUSE connection", "conn", conn)
+	}
+	actions = append(actions, a)
+	return actions, actionsErr(actions)
+}
+
+// isFusectl reports whether the fuse control filesystem is mounted at dir.
+func isFusectl(dir string) (bool, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return false, err
+	}
+	return st.Type == fusectlMagic, nil
+}
