@@ -1,0 +1,453 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// ReportingController names the agent in the events it writes.
+const ReportingController = "mountmedic.io/agent"
+
+// Deps are what Run needs from outside, injected so that tests (and the
+// command) choose them.
+type Deps struct {
+	// Client talks to the API server. Required.
+	Client kubernetes.Interface
+	// Repairer acts on mounts (a *remount.Repairer). Nil runs the agent
+	// without the restage, live swap, restart and unmount tiers: it detects,
+	// reports and evicts only.
+	Repairer repairer
+	// DriverCaps returns a CSI driver's node capabilities; nil uses
+	// DialDriverCaps(cfg.KubeletRoot).
+	DriverCaps DriverCapsFunc
+	// Prober probes backends; nil makes one from the configuration.
+	Prober *probe.Prober
+	// Events records events; nil starts an events.k8s.io broadcaster on
+	// Client.
+	Events eventRecorder
+}
+
+// Agent is the node agent. Make it with New, start it with Run.
+type Agent struct {
+	cfg      Config
+	client   kubernetes.Interface
+	repairer repairer
+	prober   *probe.Prober
+	kube     *kube
+	caps     *capsCache
+	metrics  *metrics
+	report   reporter
+	notes    *noteBook
+	budget   *budget
+	decider  *decider
+	events   eventRecorder
+
+	pods   podsByUID
+	synced func() bool
+
+	scanned  atomic.Bool
+	ready    atomic.Bool
+	lastScan atomic.Int64 // unix nanoseconds
+
+	driverMu sync.Mutex
+	driverOK map[string]bool
+	checking atomic.Bool
+	driverUp chan string
+
+	results chan jobResult
+	running int
+	workers sync.WaitGroup
+}
+
+// New checks the configuration and prepares an agent.
+func New(cfg Config, deps Deps) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if deps.Client == nil {
+		return nil, errors.New("agent needs a Kubernetes client")
+	}
+	if deps.DriverCaps == nil {
+		deps.DriverCaps = DialDriverCaps(cfg.KubeletRoot)
+	}
+	if deps.Prober == nil {
+		pc := probe.DefaultConfig()
+		pc.Timeout, pc.Parallel = cfg.ProbeTimeout, cfg.ProbeParallel
+		deps.Prober = probe.NewProber(pc)
+	}
+	a := &Agent{
+		cfg:      cfg,
+		repairer: deps.Repairer,
+		client:   deps.Client,
+		prober:   deps.Prober,
+		kube:     &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout},
+		caps:     newCapsCache(deps.DriverCaps),
+		metrics:  newMetrics(cfg.Version),
+		notes:    newNoteBook(),
+		budget:   newBudget(cfg.MaxEvictions, cfg.EvictionWindow, nil),
+		decider:  newDecider(&cfg),
+		events:   deps.Events,
+		synced:   func() bool { return false },
+		driverOK: make(map[string]bool),
+		driverUp: make(chan string, 16),
+		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
+	}
+	a.report = reporter{rec: deps.Events, dryRun: cfg.DryRun}
+	return a, nil
+}
+
+// NewClient makes a client from the kubeconfig file, or the in-cluster
+// configuration when kubeconfig is empty.
+func NewClient(kubeconfig, version string) (kubernetes.Interface, error) {
+	var rc *rest.Config
+	var err error
+	if kubeconfig == "" {
+		rc, err = rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("in-cluster config: %w; outside a pod pass --kubeconfig", err)
+		}
+	} else {
+		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("--kubeconfig %s: %w", kubeconfig, err)
+		}
+	}
+	rc.UserAgent = "mountmedic/" + version
+	c, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	return c, nil
+}
+
+// Run runs the agent until ctx ends.
+func Run(ctx context.Context, cfg Config, deps Deps) error {
+	a, err := New(cfg, deps)
+	if err != nil {
+		return err
+	}
+	return a.Run(ctx)
+}
+
+// Handler serves /metrics, /healthz and /readyz.
+func (a *Agent) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(a.metrics.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := a.healthy(time.Now()); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		switch {
+		case !a.synced():
+			http.Error(w, "pod informer not synced", http.StatusServiceUnavailable)
+		case !a.scanned.Load():
+			http.Error(w, "first scan not done", http.StatusServiceUnavailable)
+		default:
+			fmt.Fprintln(w, "ok")
+		}
+	})
+	return mux
+}
+
+// healthy fails when no probe cycle ended for a long while: the loop is
+// wedged.
+func (a *Agent) healthy(now time.Time) error {
+	last := a.lastScan.Load()
+	if last == 0 {
+		return nil // starting
+	}
+	limit := max(time.Minute, 10*(a.cfg.ProbeInterval+a.cfg.ProbeTimeout))
+	if age := now.Sub(time.Unix(0, last)); age > limit {
+		return fmt.Errorf("no probe cycle for %s", age.Round(time.Second))
+	}
+	return nil
+}
+
+// Run runs the agent until ctx ends. It returns an error only when it
+// cannot start.
+func (a *Agent) Run(ctx context.Context) error {
+	logger := klog.FromContext(ctx).WithValues("node", a.cfg.NodeName)
+	ctx = klog.NewContext(ctx, logger)
+	logger.Info("Starting mountmedic agent", "kubeletRoot", a.cfg.KubeletRoot, "hostTable", a.cfg.HostTable,
+		"probeInterval", a.cfg.ProbeInterval, "probeTimeout", a.cfg.ProbeTimeout, "strikes", a.cfg.Strikes,
+		"tiers", a.cfg.Tiers.Names(), "dryRun", a.cfg.DryRun, "repairer", a.repairer != nil)
+
+	var srv *http.Server
+	if a.cfg.MetricsAddr != "" {
+		ln, err := net.Listen("tcp", a.cfg.MetricsAddr)
+		if err != nil {
+			return fmt.Errorf("--metrics-addr %s: %w", a.cfg.MetricsAddr, err)
+		}
+		srv = &http.Server{Handler: a.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				logger.Error(err, "Metrics server stopped")
+			}
+		}()
+		logger.Info("Serving metrics", "addr", ln.Addr().String())
+	}
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if a.events == nil {
+		b := events.NewBroadcaster(&events.EventSinkImpl{Interface: a.client.EventsV1()})
+		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
+			return fmt.Errorf("start event recording: %w", err)
+		}
+		defer b.Shutdown()
+		a.events = b.NewRecorder(scheme.Scheme, ReportingController)
+		a.report.rec = a.events
+	}
+
+	factory, inf, err := podInformer(a.client, a.cfg.NodeName)
+	if err != nil {
+		return err
+	}
+	a.pods = podsByUID{idx: inf.GetIndexer()}
+	a.synced = inf.HasSynced
+	factory.Start(ctx.Done())
+
+	tw, err := watchTable(ctx, a.cfg.HostTable)
+	if err != nil {
+		logger.Error(err, "Cannot watch the mount table; re-reading it at every resync only")
+	}
+	pw, err := watchPlugins(ctx, a.cfg.KubeletRoot)
+	if err != nil {
+		logger.Error(err, "Cannot watch driver registrations; a driver's return is noticed at resync only")
+	}
+
+	a.loop(ctx, tw, pw)
+
+	cancel()
+	a.workers.Wait()
+	tw.Close()
+	pw.Close()
+	factory.Shutdown()
+	if srv != nil {
+		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer scancel()
+		_ = srv.Shutdown(sctx)
+	}
+	logger.Info("Stopped mountmedic agent")
+	return nil
+}
+
+// loop is the agent's single decision goroutine: it owns the inventory and
+// the decider; repair runs report back on a.results.
+func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
+	logger := klog.FromContext(ctx)
+	var inv *probe.Inventory
+	dirty := true
+	probeTimer := time.NewTimer(0)
+	defer probeTimer.Stop()
+	resync := time.NewTicker(a.cfg.Resync)
+	defer resync.Stop()
+	kick := func(driver string) {
+		a.caps.forget(driver)
+		for _, key := range a.decider.kick(driver) {
+			a.notes.clear(key, ReasonDriverDown)
+		}
+		dirty = true
+		probeTimer.Reset(0)
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tw.Changes():
+			dirty = true
+		case <-resync.C:
+			dirty = true
+			a.decider.resync()
+			a.caps.forget("")
+			if inv != nil {
+				drivers := volumeDrivers(inv)
+				pw.Watch(ctx, drivers)
+				a.checkDrivers(ctx, drivers)
+			}
+		case driver := <-pw.Events():
+			logger.V(2).Info("CSI driver registered; probing its volumes now", "driver", driver)
+			kick(driver)
+		case driver := <-a.driverUp:
+			logger.V(2).Info("CSI driver answers again; probing its volumes now", "driver", driver)
+			kick(driver)
+		case r := <-a.results:
+			a.running--
+			a.decider.finish(r.key, r.outcome, rungEvict, r.reachedEvict, time.Now())
+		case <-probeTimer.C:
+			inv = a.cycle(ctx, inv, &dirty, pw)
+			probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+		}
+	}
+}
+
+// cycle re-reads the mount table when it changed, probes it once, updates
+// the metrics and the decider and starts the repair runs that are due.
+func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw *pluginWatcher) *probe.Inventory {
+	logger := klog.FromContext(ctx)
+	start := time.Now()
+	if *dirty || inv == nil {
+		fresh, err := probe.ReadFile(a.cfg.HostTable, probe.Options{Root: a.cfg.KubeletRoot, Live: true})
+		if err != nil {
+			logger.Error(err, "Reading the mount table failed")
+			if inv == nil {
+				return nil
+			}
+		} else {
+			first := inv == nil
+			inv, *dirty = fresh, false
+			drivers := volumeDrivers(inv)
+			pw.Watch(ctx, drivers)
+			if first {
+				a.checkDrivers(ctx, drivers)
+			}
+		}
+	}
+	rep := a.prober.Probe(ctx, inv)
+	end := time.Now()
+	a.metrics.observeScan(inv, rep, end.Sub(start), end)
+	a.lastScan.Store(end.UnixNano())
+	a.scanned.Store(true)
+
+	broken := groupBroken(rep)
+	keys := make(map[string]string, len(broken))
+	for k, v := range broken {
+		keys[k] = v.driver
+	}
+	due := a.decider.observe(keys, end)
+	a.notes.keep(func(key string) bool { _, ok := a.decider.vols[key]; return ok })
+	if len(broken) > 0 {
+		logger.V(4).Info("Probe cycle", "mounts", len(inv.Mounts), "broken", len(broken), "due", len(due), "running", a.running)
+	}
+	if !a.synced() {
+		if len(due) > 0 {
+			logger.V(2).Info("Pod informer not synced: repairs wait", "due", len(due))
+		}
+		return inv
+	}
+	for _, key := range due {
+		if a.running >= a.cfg.MaxConcurrentRepairs {
+			break
+		}
+		j := a.prepare(broken[key])
+		if j == nil {
+			continue
+		}
+		st := a.decider.start(key)
+		j.floor, j.since, j.attempt = st.floor, st.since, st.attempts
+		a.running++
+		a.workers.Add(1)
+		go func() {
+			defer a.workers.Done()
+			a.results <- a.run(ctx, j)
+		}()
+	}
+	return inv
+}
+
+// prepare sorts the pods of a broken volume into those to repair, those
+// being deleted and those left alone, from the pod informer. It returns nil
+// when no pod of the volume is known (mounts of a pod the API server no
+// longer has, or a staging mount no pod uses).
+func (a *Agent) prepare(bv *brokenVolume) *job {
+	j := &job{key: bv.key, vol: bv, excluded: make(map[*corev1.Pod]string)}
+	switch {
+	case bv.block:
+		j.skip = "raw block volumes are reported, not repaired"
+	case bv.csi && !a.cfg.driverAllowed(bv.driver):
+		j.skip = fmt.Sprintf("CSI driver %s is not in --drivers", bv.driver)
+	}
+	n := 0
+	for _, uid := range bv.podUIDs() {
+		pod := a.pods.get(uid)
+		if pod == nil {
+			continue
+		}
+		n++
+		switch {
+		case pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed:
+			j.terminating = append(j.terminating, pod)
+		case !a.cfg.namespaceAllowed(pod.Namespace):
+			j.excluded[pod] = fmt.Sprintf("namespace %s is excluded by --include-namespaces/--exclude-namespaces: not repaired", pod.Namespace)
+		default:
+			if out, complaint := optedOut(pod.Annotations); out {
+				why := fmt.Sprintf("the pod has annotation %s=\"false\": not repaired", OptOutAnnotation)
+				if complaint != "" {
+					why = complaint
+				}
+				j.excluded[pod] = why
+				continue
+			}
+			j.active = append(j.active, pod)
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	return j
+}
+
+// checkDrivers asks each driver for its capabilities in the background (at
+// most one check at a time) to keep mountmedic_driver_up current and to
+// notice a driver that came back without its socket being re-created.
+func (a *Agent) checkDrivers(ctx context.Context, drivers []string) {
+	if len(drivers) == 0 || !a.checking.CompareAndSwap(false, true) {
+		return
+	}
+	a.workers.Add(1)
+	go func() {
+		defer a.workers.Done()
+		defer a.checking.Store(false)
+		for _, d := range drivers {
+			cctx, cancel := context.WithTimeout(ctx, a.cfg.APITimeout)
+			_, err := a.caps.get(cctx, d)
+			cancel()
+			if ctx.Err() != nil {
+				return
+			}
+			up := err == nil
+			if err != nil && !isDriverDown(err) {
+				klog.FromContext(ctx).V(2).Info("CSI driver check failed", "driver", d, "err", err)
+			}
+			if a.setDriver(d, up) {
+				select {
+				case a.driverUp <- d:
+				default:
+				}
+			}
+		}
+	}()
+}
+
+// setDriver records a driver's state and reports whether it just came back
+// up after being seen down.
+func (a *Agent) setDriver(driver string, up bool) bool {
+	a.metrics.setDriverUp(driver, up)
+	a.driverMu.Lock()
+	defer a.driverMu.Unlock()
+	was, seen := a.driverOK[driver]
+	a.driverOK[driver] = up
+	return seen && !was && up
+}

@@ -1,0 +1,75 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// DriverCapsFunc returns a CSI driver's node capabilities; errors match
+// remount.ErrDriverUnavailable when the driver is down.
+type DriverCapsFunc func(ctx context.Context, driver string) (remount.NodeCapabilities, error)
+
+// DialDriverCaps returns a DriverCapsFunc that finds the driver's socket
+// under kubeletRoot the way kubelet does and asks it once per call.
+func DialDriverCaps(kubeletRoot string) DriverCapsFunc {
+	return func(ctx context.Context, driver string) (remount.NodeCapabilities, error) {
+		ep, err := remount.FindDriver(ctx, kubeletRoot, driver)
+		if err != nil {
+			return remount.NodeCapabilities{}, err
+		}
+		c, err := remount.DialCSI(ctx, ep.Path, remount.CSIOptions{})
+		if err != nil {
+			return remount.NodeCapabilities{}, err
+		}
+		defer c.Close()
+		caps, err := c.NodeGetCapabilities(ctx)
+		if err != nil {
+			return remount.NodeCapabilities{}, fmt.Errorf("csi driver %q: %w", driver, err)
+		}
+		return caps, nil
+	}
+}
+
+// capsCache remembers each driver's capabilities until the driver
+// re-registers (its socket appears again) or the resync; errors are not
+// remembered.
+type capsCache struct {
+	fn DriverCapsFunc
+	mu sync.Mutex
+	m  map[string]remount.NodeCapabilities
+}
+
+func newCapsCache(fn DriverCapsFunc) *capsCache {
+	return &capsCache{fn: fn, m: make(map[string]remount.NodeCapabilities)}
+}
+
+func (c *capsCache) get(ctx context.Context, driver string) (remount.NodeCapabilities, error) {
+	c.mu.Lock()
+	caps, ok := c.m[driver]
+	c.mu.Unlock()
+	if ok {
+		return caps, nil
+	}
+	caps, err := c.fn(ctx, driver)
+	if err != nil {
+		return caps, err
+	}
+	c.mu.Lock()
+	c.m[driver] = caps
+	c.mu.Unlock()
+	return caps, nil
+}
+
+// forget drops driver ("" for all).
+func (c *capsCache) forget(driver string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if driver == "" {
+		clear(c.m)
+		return
+	}
+	delete(c.m, driver)
+}

@@ -1,0 +1,290 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// OptOutAnnotation on a pod or a PersistentVolumeClaim, set to "false",
+// keeps the agent from repairing the volumes it names (they are still
+// probed, counted and reported).
+const OptOutAnnotation = "mountmedic.io/repair"
+
+// Tier names, as --tiers takes them and the repairs_total metric labels
+// them.
+const (
+	TierRestage     = "restage"
+	TierLiveSwap    = "liveswap"
+	TierRestart     = "restart"
+	TierEvict       = "evict"
+	TierUnmount     = "unmount"
+	TierDelete      = "delete"
+	TierForceDelete = "force-delete"
+)
+
+// AllTiers lists every tier name, in ladder order.
+var AllTiers = []string{TierRestage, TierLiveSwap, TierRestart, TierEvict, TierUnmount, TierDelete, TierForceDelete}
+
+// DefaultTiers are the tiers enabled by default: every one except the two
+// deletions, which are opt-in.
+var DefaultTiers = []string{TierRestage, TierLiveSwap, TierRestart, TierEvict, TierUnmount}
+
+// Tiers says which repair tiers may run.
+type Tiers struct {
+	// Restage: unmount the dead mounts lazily and send NodeStageVolume and
+	// NodePublishVolume again.
+	Restage bool
+	// LiveSwap: put the fresh mount into running containers.
+	LiveSwap bool
+	// Restart: restart the containers through the CRI.
+	Restart bool
+	// Evict: evict the pod through the Eviction API (PodDisruptionBudgets
+	// respected), only when a controller of an allowed kind owns it.
+	Evict bool
+	// Unmount: lazily unmount the dead mounts of a pod that is being
+	// deleted, so that kubelet can finish tearing it down.
+	Unmount bool
+	// Delete (opt-in): delete the pod with a UID precondition when Evict is
+	// off, or when the eviction failed for another reason than a
+	// PodDisruptionBudget. Never bypasses a budget that blocks.
+	Delete bool
+	// ForceDelete (opt-in): delete a pod stuck terminating on a dead mount
+	// with grace period 0, ForceDeleteAfter past its deletion deadline.
+	ForceDelete bool
+}
+
+// ParseTiers turns tier names into Tiers.
+func ParseTiers(names []string) (Tiers, error) {
+	var t Tiers
+	for _, n := range names {
+		switch strings.TrimSpace(n) {
+		case TierRestage:
+			t.Restage = true
+		case TierLiveSwap:
+			t.LiveSwap = true
+		case TierRestart:
+			t.Restart = true
+		case TierEvict:
+			t.Evict = true
+		case TierUnmount:
+			t.Unmount = true
+		case TierDelete:
+			t.Delete = true
+		case TierForceDelete:
+			t.ForceDelete = true
+		case "":
+		default:
+			return Tiers{}, fmt.Errorf("unknown tier %q: use %s", n, strings.Join(AllTiers, ", "))
+		}
+	}
+	return t, nil
+}
+
+// Names lists the enabled tiers in ladder order.
+func (t Tiers) Names() []string {
+	on := []bool{t.Restage, t.LiveSwap, t.Restart, t.Evict, t.Unmount, t.Delete, t.ForceDelete}
+	var out []string
+	for i, n := range AllTiers {
+		if on[i] {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// Config is the agent's configuration; cmd/mountmedic binds its flags into
+// it. Start from DefaultConfig.
+type Config struct {
+	// NodeName is this node (--node-name, default $NODE_NAME).
+	NodeName string
+	// Kubeconfig is a kubeconfig file; empty means the in-cluster config.
+	Kubeconfig string
+	// KubeletRoot is kubelet's --root-dir.
+	KubeletRoot string
+	// HostTable is the mount table to watch: /proc/self/mountinfo when the
+	// agent shares the host's mount namespace through a Bidirectional mount
+	// of the kubelet root, /proc/1/mountinfo with hostPID.
+	HostTable string
+
+	ProbeInterval time.Duration
+	ProbeTimeout  time.Duration
+	// ProbeParallel bounds the probes run at once in a cycle.
+	ProbeParallel int
+	// Strikes is how many probe cycles in a row a volume must be broken
+	// before it is repaired (a driver that just registered skips them).
+	Strikes int
+	// Resync re-reads the mount table and retries volumes whose driver is
+	// down even when nothing woke the agent.
+	Resync time.Duration
+	// BackoffBase and BackoffMax bound the per-volume exponential backoff
+	// between repair attempts.
+	BackoffBase time.Duration
+	BackoffMax  time.Duration
+
+	Tiers Tiers
+	// MaxConcurrentRepairs bounds the repairs running at once.
+	MaxConcurrentRepairs int
+	// MaxEvictions bounds evictions and deletions per EvictionWindow on this
+	// node.
+	MaxEvictions   int
+	EvictionWindow time.Duration
+	// EvictOwnerKinds are the controller kinds whose pods may be evicted.
+	EvictOwnerKinds []string
+	// ForceDeleteAfter is how long past its deletion deadline (deletion
+	// timestamp) a pod must be stuck before a force delete (opt-in tier).
+	ForceDeleteAfter time.Duration
+
+	// Drivers, when not empty, limits repairs to these CSI drivers (other
+	// volumes are still probed and reported).
+	Drivers []string
+	// IncludeNamespaces, when not empty, limits repairs to pods in these
+	// namespaces; ExcludeNamespaces are never repaired.
+	IncludeNamespaces []string
+	ExcludeNamespaces []string
+
+	// DryRun: decide and report (events say "[dry-run]"), change nothing.
+	DryRun bool
+	// MetricsAddr serves /metrics, /healthz and /readyz; empty disables it.
+	MetricsAddr string
+	// CRISocket is the container runtime's socket, for the repairer's
+	// restart and live-swap tiers.
+	CRISocket string
+	// APITimeout bounds each API call the agent makes.
+	APITimeout time.Duration
+	// CacheSize and CacheTTL size the PV/PVC/CSIDriver/VolumeAttachment
+	// cache.
+	CacheSize int
+	CacheTTL  time.Duration
+	// Version is reported by mountmedic_build_info.
+	Version string
+}
+
+// DefaultConfig returns the defaults the flags start from.
+func DefaultConfig() Config {
+	tiers, _ := ParseTiers(DefaultTiers)
+	return Config{
+		KubeletRoot:          probe.DefaultKubeletRoot,
+		HostTable:            "/proc/self/mountinfo",
+		ProbeInterval:        time.Second,
+		ProbeTimeout:         2 * time.Second,
+		ProbeParallel:        4,
+		Strikes:              2,
+		Resync:               30 * time.Second,
+		BackoffBase:          time.Second,
+		BackoffMax:           5 * time.Minute,
+		Tiers:                tiers,
+		MaxConcurrentRepairs: 4,
+		MaxEvictions:         2,
+		EvictionWindow:       10 * time.Minute,
+		EvictOwnerKinds:      []string{"ReplicaSet", "StatefulSet", "Job"},
+		ForceDeleteAfter:     time.Minute,
+		MetricsAddr:          ":9809",
+		CRISocket:            "unix:///run/containerd/containerd.sock",
+		APITimeout:           10 * time.Second,
+		CacheSize:            256,
+		CacheTTL:             5 * time.Minute,
+		Version:              "dev",
+	}
+}
+
+// Validate checks the configuration; each error names the flag and the fix.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	switch {
+	case c.NodeName == "":
+		bad("--node-name is empty: pass this node's name, or set NODE_NAME from the downward API (fieldRef spec.nodeName)")
+	default:
+		if msgs := validation.IsDNS1123Subdomain(c.NodeName); len(msgs) > 0 {
+			bad("--node-name %q is not a node name: %s", c.NodeName, strings.Join(msgs, "; "))
+		}
+	}
+	if !filepath.IsAbs(c.KubeletRoot) || filepath.Clean(c.KubeletRoot) == "/" {
+		bad("--kubelet-root %q: give kubelet's absolute --root-dir, for example %s", c.KubeletRoot, probe.DefaultKubeletRoot)
+	}
+	if !filepath.IsAbs(c.HostTable) {
+		bad("--host-table %q: give an absolute path such as /proc/self/mountinfo or /proc/1/mountinfo", c.HostTable)
+	}
+	positive := func(flag string, d time.Duration) {
+		if d <= 0 {
+			bad("--%s %s: must be positive", flag, d)
+		}
+	}
+	positive("probe-interval", c.ProbeInterval)
+	positive("probe-timeout", c.ProbeTimeout)
+	positive("resync", c.Resync)
+	positive("backoff-base", c.BackoffBase)
+	positive("backoff-max", c.BackoffMax)
+	positive("eviction-window", c.EvictionWindow)
+	positive("api-timeout", c.APITimeout)
+	positive("cache-ttl", c.CacheTTL)
+	if c.ForceDeleteAfter < 0 {
+		bad("--force-delete-after %s: must not be negative", c.ForceDeleteAfter)
+	}
+	if c.BackoffMax < c.BackoffBase {
+		bad("--backoff-max %s is below --backoff-base %s: raise --backoff-max", c.BackoffMax, c.BackoffBase)
+	}
+	if c.Strikes < 1 {
+		bad("--strikes %d: must be at least 1", c.Strikes)
+	}
+	if c.ProbeParallel < 1 {
+		bad("--probe-parallel %d: must be at least 1", c.ProbeParallel)
+	}
+	if c.MaxConcurrentRepairs < 1 {
+		bad("--max-concurrent-repairs %d: must be at least 1", c.MaxConcurrentRepairs)
+	}
+	if c.MaxEvictions < 0 {
+		bad("--max-evictions %d: must not be negative (0 disables evictions and deletions)", c.MaxEvictions)
+	}
+	if c.CacheSize < 1 {
+		bad("--cache-size %d: must be at least 1", c.CacheSize)
+	}
+	for _, k := range c.EvictOwnerKinds {
+		if k == "" || strings.ContainsAny(k, " /,") {
+			bad("--evict-owner-kinds has %q: give kinds such as ReplicaSet,StatefulSet,Job", k)
+		}
+		if k == "DaemonSet" {
+			bad("--evict-owner-kinds has DaemonSet: its controller puts the pod back on the same node with the same volume; remove it")
+		}
+	}
+	for _, d := range c.Drivers {
+		if d == "" || strings.ContainsAny(d, "/ ") {
+			bad("--drivers has %q: give CSI driver names such as ru.yandex.s3.csi", d)
+		}
+	}
+	for _, ns := range slices.Concat(c.IncludeNamespaces, c.ExcludeNamespaces) {
+		if msgs := validation.IsDNS1123Label(ns); len(msgs) > 0 {
+			bad("namespace %q in --include-namespaces/--exclude-namespaces: %s", ns, strings.Join(msgs, "; "))
+		}
+	}
+	for _, ns := range c.IncludeNamespaces {
+		if slices.Contains(c.ExcludeNamespaces, ns) {
+			bad("namespace %q is in both --include-namespaces and --exclude-namespaces: keep it in one", ns)
+		}
+	}
+	if c.Tiers.ForceDelete && c.MaxEvictions == 0 {
+		bad("--tiers force-delete with --max-evictions 0 can never act: raise --max-evictions or drop force-delete")
+	}
+	return errors.Join(errs...)
+}
+
+// namespaceAllowed applies the namespace lists.
+func (c *Config) namespaceAllowed(ns string) bool {
+	if slices.Contains(c.ExcludeNamespaces, ns) {
+		return false
+	}
+	return len(c.IncludeNamespaces) == 0 || slices.Contains(c.IncludeNamespaces, ns)
+}
+
+// driverAllowed applies the driver list.
+func (c *Config) driverAllowed(driver string) bool {
+	return len(c.Drivers) == 0 || slices.Contains(c.Drivers, driver)
+}

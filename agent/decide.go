@@ -1,0 +1,228 @@
+package agent
+
+import (
+	"sort"
+	"strings"
+	"sync"
+	"time"
+)
+
+// volState is what the loop remembers of one broken volume between probe
+// cycles. It is dropped as soon as the volume probes healthy (or leaves the
+// mount table): nothing of it survives a restart, and nothing needs to.
+type volState struct {
+	driver string
+	// strikes counts consecutive probe cycles that found the volume broken.
+	strikes int
+	// since is when the current episode began (first broken probe).
+	since time.Time
+	// backoff is the next wait after a failed attempt; next is when the
+	// next attempt may start.
+	backoff time.Duration
+	next    time.Time
+	// attempts counts repair runs in this episode.
+	attempts int
+	// driverDown: the last attempt found the driver unavailable; wait for
+	// its socket to appear again (or the resync).
+	driverDown bool
+	// kicked: the driver just registered; try now, skipping strikes and
+	// backoff.
+	kicked bool
+	// floor is the first ladder rung of the next run: once a run reached
+	// eviction, later runs go straight to it instead of re-running the
+	// tiers that already failed.
+	floor int
+	// inflight: a repair run is under way.
+	inflight bool
+}
+
+// decider holds the per-volume decisions: strikes, backoff, driver down,
+// in-flight runs. It is owned by the loop goroutine; it does no I/O.
+type decider struct {
+	strikes     int
+	backoffBase time.Duration
+	backoffMax  time.Duration
+	// resyncEvery is how long a volume whose driver is down waits when no
+	// registration wakes it.
+	resyncEvery time.Duration
+	vols        map[string]*volState
+}
+
+func newDecider(cfg *Config) *decider {
+	return &decider{strikes: cfg.Strikes, backoffBase: cfg.BackoffBase, backoffMax: cfg.BackoffMax,
+		resyncEvery: cfg.Resync, vols: make(map[string]*volState)}
+}
+
+// observe records one probe cycle's broken volumes (key -> driver) and
+// returns, sorted, the keys due for a repair run now. Volumes no longer
+// broken are forgotten, unless a run is still in flight for them.
+func (d *decider) observe(broken map[string]string, now time.Time) []string {
+	for key, st := range d.vols {
+		if _, ok := broken[key]; !ok && !st.inflight {
+			delete(d.vols, key)
+		}
+	}
+	var due []string
+	for key, driver := range broken {
+		st := d.vols[key]
+		if st == nil {
+			st = &volState{driver: driver, since: now, backoff: d.backoffBase}
+			d.vols[key] = st
+		}
+		st.strikes++
+		if d.due(st, now) {
+			due = append(due, key)
+		}
+	}
+	sort.Strings(due)
+	return due
+}
+
+func (d *decider) due(st *volState, now time.Time) bool {
+	switch {
+	case st.inflight:
+		return false
+	case st.kicked:
+		return true
+	case st.driverDown:
+		return false
+	case st.strikes < d.strikes:
+		return false
+	}
+	return !now.Before(st.next)
+}
+
+// start marks a run under way and returns its state.
+func (d *decider) start(key string) *volState {
+	st := d.vols[key]
+	if st == nil {
+		return nil
+	}
+	st.inflight, st.kicked = true, false
+	st.attempts++
+	return st
+}
+
+// outcome is how a repair run ended, as far as the decider cares.
+type outcome int
+
+const (
+	// outcomeHealed: a tier healed the volume.
+	outcomeHealed outcome = iota
+	// outcomeFailed: no tier healed it; back off, then run again.
+	outcomeFailed
+	// outcomeDriverDown: the CSI driver is unavailable; wait for it.
+	outcomeDriverDown
+	// outcomeWaiting: nothing to do for now (API server unreachable, PDB
+	// blocks, budget used up, dry run); back off without escalating.
+	outcomeWaiting
+	// outcomeIgnored: the volume is not to be repaired (opted out, filtered,
+	// not repairable); look again after the longest backoff.
+	outcomeIgnored
+)
+
+// finish records the end of a run. reachedEvict says the run got to the
+// eviction rung (its floor for the next run).
+func (d *decider) finish(key string, o outcome, evictRung int, reachedEvict bool, now time.Time) {
+	st := d.vols[key]
+	if st == nil {
+		return
+	}
+	st.inflight = false
+	switch o {
+	case outcomeHealed:
+		// Probe again before anything else: strikes start over.
+		st.strikes, st.floor, st.driverDown = 0, 0, false
+		st.backoff = d.backoffBase
+		st.next = now.Add(d.backoffBase)
+		return
+	case outcomeDriverDown:
+		st.driverDown = true
+		st.next = now.Add(d.resyncEvery)
+		return
+	case outcomeIgnored:
+		st.next = now.Add(d.backoffMax)
+		return
+	}
+	if reachedEvict {
+		st.floor = evictRung
+	}
+	st.next = now.Add(st.backoff)
+	st.backoff = min(2*st.backoff, d.backoffMax)
+}
+
+// kick marks the volumes of driver ("" for every driver) for an immediate
+// run: the driver's socket just appeared.
+func (d *decider) kick(driver string) []string {
+	var keys []string
+	for key, st := range d.vols {
+		if driver != "" && st.driver != driver {
+			continue
+		}
+		st.kicked, st.driverDown, st.floor = true, false, 0
+		st.backoff = d.backoffBase
+		keys = append(keys, key)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
+// resync lets volumes waiting for their driver try again.
+func (d *decider) resync() {
+	for _, st := range d.vols {
+		st.driverDown = false
+	}
+}
+
+// noteBook remembers the events already sent for each volume in its
+// current episode, so that a volume that stays broken does not repeat them
+// at every run. Workers and the loop share it.
+type noteBook struct {
+	mu    sync.Mutex
+	notes map[string]map[string]bool
+}
+
+func newNoteBook() *noteBook { return &noteBook{notes: make(map[string]map[string]bool)} }
+
+// once reports whether note was not yet sent for key, and records it.
+func (n *noteBook) once(key, note string) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	m := n.notes[key]
+	if m == nil {
+		m = make(map[string]bool)
+		n.notes[key] = m
+	}
+	if m[note] {
+		return false
+	}
+	m[note] = true
+	return true
+}
+
+// clear forgets the notes of key whose text starts with prefix ("" for
+// all of them).
+func (n *noteBook) clear(key, prefix string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if prefix == "" {
+		delete(n.notes, key)
+		return
+	}
+	for note := range n.notes[key] {
+		if strings.HasPrefix(note, prefix) {
+			delete(n.notes[key], note)
+		}
+	}
+}
+
+// keep drops the notes of every volume not in live.
+func (n *noteBook) keep(live func(key string) bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for key := range n.notes {
+		if !live(key) {
+			delete(n.notes, key)
+		}
+	}
+}

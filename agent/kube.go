@@ -1,0 +1,181 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+)
+
+// uidIndex indexes the node's pods by UID, the key the mount table gives.
+const uidIndex = "uid"
+
+// podInformer returns an informer factory and pod informer that list and
+// watch only the pods bound to node, with managed fields dropped.
+func podInformer(client kubernetes.Interface, node string) (informers.SharedInformerFactory, cache.SharedIndexInformer, error) {
+	selector := fields.OneTermEqualSelector("spec.nodeName", node).String()
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = selector }))
+	inf := factory.Core().V1().Pods().Informer()
+	if err := inf.SetTransform(func(obj any) (any, error) {
+		if acc, ok := obj.(metav1.ObjectMetaAccessor); ok {
+			acc.GetObjectMeta().SetManagedFields(nil)
+		}
+		return obj, nil
+	}); err != nil {
+		return nil, nil, fmt.Errorf("set pod informer transform: %w", err)
+	}
+	if err := inf.AddIndexers(cache.Indexers{uidIndex: func(obj any) ([]string, error) {
+		pod, ok := obj.(*corev1.Pod)
+		if !ok {
+			return nil, nil
+		}
+		return []string{string(pod.UID)}, nil
+	}}); err != nil {
+		return nil, nil, fmt.Errorf("add pod uid index: %w", err)
+	}
+	return factory, inf, nil
+}
+
+// podsByUID reads the pod informer's index.
+type podsByUID struct{ idx cache.Indexer }
+
+func (p podsByUID) get(uid string) *corev1.Pod {
+	if p.idx == nil {
+		return nil
+	}
+	objs, err := p.idx.ByIndex(uidIndex, uid)
+	if err != nil || len(objs) == 0 {
+		return nil
+	}
+	pod, _ := objs[0].(*corev1.Pod)
+	return pod
+}
+
+// kube is the agent's access to the API server beyond the pod informer:
+// GETs by name through a bounded cache, Secrets without one, evictions and
+// deletions.
+type kube struct {
+	client  kubernetes.Interface
+	cache   *objectCache
+	timeout time.Duration
+}
+
+// unreachable reports whether err means the API server could not answer
+// (network error, timeout, 5xx, 429), as opposed to an answer such as
+// NotFound or Forbidden.
+func unreachable(err error) bool {
+	var st apierrors.APIStatus
+	if !errors.As(err, &st) {
+		return true
+	}
+	code := st.Status().Code
+	return code >= http.StatusInternalServerError || code == http.StatusTooManyRequests ||
+		apierrors.IsTimeout(err) || apierrors.IsServerTimeout(err)
+}
+
+// cachedGet answers from the cache while the entry is fresh, else asks the
+// API server; when the server cannot be reached it serves a stale entry.
+func cachedGet[T any](ctx context.Context, k *kube, key string, fetch func(context.Context) (T, error)) (T, error) {
+	if obj, fresh, ok := k.cache.get(key); ok && fresh {
+		return obj.(T), nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, k.timeout)
+	defer cancel()
+	got, err := fetch(cctx)
+	if err == nil {
+		k.cache.put(key, got)
+		return got, nil
+	}
+	if apierrors.IsNotFound(err) {
+		k.cache.remove(key)
+		return got, err
+	}
+	if obj, _, ok := k.cache.get(key); ok && unreachable(err) {
+		klog.FromContext(ctx).V(2).Info("API server unreachable, using the cached object", "object", key, "err", err)
+		return obj.(T), nil
+	}
+	return got, err
+}
+
+func (k *kube) pvc(ctx context.Context, ns, name string) (*corev1.PersistentVolumeClaim, error) {
+	return cachedGet(ctx, k, "pvc/"+ns+"/"+name, func(ctx context.Context) (*corev1.PersistentVolumeClaim, error) {
+		return k.client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+	})
+}
+
+func (k *kube) pv(ctx context.Context, name string) (*corev1.PersistentVolume, error) {
+	return cachedGet(ctx, k, "pv/"+name, func(ctx context.Context) (*corev1.PersistentVolume, error) {
+		return k.client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+	})
+}
+
+// csiDriver returns the CSIDriver object, or nil when the cluster has none
+// for driver (kubelet's defaults then apply).
+func (k *kube) csiDriver(ctx context.Context, name string) (*storagev1.CSIDriver, error) {
+	d, err := cachedGet(ctx, k, "csidriver/"+name, func(ctx context.Context) (*storagev1.CSIDriver, error) {
+		return k.client.StorageV1().CSIDrivers().Get(ctx, name, metav1.GetOptions{})
+	})
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	return d, err
+}
+
+func (k *kube) volumeAttachment(ctx context.Context, name string) (*storagev1.VolumeAttachment, error) {
+	return cachedGet(ctx, k, "volumeattachment/"+name, func(ctx context.Context) (*storagev1.VolumeAttachment, error) {
+		return k.client.StorageV1().VolumeAttachments().Get(ctx, name, metav1.GetOptions{})
+	})
+}
+
+// forget drops the cached objects of a volume (after a mismatch, which a
+// stale cache can cause).
+func (k *kube) forget(keys ...string) {
+	for _, key := range keys {
+		k.cache.remove(key)
+	}
+}
+
+// secret GETs a Secret. It is never cached: the caller drops it after the
+// repair.
+func (k *kube) secret(ctx context.Context, ns, name string) (*corev1.Secret, error) {
+	ctx, cancel := context.WithTimeout(ctx, k.timeout)
+	defer cancel()
+	return k.client.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+}
+
+// evict asks the Eviction API to evict pod, with a UID precondition so that
+// a pod re-created under the same name is never evicted in its place.
+func (k *kube) evict(ctx context.Context, pod *corev1.Pod) error {
+	ctx, cancel := context.WithTimeout(ctx, k.timeout)
+	defer cancel()
+	uid := pod.UID
+	return k.client.PolicyV1().Evictions(pod.Namespace).Evict(ctx, &policyv1.Eviction{
+		ObjectMeta:    metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name},
+		DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}},
+	})
+}
+
+// deletePod deletes pod with a UID precondition; grace nil keeps the pod's
+// own grace period, 0 force-deletes.
+func (k *kube) deletePod(ctx context.Context, pod *corev1.Pod, grace *int64) error {
+	ctx, cancel := context.WithTimeout(ctx, k.timeout)
+	defer cancel()
+	uid := pod.UID
+	return k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+		GracePeriodSeconds: grace,
+		Preconditions:      &metav1.Preconditions{UID: &uid},
+	})
+}

@@ -1,0 +1,364 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// repairer is what the agent needs of the mount side (remount.Repairer).
+// Each call acts on one broken volume and reports what it did; an Outcome
+// whose Err matches remount.ErrDriverUnavailable means "retry when the
+// driver is back", not a failure to escalate.
+type repairer interface {
+	Restage(ctx context.Context, v *remount.Volume) remount.Outcome
+	LiveSwap(ctx context.Context, v *remount.Volume) remount.Outcome
+	Restart(ctx context.Context, v *remount.Volume) remount.Outcome
+	Unmount(ctx context.Context, v *remount.Volume) remount.Outcome
+}
+
+// Ladder rungs, least disruptive first.
+const (
+	rungRestage = iota
+	rungLiveSwap
+	rungRestart
+	rungEvict
+)
+
+var rungNames = [...]string{TierRestage, TierLiveSwap, TierRestart, TierEvict}
+
+// job is one repair run for one broken volume, prepared by the loop.
+type job struct {
+	key  string
+	vol  *brokenVolume
+	skip string // non-empty: report the volume, do not repair it (why)
+	// active are the pods to repair; terminating are pods being deleted
+	// that still hold dead mounts; excluded are opted out or filtered
+	// pods, with why.
+	active      []*corev1.Pod
+	terminating []*corev1.Pod
+	excluded    map[*corev1.Pod]string
+	floor       int
+	since       time.Time
+	attempt     int
+}
+
+// jobResult is how a run ended, for the loop's decider.
+type jobResult struct {
+	key          string
+	outcome      outcome
+	reachedEvict bool
+	driverDown   bool
+	driver       string
+}
+
+// rungs lists the ladder rungs a run may take, from floor.
+func (a *Agent) rungs(restageable bool, floor int) []int {
+	var out []int
+	t := a.cfg.Tiers
+	if restageable && a.repairer != nil {
+		if t.Restage {
+			out = append(out, rungRestage)
+		}
+		if t.LiveSwap {
+			out = append(out, rungLiveSwap)
+		}
+		if t.Restart {
+			out = append(out, rungRestart)
+		}
+	}
+	if t.Evict || t.Delete {
+		out = append(out, rungEvict)
+	}
+	for len(out) > 0 && out[0] < floor {
+		out = out[1:]
+	}
+	return out
+}
+
+func rungList(rs []int) string {
+	names := make([]string, len(rs))
+	for i, r := range rs {
+		names[i] = rungNames[r]
+	}
+	return strings.Join(names, ", ")
+}
+
+// describe is the VolumeBroken message of a volume.
+func describe(v *brokenVolume) string {
+	what := "volume"
+	if v.driver != "" {
+		what = fmt.Sprintf("volume of %s", v.driver)
+	}
+	msg := fmt.Sprintf("%s is %s (%d broken mounts)", what, v.state, len(v.mounts))
+	if v.err != nil {
+		msg += ": " + v.err.Error()
+	}
+	return msg
+}
+
+// run carries out one repair run. It never panics and always returns.
+func (a *Agent) run(ctx context.Context, j *job) jobResult {
+	logger := klog.FromContext(ctx).WithValues("volume", j.key, "driver", j.vol.driver, "attempt", j.attempt)
+	ctx = klog.NewContext(ctx, logger)
+	res := jobResult{key: j.key, outcome: outcomeIgnored, driver: j.vol.driver}
+
+	allPods := append(append([]*corev1.Pod{}, j.active...), j.terminating...)
+	for pod := range j.excluded {
+		allPods = append(allPods, pod)
+	}
+	if a.notes.once(j.key, ReasonVolumeBroken) {
+		logger.V(2).Info("Volume broken", "state", j.vol.state, "mounts", len(j.vol.mounts), "pods", len(j.vol.pods), "err", j.vol.err)
+		a.report.volume(allPods, nil, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
+	}
+	for pod, why := range j.excluded {
+		if a.notes.once(j.key, "excluded/"+string(pod.UID)) {
+			a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
+		}
+	}
+	if j.skip != "" {
+		if a.notes.once(j.key, "skip") {
+			logger.V(2).Info("Volume not repaired", "reason", j.skip)
+			a.report.volume(append(append([]*corev1.Pod{}, j.active...), j.terminating...), nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", j.skip))
+		}
+		return res
+	}
+	if len(j.terminating) > 0 {
+		res.outcome = a.unmountTerminating(ctx, j)
+	}
+	if len(j.active) == 0 {
+		return res
+	}
+
+	restageable := j.vol.csi
+	rungs := a.rungs(restageable, j.floor)
+	needRequests := len(rungs) > 0 && rungs[0] != rungEvict && !a.cfg.DryRun
+	r, err := a.resolve(ctx, j, needRequests)
+	defer r.wipe()
+	var optOut *optOutError
+	switch {
+	case errors.As(err, &optOut):
+		if a.notes.once(j.key, "optout") {
+			a.report.volume(j.active, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, a.report.message("%s", optOut.Error()))
+		}
+		res.outcome = outcomeIgnored
+		return res
+	case err != nil && isDriverDown(err):
+		return a.driverDown(ctx, j, r, res, err)
+	case errors.Is(err, errAPIWait):
+		logger.V(2).Info("Repair waits for the API server", "err", err)
+		if a.notes.once(j.key, "apiwait") {
+			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", err))
+		}
+		res.outcome = outcomeWaiting
+		return res
+	case err != nil:
+		logger.Error(err, "Cannot describe the volume to its driver")
+		a.metrics.repair(TierRestage, resultFailure, 0)
+		if a.notes.once(j.key, "resolve/"+err.Error()) {
+			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("cannot re-stage: %v", err))
+		}
+		res.outcome = outcomeFailed
+		return res
+	}
+	if !r.restageable {
+		rungs = a.rungs(false, j.floor)
+		if a.notes.once(j.key, "why") && r.why != "" {
+			logger.V(2).Info("Volume cannot be re-staged", "reason", r.why)
+		}
+	}
+	if len(rungs) == 0 {
+		why := "no enabled tier can repair this volume (enabled: " + strings.Join(a.cfg.Tiers.Names(), ", ") + ")"
+		if a.repairer == nil && r.restageable {
+			why = "this agent runs without a repairer and eviction is off: report only"
+		}
+		if r.why != "" {
+			why = r.why + "; " + why
+		}
+		if a.notes.once(j.key, "norung") {
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
+		}
+		res.outcome = outcomeIgnored
+		return res
+	}
+
+	if a.cfg.DryRun && rungs[0] != rungEvict {
+		a.metrics.repair(rungNames[rungs[0]], resultDryRun, 0)
+		note := a.report.message("would %s, then %s", rungNames[rungs[0]], orNothing(rungList(rungs[1:])))
+		if a.notes.once(j.key, note) {
+			logger.V(2).Info("Dry run", "plan", rungList(rungs))
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, note)
+		}
+		res.outcome = outcomeWaiting
+		return res
+	}
+
+	for i, rung := range rungs {
+		next := ""
+		if i+1 < len(rungs) {
+			next = rungNames[rungs[i+1]]
+		}
+		if rung == rungEvict {
+			res.reachedEvict = true
+			er := a.evictPods(ctx, j.key, r.pods, r.pvc)
+			result := resultFailure
+			switch {
+			case a.cfg.DryRun:
+				result = resultDryRun
+			case er.evicted > 0:
+				result = resultSuccess
+			}
+			a.metrics.repair(TierEvict, result, 0)
+			switch {
+			case er.evicted > 0 || er.waiting:
+				res.outcome = outcomeWaiting
+			case er.refused == len(r.pods):
+				res.outcome = outcomeIgnored
+			default:
+				res.outcome = outcomeFailed
+			}
+			return res
+		}
+		var out remount.Outcome
+		switch rung {
+		case rungRestage:
+			out = a.repairer.Restage(ctx, r.vol)
+		case rungLiveSwap:
+			out = a.repairer.LiveSwap(ctx, r.vol)
+		case rungRestart:
+			out = a.repairer.Restart(ctx, r.vol)
+		}
+		tier := rungNames[rung]
+		logger.V(2).Info("Repair tier done", "tier", tier, "healed", out.Healed, "took", out.Took, "actions", len(out.Actions), "err", out.Err)
+		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
+			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
+			return a.driverDown(ctx, j, r, res, out.Err)
+		}
+		if j.vol.csi {
+			a.setDriver(j.vol.driver, true)
+		}
+		if out.Healed {
+			a.metrics.repair(tier, resultSuccess, out.Took)
+		} else {
+			a.metrics.repair(tier, resultFailure, out.Took)
+		}
+		switch {
+		case out.Healed && rung == rungRestage && r.needSwap && next != "":
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonRepairEscalated, actionRepair,
+				a.report.message("re-staged on the host in %.2fs; running containers hold their own bind of the dead mount: trying %s", out.Took.Seconds(), next))
+			continue
+		case out.Healed:
+			a.notes.clear(j.key, "")
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
+				a.report.message("repaired by %s in %.2fs (broken for %.1fs)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
+			res.outcome = outcomeHealed
+			return res
+		case next != "":
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonRepairEscalated, actionRepair,
+				a.report.message("%s did not heal the volume (%s): trying %s", tier, errText(out.Err), next))
+		default:
+			logger.Error(out.Err, "Repair failed, no further tier", "tier", tier)
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair,
+				a.report.message("%s did not heal the volume (%s) and no further tier is enabled", tier, errText(out.Err)))
+		}
+	}
+	res.outcome = outcomeFailed
+	return res
+}
+
+func orNothing(s string) string {
+	if s == "" {
+		return "nothing more"
+	}
+	return s
+}
+
+func errText(err error) string {
+	if err == nil {
+		return "still broken after it"
+	}
+	return err.Error()
+}
+
+// isDriverDown reports a driver that is unavailable or not registered.
+func isDriverDown(err error) bool {
+	return errors.Is(err, remount.ErrDriverUnavailable) || errors.Is(err, remount.ErrDriverNotFound)
+}
+
+// driverDown records a driver that is down: one DriverDown event per
+// episode, no escalation; the run is retried when the driver registers.
+func (a *Agent) driverDown(ctx context.Context, j *job, r *resolved, res jobResult, err error) jobResult {
+	a.setDriver(j.vol.driver, false)
+	a.caps.forget(j.vol.driver)
+	var pvc *corev1.PersistentVolumeClaim
+	pods := j.active
+	if r != nil {
+		pvc = r.pvc
+		if len(r.pods) > 0 {
+			pods = r.pods
+		}
+	}
+	if a.notes.once(j.key, ReasonDriverDown) {
+		klog.FromContext(ctx).V(2).Info("CSI driver is down; waiting for it to register again", "err", err)
+		a.report.volume(pods, pvc, corev1.EventTypeWarning, ReasonDriverDown, actionRepair,
+			a.report.message("CSI driver %s is not available (%v): re-staging as soon as it registers again", j.vol.driver, err))
+	}
+	res.outcome, res.driverDown = outcomeDriverDown, true
+	return res
+}
+
+// unmountTerminating lazily unmounts the dead mounts of pods being deleted,
+// so that kubelet can finish tearing them down, and force-deletes those
+// stuck past their deadline when that opt-in tier is on.
+func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
+	o := outcomeWaiting
+	now := time.Now()
+	for _, pod := range j.terminating {
+		use := j.vol.pods[string(pod.UID)]
+		if use == nil {
+			continue
+		}
+		switch {
+		case !a.cfg.Tiers.Unmount || a.repairer == nil:
+			if a.notes.once(j.key, "term/"+string(pod.UID)) {
+				a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionUnmount,
+					a.report.message("the pod is terminating with %d dead mounts; the unmount tier is off", len(use.dead)))
+			}
+		case a.cfg.DryRun:
+			a.metrics.repair(TierUnmount, resultDryRun, 0)
+			if a.notes.once(j.key, "term/"+string(pod.UID)) {
+				a.report.pod(pod, nil, corev1.EventTypeNormal, ReasonNotRepaired, actionUnmount,
+					a.report.message("would lazily unmount %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
+			}
+		default:
+			v := &remount.Volume{Driver: j.vol.driver, VolumeHandle: j.vol.volumeHandle, Backend: j.vol.backend, Hung: j.vol.hung,
+				Pods: []remount.PodVolume{{Dead: use.dead}}}
+			out := a.repairer.Unmount(ctx, v)
+			if out.Err != nil {
+				a.metrics.repair(TierUnmount, resultFailure, out.Took)
+				klog.FromContext(ctx).Error(out.Err, "Unmounting the dead mounts of a terminating pod failed", "pod", klog.KObj(pod))
+				a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionUnmount,
+					a.report.message("lazily unmounting the dead mounts of the terminating pod failed: %v", out.Err))
+				o = outcomeFailed
+			} else {
+				a.metrics.repair(TierUnmount, resultSuccess, out.Took)
+				if !a.notes.once(j.key, "unmounted/"+string(pod.UID)) {
+					break
+				}
+				a.report.pod(pod, nil, corev1.EventTypeNormal, ReasonVolumeRepaired, actionUnmount,
+					a.report.message("lazily unmounted %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
+			}
+		}
+		if a.cfg.Tiers.ForceDelete && a.forceDeleteOverdue(pod, now) {
+			a.forceDelete(ctx, j.key, pod, nil)
+		}
+	}
+	return o
+}

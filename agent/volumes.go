@@ -1,0 +1,191 @@
+package agent
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"slices"
+	"sort"
+
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// brokenVolume is one volume with broken kubelet mounts on this node: a CSI
+// volume (driver and volume handle) with its staging mount, publish targets
+// and subPath binds, or another plugin's pod volume.
+type brokenVolume struct {
+	key string
+	// csi is set for CSI filesystem volumes (staging, publish, subPath).
+	csi bool
+	// block is set for raw block volumes, which are reported, not repaired.
+	block        bool
+	driver       string // CSI driver, or the plugin of another volume
+	volumeHandle string
+	backend      *probe.Backend
+	state        probe.State
+	hung         bool
+	err          error
+	// mounts are the broken kubelet mounts, in inventory order.
+	mounts []*probe.Mount
+	// pods are the pods whose mounts are broken, by UID.
+	pods map[string]*podUse
+}
+
+// podUse is one pod's broken mounts of a volume.
+type podUse struct {
+	uid string
+	// specName is the directory of the publish target or plugin volume:
+	// the PV name for a CSI PVC, the pod volume name for inline and
+	// plugin volumes.
+	specName string
+	// volumeName is the pod's spec.volumes[].name when a mount names it
+	// (subPath binds and plugin volumes do).
+	volumeName string
+	dead       []*probe.Mount
+}
+
+// podUIDs lists the pods of the volume in a stable order.
+func (v *brokenVolume) podUIDs() []string {
+	out := make([]string, 0, len(v.pods))
+	for uid := range v.pods {
+		out = append(out, uid)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func handleHash(handle string) string {
+	sum := sha256.Sum256([]byte(handle))
+	return hex.EncodeToString(sum[:])
+}
+
+// csiKey names the CSI volume a mount belongs to, from the mount or the
+// mounts it was bound from: the volume handle (vol_data.json) or the
+// staging path's handle hash. "" when neither is known.
+func csiKey(m *probe.Mount) (key, driver, handle string) {
+	for s := m; s != nil; s = s.From {
+		if driver == "" {
+			driver = s.Driver
+		}
+		if handle == "" {
+			handle = s.VolumeHandle
+		}
+	}
+	if driver == "" {
+		return "", "", ""
+	}
+	if handle != "" {
+		return "csi/" + driver + "/" + handleHash(handle), driver, handle
+	}
+	for s := m; s != nil; s = s.From {
+		if s.Target.Kind == probe.KindStaging && s.Target.HandleHash != "" {
+			return "csi/" + driver + "/" + s.Target.HandleHash, driver, ""
+		}
+	}
+	return "", driver, ""
+}
+
+// groupBroken groups the broken per-mount results of a report into
+// volumes. Mounts are linked by device number, never by path text; mounts
+// whose volume cannot be named are grouped by their backend.
+func groupBroken(rep *probe.Report) map[string]*brokenVolume {
+	broken := rep.Broken()
+	// A backend's CSI key, from any of its mounts, for mounts that cannot
+	// name their volume themselves (a subPath bind whose publish target is
+	// gone).
+	backendKey := make(map[*probe.Backend]string)
+	for _, r := range rep.Mounts {
+		if r.Mount.Backend == nil {
+			continue
+		}
+		if k, _, _ := csiKey(r.Mount); k != "" && backendKey[r.Mount.Backend] == "" {
+			backendKey[r.Mount.Backend] = k
+		}
+	}
+	out := make(map[string]*brokenVolume)
+	for _, r := range broken {
+		m := r.Mount
+		key, driver, handle := csiKey(m)
+		csi := key != ""
+		switch {
+		case m.Target.Kind == probe.KindBlock:
+			key, csi = "block/"+m.Target.PV+"/"+m.Target.PodUID+"/"+m.Target.Volume, false
+			if m.Target.PV == "" && m.Backend != nil {
+				key = "block/dev/" + m.Backend.Dev.String()
+			}
+		case key == "" && m.Backend != nil && backendKey[m.Backend] != "":
+			key, csi = backendKey[m.Backend], true
+		case key == "" && m.Backend != nil:
+			key = "dev/" + m.Backend.Dev.String()
+		case key == "":
+			key = "pod/" + m.Target.PodUID + "/" + m.Target.Volume
+		}
+		v := out[key]
+		if v == nil {
+			v = &brokenVolume{key: key, csi: csi, block: m.Target.Kind == probe.KindBlock,
+				backend: r.Backend, state: r.State, err: r.Err, pods: make(map[string]*podUse)}
+			out[key] = v
+		}
+		if v.driver == "" {
+			v.driver = driver
+			if v.driver == "" {
+				v.driver = driverLabel(m)
+			}
+		}
+		if v.volumeHandle == "" {
+			v.volumeHandle = handle
+		}
+		if v.backend == nil {
+			v.backend = r.Backend
+		}
+		if r.State == probe.Hung {
+			v.hung = true
+		}
+		if m.Target.Kind == probe.KindStaging {
+			// The staging mount's state is the volume's.
+			v.state, v.err = r.State, r.Err
+		}
+		v.mounts = append(v.mounts, m)
+		if m.Target.PodUID == "" {
+			continue
+		}
+		u := v.pods[m.Target.PodUID]
+		if u == nil {
+			u = &podUse{uid: m.Target.PodUID}
+			v.pods[m.Target.PodUID] = u
+		}
+		switch m.Target.Kind {
+		case probe.KindPublish:
+			u.specName = m.Target.Volume
+		case probe.KindSubPath:
+			u.volumeName = m.Target.Volume
+		case probe.KindPluginVolume:
+			u.specName, u.volumeName = m.Target.Volume, m.Target.Volume
+		}
+		if !slices.Contains(u.dead, m) {
+			u.dead = append(u.dead, m)
+		}
+	}
+	return out
+}
+
+// volumeDrivers lists the CSI drivers with mounts in the inventory.
+func volumeDrivers(inv *probe.Inventory) []string {
+	seen := make(map[string]bool)
+	var out []string
+	add := func(d string) {
+		if d != "" && !seen[d] {
+			seen[d] = true
+			out = append(out, d)
+		}
+	}
+	for _, m := range inv.Mounts {
+		if m.Target.Plugin == probe.CSIPluginDir || m.Target.Kind == probe.KindStaging || m.Target.Kind == probe.KindSubPath {
+			add(m.Driver)
+		}
+	}
+	for _, m := range inv.Unmounted {
+		add(m.Driver)
+	}
+	sort.Strings(out)
+	return out
+}
