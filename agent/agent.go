@@ -266,7 +266,7 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	defer resync.Stop()
 	kick := func(driver string) {
 		a.caps.forget(driver)
-		for _, key := range a.decider.kick(driver) {
+		for _, key := range a.decider.kick(driver, time.Now()) {
 			a.notes.clear(key, ReasonDriverDown)
 		}
 		dirty = true
@@ -332,11 +332,11 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 	a.scanned.Store(true)
 
 	broken := groupBroken(rep)
-	keys := make(map[string]string, len(broken))
+	seen := make(map[string]sighting, len(broken))
 	for k, v := range broken {
-		keys[k] = v.driver
+		seen[k] = sighting{driver: v.driver, certain: v.certain()}
 	}
-	due := a.decider.observe(keys, end)
+	due := a.decider.observe(seen, end)
 	a.notes.keep(func(key string) bool { _, ok := a.decider.vols[key]; return ok })
 	if len(broken) > 0 {
 		logger.V(4).Info("Probe cycle", "mounts", len(inv.Mounts), "broken", len(broken), "due", len(due), "running", a.running)

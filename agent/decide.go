@@ -46,30 +46,57 @@ type decider struct {
 	// registration wakes it.
 	resyncEvery time.Duration
 	vols        map[string]*volState
+	// returned holds when each driver last registered again.
+	returned map[string]time.Time
 }
+
+// returnWindow is how long after a driver registers again a volume of it
+// that is first seen broken skips strikes and backoff.
+const returnWindow = 10 * time.Second
 
 func newDecider(cfg *Config) *decider {
 	return &decider{strikes: cfg.Strikes, backoffBase: cfg.BackoffBase, backoffMax: cfg.BackoffMax,
-		resyncEvery: cfg.Resync, vols: make(map[string]*volState)}
+		resyncEvery: cfg.Resync, vols: make(map[string]*volState), returned: make(map[string]time.Time)}
 }
 
-// observe records one probe cycle's broken volumes (key -> driver) and
-// returns, sorted, the keys due for a repair run now. Volumes no longer
-// broken are forgotten, unless a run is still in flight for them.
-func (d *decider) observe(broken map[string]string, now time.Time) []string {
+// sighting is what one probe cycle saw of a broken volume.
+type sighting struct {
+	driver string
+	// certain: the state cannot heal by itself (a FUSE connection that is
+	// gone never comes back), so strikes are not waited for.
+	certain bool
+}
+
+// observe records one probe cycle's broken volumes and returns, sorted, the
+// keys due for a repair run now. Volumes no longer broken are forgotten,
+// unless a run is still in flight for them. A volume first seen broken
+// within returnWindow of its driver registering again is treated as kicked:
+// the registration came before the probe that found the volume.
+func (d *decider) observe(broken map[string]sighting, now time.Time) []string {
 	for key, st := range d.vols {
 		if _, ok := broken[key]; !ok && !st.inflight {
 			delete(d.vols, key)
 		}
 	}
+	for driver, at := range d.returned {
+		if now.Sub(at) > returnWindow {
+			delete(d.returned, driver)
+		}
+	}
 	var due []string
-	for key, driver := range broken {
+	for key, s := range broken {
 		st := d.vols[key]
 		if st == nil {
-			st = &volState{driver: driver, since: now, backoff: d.backoffBase}
+			st = &volState{driver: s.driver, since: now, backoff: d.backoffBase}
+			if _, ok := d.returned[s.driver]; ok && s.driver != "" {
+				st.kicked = true
+			}
 			d.vols[key] = st
 		}
 		st.strikes++
+		if s.certain && st.strikes < d.strikes {
+			st.strikes = d.strikes
+		}
 		if d.due(st, now) {
 			due = append(due, key)
 		}
@@ -152,8 +179,12 @@ func (d *decider) finish(key string, o outcome, evictRung int, reachedEvict bool
 }
 
 // kick marks the volumes of driver ("" for every driver) for an immediate
-// run: the driver's socket just appeared.
-func (d *decider) kick(driver string) []string {
+// run: the driver's socket just appeared. Volumes of the driver seen broken
+// in the next returnWindow are kicked too (see observe).
+func (d *decider) kick(driver string, now time.Time) []string {
+	if driver != "" {
+		d.returned[driver] = now
+	}
 	var keys []string
 	for key, st := range d.vols {
 		if driver != "" && st.driver != driver {

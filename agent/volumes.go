@@ -43,6 +43,13 @@ type podUse struct {
 	dead       []*probe.Mount
 }
 
+// certain reports a failure that cannot heal by itself: the FUSE
+// connection of the volume is gone (ENOTCONN or ECONNABORTED on a FUSE
+// backend). Any other state may be transient and waits for its strikes.
+func (v *brokenVolume) certain() bool {
+	return v.state == probe.Disconnected && v.backend != nil && v.backend.Kind == probe.BackendFUSE
+}
+
 // podUIDs lists the pods of the volume in a stable order.
 func (v *brokenVolume) podUIDs() []string {
 	out := make([]string, 0, len(v.pods))

@@ -1,0 +1,89 @@
+package agent
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseTiers(t *testing.T) {
+	got, err := ParseTiers(DefaultTiers)
+	if err != nil {
+		t.Fatalf("ParseTiers(DefaultTiers): %v", err)
+	}
+	if !slices.Equal(got.Names(), DefaultTiers) {
+		t.Errorf("ParseTiers(DefaultTiers).Names() = %v, want %v", got.Names(), DefaultTiers)
+	}
+	if got.Delete || got.ForceDelete {
+		t.Error("the default tiers enable a deletion")
+	}
+	if _, err := ParseTiers([]string{"restage", "evcit"}); err == nil || !strings.Contains(err.Error(), `"evcit"`) {
+		t.Errorf("ParseTiers(evcit) error = %v, want it to name the bad tier", err)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	valid := func() Config {
+		c := DefaultConfig()
+		c.NodeName = "node-1"
+		return c
+	}
+	if err := valid().Validate(); err != nil {
+		t.Fatalf("default config with a node name: %v", err)
+	}
+	tests := map[string]struct {
+		edit func(*Config)
+		want string // the flag the error must name
+	}{
+		"no node":             {func(c *Config) { c.NodeName = "" }, "--node-name"},
+		"bad node":            {func(c *Config) { c.NodeName = "Node_1" }, "--node-name"},
+		"relative root":       {func(c *Config) { c.KubeletRoot = "var/lib/kubelet" }, "--kubelet-root"},
+		"root is slash":       {func(c *Config) { c.KubeletRoot = "/" }, "--kubelet-root"},
+		"relative table":      {func(c *Config) { c.HostTable = "mountinfo" }, "--host-table"},
+		"zero interval":       {func(c *Config) { c.ProbeInterval = 0 }, "--probe-interval"},
+		"no strikes":          {func(c *Config) { c.Strikes = 0 }, "--strikes"},
+		"backoff inverted":    {func(c *Config) { c.BackoffMax = time.Millisecond }, "--backoff-max"},
+		"negative evictions":  {func(c *Config) { c.MaxEvictions = -1 }, "--max-evictions"},
+		"daemonset evictable": {func(c *Config) { c.EvictOwnerKinds = []string{"DaemonSet"} }, "DaemonSet"},
+		"bad driver":          {func(c *Config) { c.Drivers = []string{"a/b"} }, "--drivers"},
+		"bad namespace":       {func(c *Config) { c.IncludeNamespaces = []string{"Kube_System"} }, "Kube_System"},
+		"namespace both ways": {func(c *Config) { c.IncludeNamespaces, c.ExcludeNamespaces = []string{"a"}, []string{"a"} }, "both"},
+		"force delete, no budget": {func(c *Config) {
+			c.Tiers.ForceDelete = true
+			c.MaxEvictions = 0
+		}, "force-delete"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			c := valid()
+			tc.edit(&c)
+			err := c.Validate()
+			if err == nil {
+				t.Fatalf("Validate() = nil, want an error naming %q", tc.want)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Validate() = %q, want it to name %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestNamespaceAndDriverFilters(t *testing.T) {
+	c := DefaultConfig()
+	c.IncludeNamespaces = []string{"apps", "data"}
+	c.ExcludeNamespaces = []string{"kube-system"}
+	c.Drivers = []string{"ru.yandex.s3.csi"}
+	for ns, want := range map[string]bool{"apps": true, "data": true, "other": false, "kube-system": false} {
+		if got := c.namespaceAllowed(ns); got != want {
+			t.Errorf("namespaceAllowed(%q) = %v, want %v", ns, got, want)
+		}
+	}
+	if !c.driverAllowed("ru.yandex.s3.csi") || c.driverAllowed("rbd.csi.ceph.com") {
+		t.Error("driverAllowed does not follow --drivers")
+	}
+	c.Drivers = nil
+	if !c.driverAllowed("anything") {
+		t.Error("no --drivers must allow every driver")
+	}
+}

@@ -1,0 +1,143 @@
+package agent
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+func TestOptedOut(t *testing.T) {
+	tests := map[string]struct {
+		ann           map[string]string
+		out, complain bool
+	}{
+		"none":    {nil, false, false},
+		"true":    {map[string]string{OptOutAnnotation: "true"}, false, false},
+		"false":   {map[string]string{OptOutAnnotation: "false"}, true, false},
+		"garbage": {map[string]string{OptOutAnnotation: "no"}, true, true},
+	}
+	for name, tc := range tests {
+		out, complaint := optedOut(tc.ann)
+		if out != tc.out || (complaint != "") != tc.complain {
+			t.Errorf("%s: optedOut(%v) = %v, %q; want %v, complaint %v", name, tc.ann, out, complaint, tc.out, tc.complain)
+		}
+	}
+}
+
+func TestExpandSubPath(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web-0", Namespace: "apps", UID: "u1"}}
+	env := []corev1.EnvVar{
+		{Name: "DIR", Value: "data"},
+		{Name: "NESTED", Value: "$(DIR)/x"},
+		{Name: "POD", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}},
+		{Name: "SECRET", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{Key: "k"}}},
+	}
+	tests := map[string]struct {
+		expr string
+		want string
+		ok   bool
+	}{
+		"literal":        {"$(DIR)/logs", "data/logs", true},
+		"nested":         {"$(NESTED)", "data/x", true},
+		"downward":       {"pods/$(POD)", "pods/web-0", true},
+		"escaped dollar": {"$$(DIR)", "$(DIR)", true},
+		"unknown stays":  {"$(NOPE)/a", "$(NOPE)/a", true},
+		"secret refused": {"$(SECRET)", "", false},
+	}
+	for name, tc := range tests {
+		got, ok := expandSubPath(tc.expr, pod, env)
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: expandSubPath(%q) = %q, %v; want %q, %v", name, tc.expr, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestContainerMounts(t *testing.T) {
+	h2c := corev1.MountPropagationHostToContainer
+	running := corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(time.Unix(1, 0))}}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "n", UID: "uid-1"},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{
+			{Name: "app", VolumeMounts: []corev1.VolumeMount{
+				{Name: "data", MountPath: "/data"},
+				{Name: "data", MountPath: "/cfg", SubPath: "conf", ReadOnly: true},
+				{Name: "other", MountPath: "/other"},
+			}},
+			{Name: "sidecar", VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/d", MountPropagation: &h2c}}},
+			{Name: "stopped", VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/x"}}},
+		}},
+		Status: corev1.PodStatus{ContainerStatuses: []corev1.ContainerStatus{
+			{Name: "app", ContainerID: "containerd://aaa", State: running},
+			{Name: "sidecar", ContainerID: "containerd://bbb", State: running},
+			{Name: "stopped", ContainerID: "containerd://ccc"},
+		}},
+	}
+	got, swap := containerMounts(pod, "data")
+	want := []remount.ContainerMount{
+		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/data"},
+		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/cfg", SubPath: "conf", ReadOnly: true},
+		{PodUID: "uid-1", Container: "sidecar", ContainerID: "bbb", MountPath: "/d"},
+	}
+	if !slices.EqualFunc(got, want, func(a, b remount.ContainerMount) bool {
+		return a.PodUID == b.PodUID && a.Container == b.Container && a.ContainerID == b.ContainerID &&
+			a.MountPath == b.MountPath && a.SubPath == b.SubPath && a.ReadOnly == b.ReadOnly
+	}) {
+		t.Errorf("containerMounts = %+v\nwant %+v", got, want)
+	}
+	if !swap {
+		t.Error("containerMounts: swap = false, want true (a private mount and a subPath need the live swap)")
+	}
+	// Only HostToContainer mounts: the re-stage reaches them, no swap.
+	pod.Spec.Containers = pod.Spec.Containers[1:2]
+	if _, swap := containerMounts(pod, "data"); swap {
+		t.Error("containerMounts: swap = true for a HostToContainer mount only, want false")
+	}
+}
+
+func TestBudget(t *testing.T) {
+	now := time.Unix(1000, 0)
+	b := newBudget(2, time.Minute, func() time.Time { return now })
+	t1, ok1 := b.take()
+	_, ok2 := b.take()
+	_, ok3 := b.take()
+	if !ok1 || !ok2 || ok3 {
+		t.Fatalf("take x3 = %v %v %v, want true true false", ok1, ok2, ok3)
+	}
+	b.give(t1)
+	if !b.available() {
+		t.Error("a returned reservation is not available again")
+	}
+	b.take()
+	now = now.Add(time.Minute)
+	if _, ok := b.take(); !ok {
+		t.Error("the window passed and the budget is still used up")
+	}
+}
+
+func TestObjectCache(t *testing.T) {
+	now := time.Unix(1000, 0)
+	c := newObjectCache(2, time.Minute, func() time.Time { return now })
+	c.put("a", 1)
+	c.put("b", 2)
+	c.get("a") // a is now the most recently used
+	c.put("c", 3)
+	if _, _, ok := c.get("b"); ok {
+		t.Error("the least recently used entry b was not evicted")
+	}
+	if _, fresh, ok := c.get("a"); !ok || !fresh {
+		t.Errorf("get(a) = fresh %v ok %v, want fresh and present", fresh, ok)
+	}
+	now = now.Add(2 * time.Minute)
+	if obj, fresh, ok := c.get("c"); !ok || fresh || obj != 3 {
+		t.Errorf("get(c) after the TTL = %v fresh %v ok %v, want a stale 3", obj, fresh, ok)
+	}
+	c.remove("c")
+	if c.len() != 1 {
+		t.Errorf("len after remove = %d, want 1", c.len())
+	}
+}

@@ -1,0 +1,81 @@
+package agent
+
+import (
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// reportWith assesses a captured table and marks every mount on the backend
+// with device dev as broken with state st.
+func reportWith(t *testing.T, table string, dev probe.Dev, st probe.State, err error) (*probe.Inventory, *probe.Report) {
+	t.Helper()
+	inv, rerr := probe.ReadFile(filepath.Join("..", "probe", "testdata", table), probe.Options{})
+	if rerr != nil {
+		t.Fatal(rerr)
+	}
+	rep := probe.Assess(inv)
+	for i := range rep.Mounts {
+		if m := rep.Mounts[i].Mount; m.Backend != nil && m.Backend.Dev == dev {
+			rep.Mounts[i].State, rep.Mounts[i].Err = st, err
+		}
+	}
+	return inv, rep
+}
+
+func TestGroupBrokenSharedVolume(t *testing.T) {
+	inv, rep := reportWith(t, "s3fs-two-pods.mountinfo", probe.Dev{Major: 0, Minor: 52}, probe.Disconnected, unix.ENOTCONN)
+	got := groupBroken(rep)
+	if len(got) != 1 {
+		t.Fatalf("groupBroken: %d volumes, want 1 (staging, two publish targets and two subPaths of one s3fs volume)", len(got))
+	}
+	var v *brokenVolume
+	for _, v = range got {
+	}
+	if !v.csi || v.driver != "ru.yandex.s3.csi" || v.block {
+		t.Errorf("volume: csi %v driver %q block %v, want a CSI volume of ru.yandex.s3.csi", v.csi, v.driver, v.block)
+	}
+	if len(v.mounts) != 5 {
+		t.Errorf("volume has %d broken mounts, want 5", len(v.mounts))
+	}
+	if want := []string{"8d0e4c6a-5b7e-4a63-9f1e-0c2f6b0a1d11", "f3b2a1c0-2222-4e5f-8a9b-3c4d5e6f7a80"}; !slices.Equal(v.podUIDs(), want) {
+		t.Errorf("pods = %v, want %v", v.podUIDs(), want)
+	}
+	u := v.pods["f3b2a1c0-2222-4e5f-8a9b-3c4d5e6f7a80"]
+	if u.specName != "pvc-1b2c3d4e-0000-4000-8000-000000000001" || len(u.dead) != 2 {
+		t.Errorf("pod use = spec %q, %d dead mounts; want the PV name and 2 (publish + subPath)", u.specName, len(u.dead))
+	}
+	if !v.certain() {
+		t.Error("a Disconnected FUSE volume is not certain")
+	}
+	if got := volumeDrivers(inv); !slices.Equal(got, []string{"ru.yandex.s3.csi"}) {
+		t.Errorf("volumeDrivers = %v, want [ru.yandex.s3.csi]", got)
+	}
+}
+
+func TestGroupBrokenUncertainStates(t *testing.T) {
+	_, rep := reportWith(t, "s3fs-two-pods.mountinfo", probe.Dev{Major: 0, Minor: 52}, probe.Hung, probe.ErrHung)
+	for _, v := range groupBroken(rep) {
+		if v.certain() {
+			t.Errorf("a Hung volume is certain; a slow server must get its strikes")
+		}
+		if !v.hung {
+			t.Error("a Hung volume is not marked hung (its FUSE connection must be aborted first)")
+		}
+	}
+}
+
+func TestGroupBrokenHealthyTableHasNone(t *testing.T) {
+	_, rep := reportWith(t, "mixed-node.mountinfo", probe.Dev{}, probe.Healthy, nil)
+	for key, v := range groupBroken(rep) {
+		// The capture holds table-only faults (shutdown, emergency_ro,
+		// deleted subPaths); each must be grouped under a named volume.
+		if key == "" || len(v.mounts) == 0 {
+			t.Errorf("broken volume %q with %d mounts", key, len(v.mounts))
+		}
+	}
+}
