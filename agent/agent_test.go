@@ -1,0 +1,309 @@
+package agent_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
+)
+
+func mustQuantity(s string) resource.Quantity { return resource.MustParse(s) }
+
+// replicaSet creates a ReplicaSet object to own test pods (no controller
+// runs it: the test creates its pods) and returns the owner reference.
+func (e *env) replicaSet(name string, labels map[string]string) *metav1.OwnerReference {
+	e.t.Helper()
+	one := int32(1)
+	rs := &appsv1.ReplicaSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name},
+		Spec: appsv1.ReplicaSetSpec{
+			Replicas: &one,
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app", Image: "busybox"}}},
+			},
+		},
+	}
+	rs, err := e.admin.AppsV1().ReplicaSets(testNamespace).Create(context.Background(), rs, metav1.CreateOptions{})
+	if err != nil {
+		e.t.Fatalf("create ReplicaSet: %v", err)
+	}
+	yes := true
+	return &metav1.OwnerReference{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: rs.Name, UID: rs.UID, Controller: &yes, BlockOwnerDeletion: &yes}
+}
+
+// deadVolume lays out a volume of the lab driver for pod in the lab kubelet
+// tree (staging FaultFS, publish bind, subPath bind of "sub"), then kills
+// its FUSE daemon. It returns the publish path.
+func (e *env) deadVolume(v *volume, pod *corev1.Pod) string {
+	e.t.Helper()
+	fs := lab.StartFaultFS(e.t, v.staging)
+	if err := os.Mkdir(filepath.Join(fs.BackingDir(), "sub"), 0o755); err != nil {
+		e.t.Fatal(err)
+	}
+	pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+	e.kubelet.SubPath(string(pod.UID), "data", "app", 1, filepath.Join(pub, "sub"))
+	fs.Kill()
+	return pub
+}
+
+// mountID returns the ID of the top mount at path in this process's table,
+// 0 when nothing is mounted there.
+func mountID(t *testing.T, path string) int {
+	t.Helper()
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := 0
+	for _, in := range infos {
+		id = max(id, in.ID)
+	}
+	return id
+}
+
+func TestAgentDryRunReportsAndChangesNothing(t *testing.T) {
+	e := newEnv(t, nil)
+	labels := map[string]string{"app": "dry"}
+	v := e.createVolume("dry", nil)
+	pod := e.createPod("dry-0", v, podOptions{owner: e.replicaSet("dry", labels), labels: labels, subPath: "sub"})
+	pub := e.deadVolume(v, pod)
+	before := mountID(t, pub)
+
+	cfg := e.config()
+	cfg.DryRun = true
+	a := e.startAgent(cfg, agent.Deps{})
+
+	e.waitEvent(pod.UID, agent.ReasonVolumeBroken, "Disconnected", "[dry-run]")
+	e.waitEvent(v.pvc.UID, agent.ReasonVolumeBroken, "Disconnected")
+	e.waitEvent(pod.UID, agent.ReasonEvicting, "[dry-run] would evict")
+	e.waitFor("the dry-run eviction in the metrics", func() (bool, error) {
+		n, _ := a.metric(`mountmedic_evictions_total{result="dry_run"}`)
+		return n >= 1, nil
+	})
+	for _, kind := range []string{"publish", "staging", "subpath"} {
+		n, ok := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="` + kind + `",state="Disconnected"}`)
+		if !ok || n != 1 {
+			t.Errorf("mountmedic_stale_mounts for %s = %v (present %v), want 1", kind, n, ok)
+		}
+	}
+
+	// Nothing changed: the pod is there and not terminating, the dead
+	// mount is still the one it was.
+	got, err := e.admin.CoreV1().Pods(testNamespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
+	if err != nil || got.DeletionTimestamp != nil {
+		t.Errorf("pod after a dry run: %v, deletion %v; want it untouched", err, got.DeletionTimestamp)
+	}
+	if after := mountID(t, pub); after != before {
+		t.Errorf("publish target mount %d became %d in a dry run", before, after)
+	}
+	for _, r := range e.reasons(pod.UID) {
+		if !strings.Contains(r, "[dry-run]") {
+			t.Errorf("dry-run event without the [dry-run] mark: %s", r)
+		}
+	}
+}
+
+func TestAgentEvictionWaitsForPodDisruptionBudget(t *testing.T) {
+	e := newEnv(t, kubetest.DefaultControllers)
+	ctx := context.Background()
+	labels := map[string]string{"app": "web"}
+	v := e.createVolume("web", nil)
+	pod := e.createPod("web-0", v, podOptions{owner: e.replicaSet("web", labels), labels: labels})
+	one := intstr.FromInt32(1)
+	pdb, err := e.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Create(ctx, &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: "web"},
+		Spec:       policyv1.PodDisruptionBudgetSpec{MinAvailable: &one, Selector: &metav1.LabelSelector{MatchLabels: labels}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create PDB: %v", err)
+	}
+	e.waitFor("the disruption controller to count the pod", func() (bool, error) {
+		p, err := e.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Get(ctx, "web", metav1.GetOptions{})
+		return err == nil && p.Status.ObservedGeneration == p.Generation && p.Status.CurrentHealthy == 1, err
+	})
+	e.deadVolume(v, pod)
+
+	cfg := e.config()
+	cfg.Tiers = agent.Tiers{Evict: true}
+	a := e.startAgent(cfg, agent.Deps{})
+
+	e.waitEvent(pod.UID, agent.ReasonEvictionBlocked, "PodDisruptionBudget")
+	if n, _ := a.metric(`mountmedic_evictions_total{result="blocked_by_pdb"}`); n < 1 {
+		t.Errorf("mountmedic_evictions_total{blocked_by_pdb} = %v, want at least 1", n)
+	}
+	if p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pod.Name, metav1.GetOptions{}); err != nil || p.DeletionTimestamp != nil {
+		t.Fatalf("pod evicted while its PodDisruptionBudget forbade it (err %v)", err)
+	}
+
+	// The budget allows one disruption: the next attempt evicts.
+	zero := intstr.FromInt32(0)
+	pdb, err = e.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Get(ctx, pdb.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pdb.Spec.MinAvailable = &zero
+	if _, err := e.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Update(ctx, pdb, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("relax PDB: %v", err)
+	}
+	e.waitEvent(pod.UID, agent.ReasonEvicting, "evicted the pod")
+	e.waitFor("the pod to be terminating", func() (bool, error) {
+		p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		return err == nil && p.DeletionTimestamp != nil, err
+	})
+	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 1 {
+		t.Errorf("mountmedic_evictions_total{evicted} = %v, want 1", n)
+	}
+}
+
+func TestAgentNeverEvictsUnownedPod(t *testing.T) {
+	e := newEnv(t, nil)
+	v := e.createVolume("lone", nil)
+	pod := e.createPod("lone", v, podOptions{})
+	e.deadVolume(v, pod)
+
+	cfg := e.config()
+	cfg.Tiers = agent.Tiers{Evict: true, Delete: true}
+	a := e.startAgent(cfg, agent.Deps{})
+
+	e.waitEvent(pod.UID, agent.ReasonNotRepaired, "no controller owner")
+	e.waitFor("the refusal in the metrics", func() (bool, error) {
+		n, _ := a.metric(`mountmedic_evictions_total{result="no_controller"}`)
+		return n >= 1, nil
+	})
+	// Give the agent several more cycles: still there, never deleted.
+	time.Sleep(time.Second)
+	p, err := e.admin.CoreV1().Pods(testNamespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
+	if err != nil || p.DeletionTimestamp != nil {
+		t.Fatalf("a pod without a controller was deleted or evicted (err %v)", err)
+	}
+}
+
+func TestAgentHonoursClaimOptOut(t *testing.T) {
+	e := newEnv(t, nil)
+	labels := map[string]string{"app": "optout"}
+	v := e.createVolume("optout", nil)
+	v.pvc.Annotations = map[string]string{agent.OptOutAnnotation: "false"}
+	var err error
+	if v.pvc, err = e.admin.CoreV1().PersistentVolumeClaims(testNamespace).Update(context.Background(), v.pvc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod := e.createPod("optout-0", v, podOptions{owner: e.replicaSet("optout", labels), labels: labels})
+	e.deadVolume(v, pod)
+
+	cfg := e.config()
+	cfg.Tiers = agent.Tiers{Evict: true}
+	a := e.startAgent(cfg, agent.Deps{})
+
+	e.waitEvent(pod.UID, agent.ReasonNotRepaired, agent.OptOutAnnotation)
+	time.Sleep(time.Second)
+	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 0 {
+		t.Errorf("evicted %v pods of an opted-out claim, want 0", n)
+	}
+	// Still probed and counted.
+	if n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Disconnected"}`); n != 1 {
+		t.Errorf("opted-out broken volume not counted: stale_mounts = %v, want 1", n)
+	}
+}
+
+// TestAgentAPIFootprint checks that the agent reads the API the way kubelet
+// does: one list and watch of its own node's pods, nothing cluster-wide,
+// and no steady stream of requests for healthy volumes.
+func TestAgentAPIFootprint(t *testing.T) {
+	e := newEnv(t, nil)
+	for i := 0; i < 5; i++ {
+		name := "ok-" + strconv.Itoa(i)
+		v := e.createVolume(name, nil)
+		pod := e.createPod(name, v, podOptions{})
+		lab.StartFaultFS(t, v.staging)
+		e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+	}
+	client, rec := e.countingClient()
+	cfg := e.config()
+	a := e.startAgent(cfg, agent.Deps{Client: client})
+	start := rec.snapshot()
+	time.Sleep(3 * time.Second) // ~30 probe cycles
+	end := rec.snapshot()
+
+	for key, n := range end {
+		method, path, _ := strings.Cut(key, " ")
+		if (method == "GET" || method == "WATCH") && path != "/api/v1/pods" {
+			t.Errorf("agent read %s %d times; at steady state with healthy volumes it reads only its pods", key, n)
+		}
+		if d := n - start[key]; d > 0 && method != "WATCH" {
+			t.Errorf("%s: %d more requests during 3s of healthy steady state, want none", key, d)
+		}
+	}
+	if n, _ := a.metric(`mountmedic_kubelet_mounts{kind="publish"}`); n != 5 {
+		t.Errorf("mountmedic_kubelet_mounts{publish} = %v, want 5", n)
+	}
+	t.Logf("requests by the agent: %v", end)
+}
+
+// TestAgentHungMountsDoNotGrowThreads runs the agent over hung FUSE mounts
+// for many probe cycles: each hung mount holds one blocked probe, and no
+// cycle adds goroutines or threads on top.
+func TestAgentHungMountsDoNotGrowThreads(t *testing.T) {
+	e := newEnv(t, nil)
+	const n = 40
+	for i := 0; i < n; i++ {
+		fs := lab.StartFaultFS(t, e.kubelet.StagingPath(labDriver, "hung-"+strconv.Itoa(i)))
+		fs.Hang()
+		t.Cleanup(fs.Abort)
+	}
+	cfg := e.config()
+	cfg.ProbeTimeout = 50 * time.Millisecond
+	base := threads(t)
+	a := e.startAgent(cfg, agent.Deps{})
+	e.waitFor("every mount to be seen hung", func() (bool, error) {
+		v, _ := a.metric("mountmedic_hung_probes")
+		return v == n, nil
+	})
+	time.Sleep(time.Second)
+	g1, t1 := runtime.NumGoroutine(), threads(t)
+	time.Sleep(3 * time.Second) // ~30 more cycles over 40 hung mounts
+	g2, t2 := runtime.NumGoroutine(), threads(t)
+	t.Logf("goroutines %d -> %d, threads %d (before the agent) -> %d -> %d over 3s with %d hung mounts", g1, g2, base, t1, t2, n)
+	if g2 > g1+10 {
+		t.Errorf("goroutines grew from %d to %d over 30 cycles of %d hung mounts", g1, g2, n)
+	}
+	if t2 > t1+4 {
+		t.Errorf("threads grew from %d to %d over 30 cycles of %d hung mounts", t1, t2, n)
+	}
+	if t2-base > n+16 {
+		t.Errorf("the agent added %d threads for %d hung mounts, want about one per hung mount plus a constant", t2-base, n)
+	}
+}
+
+func threads(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Threads:"); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
+	}
+	t.Fatal("no Threads line in /proc/self/status")
+	return 0
+}
