@@ -32,6 +32,7 @@ JOBS=${MOUNTMEDIC_JOBS:-2}
 COMPONENTS=(
 	"kube-apiserver|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kube-apiserver"
 	"kube-controller-manager|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kube-controller-manager"
+	"kube-scheduler|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kube-scheduler"
 	"kubelet|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kubelet"
 	"kubectl|$KUBE_VERSION|kube|k8s.io/kubernetes/cmd/kubectl"
 	"etcd|$ETCD_VERSION|etcd|go.etcd.io/etcd/server/v3"
@@ -69,8 +70,8 @@ select_components() {
 	for arg in "$@"; do
 		case $arg in
 		all) for c in "${COMPONENTS[@]}"; do field 0 "$c"; echo; done ;;
-		kube) printf '%s\n' kube-apiserver kube-controller-manager kubelet kubectl ;;
-		controlplane) printf '%s\n' etcd kube-apiserver kube-controller-manager kubectl ;;
+		kube) printf '%s\n' kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl ;;
+		controlplane) printf '%s\n' etcd kube-apiserver kube-controller-manager kube-scheduler kubectl ;;
 		s3 | csi) printf '%s\n' s3driver versitygw ;;
 		*)
 			for c in "${COMPONENTS[@]}"; do

@@ -1,5 +1,6 @@
 // Package kubetest starts a real Kubernetes control plane (etcd, kube-apiserver and,
-// when asked, kube-controller-manager) on loopback ports for integration tests.
+// when asked, kube-controller-manager and kube-scheduler) on loopback ports for
+// integration tests.
 //
 // The binaries come from $MOUNTMEDIC_BIN, else from the cache that scripts/tools.sh
 // fills ($MOUNTMEDIC_CACHE/bin/current, default /var/cache/mountmedic). When they are
@@ -45,9 +46,14 @@ type Options struct {
 	// Controllers, when not empty, starts kube-controller-manager with
 	// --controllers set to this list and --leader-elect=false.
 	Controllers []string
-	// APIServerArgs and ControllerManagerArgs are appended to the generated flags.
+	// Scheduler starts kube-scheduler (leader election off), for tests whose
+	// pods a real kubelet runs.
+	Scheduler bool
+	// APIServerArgs, ControllerManagerArgs and SchedulerArgs are appended to
+	// the generated flags.
 	APIServerArgs         []string
 	ControllerManagerArgs []string
+	SchedulerArgs         []string
 	// StartTimeout bounds the wait for /readyz; zero means one minute.
 	StartTimeout time.Duration
 }
@@ -124,6 +130,9 @@ func Start(t testing.TB, opts Options) *Cluster {
 	if len(opts.Controllers) > 0 {
 		names = append(names, "kube-controller-manager")
 	}
+	if opts.Scheduler {
+		names = append(names, "kube-scheduler")
+	}
 	bins := FindBinaries(t, "controlplane", names...)
 	if opts.StartTimeout == 0 {
 		opts.StartTimeout = time.Minute
@@ -147,11 +156,11 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	if c.pki, err = newPKI(c.Dir); err != nil {
 		return err
 	}
-	ports, err := freePorts(4)
+	ports, err := freePorts(5)
 	if err != nil {
 		return err
 	}
-	etcdPort, peerPort, apiPort, kcmPort := ports[0], ports[1], ports[2], ports[3]
+	etcdPort, peerPort, apiPort, kcmPort, schedPort := ports[0], ports[1], ports[2], ports[3], ports[4]
 	c.EtcdURL = fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
 	c.Server = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
@@ -225,6 +234,25 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		return err
 	}
 
+	// Its serving certificates are self-signed in cert-dir; /healthz is open to anyone.
+	insecure := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+	if opts.Scheduler {
+		schedArgs := []string{
+			"--kubeconfig=" + c.Kubeconfig,
+			"--leader-elect=false",
+			"--bind-address=127.0.0.1",
+			"--secure-port=" + strconv.Itoa(schedPort),
+			"--cert-dir=" + filepath.Join(c.Dir, "scheduler-certs"),
+			"--profiling=false",
+		}
+		sched, err := c.run("kube-scheduler", bins["kube-scheduler"], append(schedArgs, opts.SchedulerArgs...), logDir)
+		if err != nil {
+			return err
+		}
+		if err := waitHTTP(ctx, sched, insecure, fmt.Sprintf("https://127.0.0.1:%d/healthz", schedPort)); err != nil {
+			return err
+		}
+	}
 	if len(opts.Controllers) == 0 {
 		return nil
 	}
@@ -243,8 +271,6 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	if err != nil {
 		return err
 	}
-	// Its serving certificate is self-signed in cert-dir; /healthz is open to anyone.
-	insecure := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	return waitHTTP(ctx, kcm, insecure, fmt.Sprintf("https://127.0.0.1:%d/healthz", kcmPort))
 }
 
