@@ -1,0 +1,615 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
+)
+
+// Paths of the node as kubelet, containerd and the DaemonSet see them. In
+// the test's private mount namespace each is a bind of a directory under
+// the node's temporary directory, so nothing reaches the host's own paths.
+const (
+	KubeletRoot      = "/var/lib/kubelet"
+	ContainerdRoot   = "/var/lib/containerd"
+	ContainerdState  = "/run/containerd"
+	ContainerdSocket = ContainerdState + "/containerd.sock"
+	PodLogs          = "/var/log/pods"
+	ContainerLogs    = "/var/log/containers"
+)
+
+// Controllers are the kube-controller-manager controllers a node with
+// workloads needs: the defaults of kubetest, plus Deployments and
+// ReplicaSets, the PV binder that binds a static PV to its claim, and the
+// publisher of kube-root-ca.crt that service account volumes read.
+var Controllers = append(slices.Clone(kubetest.DefaultControllers),
+	"deployment", "replicaset", "daemonset", "persistentvolume-binder", "root-ca-cert-publisher")
+
+// NodeOptions configure StartNode.
+type NodeOptions struct {
+	// Name is the node's name (default "e2e-node").
+	Name string
+	// Archives are image archives (docker or OCI) imported into containerd's
+	// k8s.io namespace besides the pause and busybox images.
+	Archives []string
+}
+
+// Node is a real Kubernetes node running on this machine: containerd, runc
+// and kubelet in a PID namespace of their own, with the k8s-csi-s3 node
+// plugin (against versitygw on loopback) registered with kubelet.
+type Node struct {
+	Name string
+	// IP is the node's InternalIP (the machine's first global IPv4 address).
+	IP string
+	// Dir holds the node's directories, configuration and logs (logs/).
+	Dir     string
+	Cluster *kubetest.Cluster
+	S3      *csilab.S3
+	// Driver is the CSI node plugin, serving DriverSocket.
+	Driver *csilab.Driver
+	// CRI talks to containerd.
+	CRI runtimeapi.RuntimeServiceClient
+
+	t          testing.TB
+	reg        *registrar
+	init       *exec.Cmd
+	initDone   chan struct{}
+	initPID    int
+	cgroupRoot string
+	binds      []string
+	createdDir []string
+}
+
+// DriverSocket is the CSI node plugin's socket, where kubelet's CSI fallback
+// also looks: <kubelet root>/plugins/<driver>/csi.sock.
+var DriverSocket = filepath.Join(KubeletRoot, "plugins", csilab.DriverName, "csi.sock")
+
+// registrationSocket is the driver's socket in kubelet's plugins_registry.
+var registrationSocket = filepath.Join(KubeletRoot, "plugins_registry", csilab.DriverName+"-reg.sock")
+
+// StartNode brings a node up against the cluster c and tears it down when
+// the test ends: the node's processes are killed with their PID namespace,
+// every mount under the node's paths is unmounted and its cgroups removed.
+// It needs root, /dev/fuse, the lab's private mount namespace (Main) and the
+// binaries of scripts/tools.sh (kube, s3) and scripts/deps.sh.
+func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
+	t.Helper()
+	lab.RequireRoot(t)
+	bins := kubetest.FindBinaries(t, "kube", "kubelet", "kubectl")
+	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "runc", "ctr", "s3fs"} {
+		lab.RequireBinary(t, b)
+	}
+	busybox := "/bin/busybox"
+	if _, err := os.Stat(busybox); err != nil {
+		failOrSkip(t, "needs %s: install the Debian package busybox-static (scripts/deps.sh)", busybox)
+	}
+	if opts.Name == "" {
+		opts.Name = "e2e-node"
+	}
+	ip, err := hostIP()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &Node{Name: opts.Name, IP: ip, Dir: t.TempDir(), Cluster: c, t: t, initDone: make(chan struct{})}
+	n.cgroupRoot = fmt.Sprintf("/mountmedic-e2e-%d", os.Getpid())
+	for _, d := range []string{"logs", "images", "config", "opt", "cni/bin", "cni/conf"} {
+		if err := os.MkdirAll(filepath.Join(n.Dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(n.teardownMounts) // after the processes below are gone
+	if err := n.makeCgroups(); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := n.bindPaths(); err != nil {
+		t.Fatal(err)
+	}
+	// Images first: a failed build costs no daemon.
+	archives := []string{filepath.Join(n.Dir, "images", "pause.tar"), filepath.Join(n.Dir, "images", "busybox.tar")}
+	if err := buildPauseImage(filepath.Join(n.Dir, "images"), archives[0]); err != nil {
+		t.Fatal(err)
+	}
+	if err := buildBusyboxImage(busybox, archives[1]); err != nil {
+		t.Fatal(err)
+	}
+
+	n.S3 = csilab.StartS3(t)
+	if err := os.MkdirAll(filepath.Dir(DriverSocket), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	n.Driver = csilab.StartDriver(t, DriverSocket, n.Name)
+	if err := os.MkdirAll(filepath.Dir(registrationSocket), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	n.reg, err = startRegistrar(csilab.DriverName, DriverSocket, registrationSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.reg.stop)
+
+	spec, err := n.initSpec(bins["kubelet"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.startInit(spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.stopInit)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := n.waitContainerd(ctx); err != nil {
+		t.Fatal(n.withLogs(err))
+	}
+	for _, a := range append(archives, opts.Archives...) {
+		if err := n.importImage(ctx, a); err != nil {
+			t.Fatal(n.withLogs(err))
+		}
+	}
+	conn, err := grpc.NewClient("unix://"+ContainerdSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatalf("connect to containerd: %v", err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	n.CRI = runtimeapi.NewRuntimeServiceClient(conn)
+	if err := n.waitNode(ctx); err != nil {
+		t.Fatal(n.withLogs(err))
+	}
+	if err := n.reg.registered(ctx); err != nil {
+		t.Fatal(n.withLogs(err))
+	}
+	t.Logf("node %s (%s) up: kubelet registered, driver %s registered", n.Name, n.IP, csilab.DriverName)
+	return n
+}
+
+// bindPaths binds a directory of the node over each of the node's paths and
+// makes the bind shared, so that mounts made under it by the node (in its
+// own mount namespace) and by the CSI driver (in the test's) reach both.
+func (n *Node) bindPaths() error {
+	for _, p := range []string{KubeletRoot, ContainerdRoot, ContainerdState, PodLogs, ContainerLogs} {
+		src := filepath.Join(n.Dir, "root", p)
+		if err := os.MkdirAll(src, 0o755); err != nil {
+			return err
+		}
+		if _, err := os.Stat(p); errors.Is(err, os.ErrNotExist) {
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				return fmt.Errorf("create mount point %s: %w", p, err)
+			}
+			n.createdDir = append(n.createdDir, p)
+		}
+		if err := unix.Mount(src, p, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("bind %s over %s: %w", src, p, err)
+		}
+		n.binds = append(n.binds, p)
+		if err := unix.Mount("", p, "", unix.MS_SHARED, ""); err != nil {
+			return fmt.Errorf("make %s shared: %w", p, err)
+		}
+	}
+	return nil
+}
+
+func (n *Node) initSpec(kubelet string) (initSpec, error) {
+	cfgDir := filepath.Join(n.Dir, "config")
+	containerdConfig := filepath.Join(cfgDir, "containerd.toml")
+	if err := os.WriteFile(containerdConfig, []byte(n.containerdConfig()), 0o644); err != nil {
+		return initSpec{}, err
+	}
+	port, err := freePort()
+	if err != nil {
+		return initSpec{}, err
+	}
+	kubeletConfig := filepath.Join(cfgDir, "kubelet.yaml")
+	if err := os.WriteFile(kubeletConfig, []byte(n.kubeletConfig(port)), 0o644); err != nil {
+		return initSpec{}, err
+	}
+	env := nodeEnv()
+	logs := filepath.Join(n.Dir, "logs")
+	return initSpec{Procs: []initProc{
+		{
+			Name:   "containerd",
+			Argv:   []string{"containerd", "--config", containerdConfig, "--log-level", "info"},
+			Env:    env,
+			Log:    filepath.Join(logs, "containerd.log"),
+			Socket: ContainerdSocket,
+		},
+		{
+			Name: "kubelet",
+			Argv: []string{kubelet,
+				"--config=" + kubeletConfig,
+				"--kubeconfig=" + n.Cluster.Kubeconfig,
+				"--hostname-override=" + n.Name,
+				"--node-ip=" + n.IP,
+				"--root-dir=" + KubeletRoot,
+				"--v=2",
+			},
+			Env: env,
+			Log: filepath.Join(logs, "kubelet.log"),
+		},
+	}}, nil
+}
+
+func (n *Node) containerdConfig() string {
+	return fmt.Sprintf(`version = 2
+root = %[1]q
+state = %[2]q
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = %[3]q
+
+[ttrpc]
+  address = %[4]q
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = %[5]q
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %[6]q
+  # root here lacks CAP_SYS_RESOURCE in the machine's user namespace.
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %[7]q
+    conf_dir = %[8]q
+`, ContainerdRoot, ContainerdState, ContainerdSocket, ContainerdSocket+".ttrpc",
+		filepath.Join(n.Dir, "opt"), PauseImage, filepath.Join(n.Dir, "cni", "bin"), filepath.Join(n.Dir, "cni", "conf"))
+}
+
+func (n *Node) kubeletConfig(port int) string {
+	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: %d
+readOnlyPort: 0
+healthzPort: 0
+containerRuntimeEndpoint: unix://%s
+cgroupDriver: cgroupfs
+cgroupsPerQOS: true
+cgroupRoot: %s
+enforceNodeAllocatable: []
+failSwapOn: false
+failCgroupV1: false
+podLogsDir: %s
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+# The disk is shared with other work: never evict pods for it.
+evictionHard:
+  memory.available: "1Mi"
+  nodefs.available: "1%%"
+  imagefs.available: "1%%"
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+# Volume usage walks every volume (du): not on a FUSE mount that may hang.
+volumeStatsAggPeriod: 0s
+serializeImagePulls: false
+staticPodPath: ""
+`, port, ContainerdSocket, n.cgroupRoot, PodLogs)
+}
+
+// nodeEnv is the environment of the node's daemons: the test's, with the
+// sbin directories on PATH (runc) and no proxy settings.
+func nodeEnv() []string {
+	var env []string
+	path := "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	for _, kv := range os.Environ() {
+		k, v, _ := strings.Cut(kv, "=")
+		switch {
+		case k == "PATH":
+			path = v + ":/usr/local/sbin:/usr/sbin:/sbin"
+		case strings.HasPrefix(k, "MOUNTMEDIC_LAB_"), strings.HasPrefix(k, "MOUNTMEDIC_E2E_"):
+		case strings.EqualFold(k, "http_proxy"), strings.EqualFold(k, "https_proxy"), strings.EqualFold(k, "no_proxy"):
+		default:
+			env = append(env, kv)
+		}
+	}
+	return append(env, "PATH="+path)
+}
+
+// startInit starts the node's init: a copy of the test binary, PID 1 of a
+// new PID namespace, in a new mount namespace copied from the test's.
+func (n *Node) startInit(spec initSpec) error {
+	data, err := json.Marshal(spec)
+	if err != nil {
+		return fmt.Errorf("encode node init spec: %w", err)
+	}
+	log, err := os.Create(filepath.Join(n.Dir, "logs", "init.log"))
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command("/proc/self/exe", "-test.run=^$")
+	cmd.Args[0] = os.Args[0]
+	cmd.Env = append(os.Environ(), envNodeInit+"="+string(data))
+	cmd.Stdout, cmd.Stderr = log, log
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS,
+		Pdeathsig:  syscall.SIGKILL,
+	}
+	if err := spawn(cmd); err != nil {
+		log.Close()
+		return fmt.Errorf("start the node init: %w", err)
+	}
+	n.init = cmd
+	n.initPID = cmd.Process.Pid
+	go func() {
+		_ = cmd.Wait()
+		log.Close()
+		close(n.initDone)
+	}()
+	return nil
+}
+
+// stopInit kills the node's init, and with it, by the kernel's rule for a
+// PID namespace whose init dies, every process of the node: containerd,
+// kubelet, the shims and every container.
+func (n *Node) stopInit() {
+	if n.t.Failed() {
+		for _, name := range []string{"init", "kubelet", "containerd"} {
+			n.t.Logf("last lines of %s:\n%s", name, tail(filepath.Join(n.Dir, "logs", name+".log"), 25))
+		}
+	}
+	if n.init == nil {
+		return
+	}
+	_ = n.init.Process.Kill()
+	<-n.initDone
+}
+
+// InitPID is the node init's process ID in the test's PID namespace: the
+// node's mount namespace is /proc/<InitPID>/ns/mnt.
+func (n *Node) InitPID() int { return n.initPID }
+
+// teardownMounts unmounts (lazily) every mount under the node's paths and
+// directory, removes the node's cgroups and the mount points it created.
+func (n *Node) teardownMounts() {
+	roots := append(slices.Clone(n.binds), n.Dir)
+	for range 10 {
+		mounts, err := mountinfo.GetMounts(nil)
+		if err != nil {
+			n.t.Errorf("read mount table: %v", err)
+			return
+		}
+		var left int
+		for i := len(mounts) - 1; i >= 0; i-- {
+			mp := mounts[i].Mountpoint
+			if !slices.ContainsFunc(roots, func(r string) bool { return mp == r || strings.HasPrefix(mp, r+"/") }) {
+				continue
+			}
+			left++
+			if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+				n.t.Logf("unmount %s: %v", mp, err)
+			}
+		}
+		if left == 0 {
+			break
+		}
+	}
+	n.removeCgroups()
+	for _, d := range n.createdDir {
+		_ = os.Remove(d)
+	}
+}
+
+// cgroupHierarchies lists the mounted cgroup hierarchies: each v1
+// controller directory, or the unified root.
+func cgroupHierarchies() []string {
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
+		return []string{"/sys/fs/cgroup"}
+	}
+	var out []string
+	entries, _ := os.ReadDir("/sys/fs/cgroup")
+	for _, e := range entries {
+		p := filepath.Join("/sys/fs/cgroup", e.Name())
+		if fi, err := os.Lstat(p); err == nil && fi.IsDir() {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// makeCgroups creates the node's cgroup root (kubelet's cgroupRoot, under
+// which it makes its QoS and pod cgroups) in every hierarchy.
+func (n *Node) makeCgroups() error {
+	for _, h := range cgroupHierarchies() {
+		dir := filepath.Join(h, n.cgroupRoot)
+		if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("create cgroup %s: %w", dir, err)
+		}
+		// A new v1 cpuset has no CPUs and no memory nodes: inherit them.
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if data, err := os.ReadFile(filepath.Join(h, f)); err == nil {
+				if err := os.WriteFile(filepath.Join(dir, f), data, 0o644); err != nil {
+					return fmt.Errorf("set %s of cgroup %s: %w", f, dir, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// removeCgroups removes the node's cgroup tree in every cgroup v1
+// hierarchy (or the unified one), deepest first.
+func (n *Node) removeCgroups() {
+	for _, h := range cgroupHierarchies() {
+		root := filepath.Join(h, n.cgroupRoot)
+		if _, err := os.Stat(root); err != nil {
+			continue
+		}
+		err := wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+			var dirs []string
+			_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+				if err == nil && d.IsDir() {
+					dirs = append(dirs, p)
+				}
+				return nil
+			})
+			for i := len(dirs) - 1; i >= 0; i-- {
+				_ = os.Remove(dirs[i])
+			}
+			_, err := os.Stat(root)
+			return errors.Is(err, os.ErrNotExist), nil
+		})
+		if err != nil {
+			n.t.Errorf("remove cgroup %s: %v", root, err)
+		}
+	}
+}
+
+func (n *Node) waitContainerd(ctx context.Context) error {
+	return wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) {
+		select {
+		case <-n.initDone:
+			return false, errors.New("the node init exited")
+		default:
+		}
+		c, err := net.Dial("unix", ContainerdSocket)
+		if err != nil {
+			return false, nil
+		}
+		c.Close()
+		return true, nil
+	})
+}
+
+func (n *Node) importImage(ctx context.Context, archive string) error {
+	cmd := exec.CommandContext(ctx, "ctr", "--address", ContainerdSocket, "--namespace", "k8s.io", "images", "import", archive)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("import %s into containerd: %w: %s", archive, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+func (n *Node) waitNode(ctx context.Context) error {
+	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		select {
+		case <-n.initDone:
+			return false, errors.New("the node init exited")
+		default:
+		}
+		_, err := n.Cluster.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		return err == nil, nil
+	})
+	if err != nil {
+		return fmt.Errorf("wait for kubelet to register node %s: %w", n.Name, err)
+	}
+	return nil
+}
+
+// withLogs adds the ends of the node's logs to err.
+func (n *Node) withLogs(err error) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%v", err)
+	for _, name := range []string{"init", "containerd", "kubelet"} {
+		fmt.Fprintf(&b, "\n--- %s:\n%s", name, tail(filepath.Join(n.Dir, "logs", name+".log"), 15))
+	}
+	return errors.New(b.String())
+}
+
+// Pod returns the current state of a pod.
+func (n *Node) Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
+	return n.Cluster.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+// hostIP returns the first global IPv4 address of an interface that is up,
+// preferring eth0: kubelet's --node-ip (never loopback).
+func hostIP() (string, error) {
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return "", fmt.Errorf("list network interfaces: %w", err)
+	}
+	slices.SortStableFunc(ifs, func(a, b net.Interface) int {
+		if a.Name == "eth0" {
+			return -1
+		}
+		if b.Name == "eth0" {
+			return 1
+		}
+		return 0
+	})
+	for _, i := range ifs {
+		if i.Flags&net.FlagUp == 0 || i.Flags&net.FlagLoopback != 0 {
+			continue
+		}
+		addrs, err := i.Addrs()
+		if err != nil {
+			continue
+		}
+		for _, a := range addrs {
+			if ipn, ok := a.(*net.IPNet); ok && ipn.IP.To4() != nil && ipn.IP.IsGlobalUnicast() {
+				return ipn.IP.String(), nil
+			}
+		}
+	}
+	return "", errors.New("no global IPv4 address on any interface: kubelet needs one for --node-ip")
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("find a free port: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func tail(path string, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+func failOrSkip(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if os.Getenv(lab.EnvRequireRoot) == "1" {
+		t.Fatalf("%s (%s=1 turns this skip into a failure)", msg, lab.EnvRequireRoot)
+	}
+	t.Skip(msg)
+}
