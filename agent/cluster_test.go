@@ -38,7 +38,7 @@ const (
 // env is a real control plane with mountmedic's manifests applied, a lab
 // kubelet tree on this host and the API objects of the pods using it.
 type env struct {
-	t       *testing.T
+	t       testing.TB
 	cluster *kubetest.Cluster
 	admin   kubernetes.Interface
 	// agentConfig authenticates as the mountmedic ServiceAccount, under the
@@ -51,7 +51,7 @@ type env struct {
 // newEnv starts the control plane (with kube-controller-manager's
 // disruption controller when pdb is set, for real PDB status) and applies
 // deploy/ with kubectl.
-func newEnv(t *testing.T, controllers []string) *env {
+func newEnv(t testing.TB, controllers []string) *env {
 	t.Helper()
 	lab.RequireRoot(t)
 	c := kubetest.Start(t, kubetest.Options{Controllers: controllers})

@@ -173,7 +173,7 @@ func DefaultConfig() Config {
 	return Config{
 		KubeletRoot:          probe.DefaultKubeletRoot,
 		HostTable:            "/proc/self/mountinfo",
-		ProbeInterval:        time.Second,
+		ProbeInterval:        2 * time.Second,
 		ProbeTimeout:         2 * time.Second,
 		ProbeParallel:        4,
 		Strikes:              2,

@@ -1,0 +1,225 @@
+package agent_test
+
+import (
+	"io"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+)
+
+// BenchmarkAgentSteadyState runs the real mountmedic binary (`mountmedic
+// agent`, default flags) as the mountmedic ServiceAccount over a lab node
+// with n healthy FUSE volumes, each its own FUSE daemon with a staging
+// mount, a publish bind and a subPath bind, and a pod in the API. Each
+// iteration samples 10 s of steady state and reports the agent process's
+// CPU (percent of one core), its RSS, and its API requests per minute as a
+// proxy in front of the API server counts them.
+//
+//	go test -run '^$' -bench AgentSteadyState -benchtime 2x ./agent
+func BenchmarkAgentSteadyState(b *testing.B) {
+	lab.RequireRoot(b)
+	bin := buildAgent(b)
+	for _, n := range []int{200, 1000} {
+		b.Run("volumes="+strconv.Itoa(n), func(b *testing.B) {
+			e := newEnv(b, nil)
+			for i := 0; i < n; i++ {
+				name := "v" + strconv.Itoa(i)
+				v := e.createVolume(name, nil)
+				pod := e.createPod(name, v, podOptions{subPath: "sub"})
+				fs := lab.StartFaultFS(b, v.staging)
+				if err := os.Mkdir(filepath.Join(fs.BackingDir(), "sub"), 0o755); err != nil {
+					b.Fatal(err)
+				}
+				pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+				e.kubelet.SubPath(string(pod.UID), "data", "app", 1, filepath.Join(pub, "sub"))
+			}
+			p := startAgentProcess(b, e, bin)
+			time.Sleep(5 * time.Second) // warm-up: first scan, informer sync
+			b.ResetTimer()
+			var cpu, reqs float64
+			var rss int
+			const window = 10 * time.Second
+			for i := 0; i < b.N; i++ {
+				c0, r0 := procCPU(b, p.pid), p.requests.Load()
+				time.Sleep(window)
+				cpu += (procCPU(b, p.pid) - c0).Seconds()
+				reqs += float64(p.requests.Load() - r0)
+				rss = max(rss, procRSS(b, p.pid))
+			}
+			b.StopTimer()
+			secs := window.Seconds() * float64(b.N)
+			b.ReportMetric(100*cpu/secs, "cpu-%")
+			b.ReportMetric(float64(rss)/1024, "rss-MiB")
+			b.ReportMetric(reqs/secs*60, "api-req/min")
+			if broken := p.metric(b, "mountmedic_stale_mounts"); broken != 0 {
+				b.Fatalf("%v stale mounts reported on a healthy node", broken)
+			}
+		})
+	}
+}
+
+// buildAgent builds cmd/mountmedic into a temporary directory.
+func buildAgent(b *testing.B) string {
+	b.Helper()
+	bin := filepath.Join(b.TempDir(), "mountmedic")
+	cmd := exec.Command("go", "build", "-o", bin, "../cmd/mountmedic")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		b.Fatalf("go build ./cmd/mountmedic: %v\n%s", err, out)
+	}
+	return bin
+}
+
+type agentProcess struct {
+	pid      int
+	metrics  string
+	requests atomic.Int64
+}
+
+// startAgentProcess runs `mountmedic agent` with its default flags for the
+// lab node, as the mountmedic ServiceAccount, through a request-counting
+// proxy to the API server.
+func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
+	b.Helper()
+	p := &agentProcess{}
+	target, err := url.Parse(e.agentConfig.Host)
+	if err != nil {
+		b.Fatal(err)
+	}
+	transport, err := rest.TransportFor(e.agentConfig)
+	if err != nil {
+		b.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	proxy.Transport = transport
+	proxy.FlushInterval = -1 // watches stream
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.requests.Add(1)
+		proxy.ServeHTTP(w, r)
+	})}
+	go srv.Serve(ln)
+	b.Cleanup(func() { srv.Close() })
+
+	kc := clientcmdapi.NewConfig()
+	kc.Clusters["lab"] = &clientcmdapi.Cluster{Server: "http://" + ln.Addr().String()}
+	kc.Contexts["lab"] = &clientcmdapi.Context{Cluster: "lab", AuthInfo: "proxy"}
+	kc.AuthInfos["proxy"] = &clientcmdapi.AuthInfo{}
+	kc.CurrentContext = "lab"
+	kubeconfig := filepath.Join(b.TempDir(), "kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, kubeconfig); err != nil {
+		b.Fatal(err)
+	}
+	mln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	p.metrics = mln.Addr().String()
+	mln.Close()
+
+	cmd := exec.Command(bin, "agent", "--kubeconfig", kubeconfig, "--node-name", e.node,
+		"--kubelet-root", e.kubelet.Root(), "--metrics-addr", p.metrics)
+	logf, err := os.Create(filepath.Join(b.TempDir(), "agent.log"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		b.Fatalf("start %s: %v", bin, err)
+	}
+	p.pid = cmd.Process.Pid
+	b.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		logf.Close()
+	})
+	deadline := time.Now().Add(time.Minute)
+	for {
+		resp, err := http.Get("http://" + p.metrics + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return p
+			}
+		}
+		if time.Now().After(deadline) {
+			log, _ := os.ReadFile(logf.Name())
+			b.Fatalf("agent not ready within a minute: %v\n%s", err, log)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// metric sums every sample of the metric name.
+func (p *agentProcess) metric(b *testing.B, name string) float64 {
+	b.Helper()
+	resp, err := http.Get("http://" + p.metrics + "/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		b.Fatal(err)
+	}
+	sum := 0.0
+	for _, line := range strings.Split(string(body), "\n") {
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		f := strings.Fields(line)
+		v, _ := strconv.ParseFloat(f[len(f)-1], 64)
+		sum += v
+	}
+	return sum
+}
+
+// procCPU is the user+system CPU time of pid.
+func procCPU(b *testing.B, pid int) time.Duration {
+	b.Helper()
+	raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		b.Fatal(err)
+	}
+	// Fields after the command name, which is in parentheses.
+	s := string(raw)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	utime, _ := strconv.ParseInt(f[11], 10, 64)
+	stime, _ := strconv.ParseInt(f[12], 10, 64)
+	const hz = 100 // USER_HZ
+	return time.Duration(utime+stime) * time.Second / hz
+}
+
+// procRSS is the resident set of pid in KiB.
+func procRSS(b *testing.B, pid int) int {
+	b.Helper()
+	raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			n, _ := strconv.Atoi(strings.Fields(v)[0])
+			return n
+		}
+	}
+	return 0
+}
