@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"syscall"
@@ -29,10 +30,11 @@ const (
 // mount namespace that bind-mounted host paths into a root directory at its
 // start, as a runtime does, and then sleeps until killed.
 type Container struct {
-	t    testing.TB
-	name string
-	root string
-	d    *daemon
+	t      testing.TB
+	name   string
+	root   string
+	chroot bool
+	d      *daemon
 }
 
 // ContainerOption changes how StartContainer sets up a container.
@@ -44,11 +46,43 @@ func WithContainerDir(dir string) ContainerOption {
 	return func(c *containerConfig) { c.Root = filepath.Join(dir, c.Name) }
 }
 
+// WithChroot makes the container chroot into its root directory once its
+// binds are made, as a runtime pivots into the rootfs: /proc/<pid>/root is
+// then the container root and its mountinfo shows container paths ("/data"),
+// only the mounts below its root.
+func WithChroot() ContainerOption {
+	return func(c *containerConfig) { c.Chroot = true }
+}
+
+// WithReadOnly makes the container's binds at these container paths
+// read-only, as a runtime does for a volumeMount with readOnly: true.
+func WithReadOnly(containerPaths ...string) ContainerOption {
+	return func(c *containerConfig) {
+		for _, p := range containerPaths {
+			c.ReadOnly = append(c.ReadOnly, filepath.Clean(p))
+		}
+	}
+}
+
+// WithPodCgroup puts the container's process into a cgroup named the way
+// kubelet's cgroupfs driver names a pod container's cgroup,
+// .../kubepods/besteffort/pod<podUID>/<containerID>, below a directory of
+// its own in the cgroup v2 hierarchy (v1 where there is none). Cleanup
+// removes the directories.
+func WithPodCgroup(podUID, containerID string) ContainerOption {
+	return func(c *containerConfig) { c.podUID, c.containerID = podUID, containerID }
+}
+
 type containerConfig struct {
 	Name        string
 	Root        string
 	Propagation string
 	Binds       []containerBind
+	Chroot      bool
+	ReadOnly    []string
+
+	// Not sent to the daemon: the parent moves it into the cgroup.
+	podUID, containerID string
 }
 
 type containerBind struct {
@@ -94,9 +128,21 @@ func StartContainer(t testing.TB, name, propagation string, binds map[string]str
 	if err != nil {
 		t.Fatalf("start container %s: %v", name, err)
 	}
-	c := &Container{t: t, name: name, root: root, d: d}
+	c := &Container{t: t, name: name, root: root, chroot: cfg.Chroot, d: d}
+	var cg *podCgroup
+	if cfg.podUID != "" {
+		if cg, err = joinPodCgroup(d.pid(), cfg.podUID, cfg.containerID); err != nil {
+			d.kill()
+			t.Fatalf("container %s: %v", name, err)
+		}
+	}
 	t.Cleanup(func() {
 		c.d.kill()
+		if cg != nil {
+			if err := cg.remove(); err != nil {
+				t.Errorf("container %s: %v", name, err)
+			}
+		}
 		if t.Failed() {
 			if out := c.d.output.String(); out != "" {
 				t.Logf("container %s output:\n%s", name, out)
@@ -113,9 +159,13 @@ func (c *Container) Pid() int { return c.d.pid() }
 func (c *Container) Root() string { return c.root }
 
 // Path is containerPath as the container sees it:
-// /proc/<pid>/root/<root>/<containerPath>. The walk through /proc/<pid>/root
+// /proc/<pid>/root/<root>/<containerPath>, or /proc/<pid>/root/<containerPath>
+// for a container made WithChroot. The walk through /proc/<pid>/root
 // resolves mounts in the container's mount namespace.
 func (c *Container) Path(containerPath string) string {
+	if c.chroot {
+		return filepath.Join("/proc", strconv.Itoa(c.Pid()), "root", containerPath)
+	}
 	return filepath.Join("/proc", strconv.Itoa(c.Pid()), "root", c.root, containerPath)
 }
 
@@ -145,6 +195,19 @@ func runContainerDaemon(cfg containerConfig, ready *readiness) error {
 		}
 		if err := unix.Mount(b.HostPath, target, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
 			return fmt.Errorf("bind %s at %s: %w", b.HostPath, b.ContainerPath, err)
+		}
+		if slices.Contains(cfg.ReadOnly, b.ContainerPath) {
+			if err := unix.Mount("", target, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
+				return fmt.Errorf("make %s read-only: %w", b.ContainerPath, err)
+			}
+		}
+	}
+	if cfg.Chroot {
+		if err := unix.Chroot(cfg.Root); err != nil {
+			return fmt.Errorf("chroot into %s: %w", cfg.Root, err)
+		}
+		if err := unix.Chdir("/"); err != nil {
+			return fmt.Errorf("chdir into the new root: %w", err)
 		}
 	}
 	ready.ok()

@@ -25,12 +25,17 @@
 //     abort file of its connection.
 //   - StartContainer: a process in its own mount namespace with private or
 //     slave propagation, holding bind mounts of host paths as a container
-//     runtime makes them at container start.
+//     runtime makes them at container start; WithReadOnly makes binds
+//     read-only, WithChroot roots it in its directory (so that
+//     /proc/<pid>/root and its mountinfo show container paths), and
+//     WithPodCgroup puts it in a cgroup named as kubelet names a pod
+//     container's (.../kubepods/besteffort/pod<uid>/<containerID>).
 //
 // NewExt4 and NewExt4On make an ext4 filesystem on an autoclear loop device;
 // with the backing file on a FaultFS it is the NBD-like case. NewKubelet lays
 // out a kubelet root with staging, publish, subPath, emptyDir and block
-// volume mounts at the paths kubelet uses.
+// volume mounts at the paths kubelet uses (PreparePublish lays out a publish
+// path for a real CSI driver to publish to).
 //
 // What the lab's own tests observe on kernel 6.18 (each is asserted in
 // lab_test.go unless marked "logged"):

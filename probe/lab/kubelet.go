@@ -127,6 +127,20 @@ func (k *Kubelet) publishPath(podUID, volName string) string {
 // there. It returns the publish path.
 func (k *Kubelet) Publish(podUID, volName, driver, volumeHandle, source string, readOnly bool) string {
 	k.t.Helper()
+	target := k.PreparePublish(podUID, volName, driver, volumeHandle)
+	k.mount(source, target, "", unix.MS_BIND, "")
+	if readOnly {
+		k.remountReadOnly(target)
+	}
+	return target
+}
+
+// PreparePublish does what kubelet does before it calls NodePublishVolume:
+// it creates the publish path of the volume and writes vol_data.json beside
+// it, without mounting anything, and returns the path. A real CSI driver
+// then publishes there.
+func (k *Kubelet) PreparePublish(podUID, volName, driver, volumeHandle string) string {
+	k.t.Helper()
 	target := k.PublishPath(podUID, volName)
 	node := k.NodeName()
 	attach := sha256.Sum256([]byte(volumeHandle + driver + node))
@@ -138,10 +152,6 @@ func (k *Kubelet) Publish(podUID, volName, driver, volumeHandle, source string, 
 		"attachmentID":        "csi-" + hex.EncodeToString(attach[:]),
 		"volumeLifecycleMode": "Persistent",
 	})
-	k.mount(source, target, "", unix.MS_BIND, "")
-	if readOnly {
-		k.remountReadOnly(target)
-	}
 	return target
 }
 
