@@ -27,6 +27,28 @@ const (
 	// OpStopContainer stops a container through the CRI so that kubelet
 	// starts it again.
 	OpStopContainer Op = "stop-container"
+	// OpCheckDriver asks the CSI driver for its node capabilities before
+	// anything is unmounted.
+	OpCheckDriver Op = "check-driver"
+	// OpStage sends NodeStageVolume.
+	OpStage Op = "stage"
+	// OpPublish sends NodePublishVolume.
+	OpPublish Op = "publish"
+	// OpFindProcesses finds the processes of a pod's containers.
+	OpFindProcesses Op = "find-processes"
+	// OpHolder reports a process that still holds a dead mount (an open
+	// file, a working directory): it keeps failing after the repair.
+	OpHolder Op = "holder"
+	// OpWaitRunning waits for the runtime to run a stopped container again.
+	OpWaitRunning Op = "wait-running"
+	// OpVerify probes a place the tier repaired (statfs and statx with
+	// AT_STATX_FORCE_SYNC, with a deadline).
+	OpVerify Op = "verify"
+	// OpBind binds a subPath of the fresh volume again where kubelet keeps
+	// it (volume-subpaths).
+	OpBind Op = "bind"
+	// OpSkip is a volume or pod a tier leaves alone, and why.
+	OpSkip Op = "skip"
 )
 
 // Action is one step a repair took, or would take in dry-run.

@@ -253,6 +253,50 @@ func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (NodeCapabilities, 
 	return caps, nil
 }
 
+// CheckNode asks the driver for its node capabilities every time (never
+// from the cache, which it refreshes): the check that the driver answers
+// before anything is unmounted. A connection that failed while the driver
+// was down is re-dialled at once instead of after gRPC's backoff, so a
+// driver that has just come back answers the first call.
+func (c *CSIClient) CheckNode(ctx context.Context) (NodeCapabilities, error) {
+	if err := checkSocket(c.path); err != nil {
+		return NodeCapabilities{}, err
+	}
+	c.redial(ctx)
+	var resp *csi.NodeGetCapabilitiesResponse
+	err := c.call(ctx, "NodeGetCapabilities", c.opts.ProbeTimeout, func(ctx context.Context) error {
+		var err error
+		resp, err = c.node.NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
+		return err
+	})
+	if err != nil {
+		return NodeCapabilities{}, err
+	}
+	caps := nodeCapabilities(resp.GetCapabilities())
+	c.mu.Lock()
+	c.caps = &caps
+	c.mu.Unlock()
+	return caps, nil
+}
+
+// redialWait bounds how long redial waits for a fresh connection attempt to
+// leave TRANSIENT_FAILURE.
+const redialWait = 200 * time.Millisecond
+
+// redial cuts gRPC's reconnect backoff short: in TRANSIENT_FAILURE a call
+// fails at once with Unavailable until the backoff timer fires (up to
+// ReconnectMaxDelay), even when the driver is back. ResetConnectBackoff
+// starts a new attempt now; a call made while it connects waits for it.
+func (c *CSIClient) redial(ctx context.Context) {
+	if c.conn.GetState() != connectivity.TransientFailure {
+		return
+	}
+	c.conn.ResetConnectBackoff()
+	ctx, cancel := context.WithTimeout(ctx, redialWait)
+	defer cancel()
+	c.conn.WaitForStateChange(ctx, connectivity.TransientFailure)
+}
+
 // NodeGetInfo asks the driver for its node ID, volume limit and topology.
 func (c *CSIClient) NodeGetInfo(ctx context.Context) (*csi.NodeGetInfoResponse, error) {
 	var resp *csi.NodeGetInfoResponse

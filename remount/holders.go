@@ -66,12 +66,28 @@ func (h Holder) String() string {
 // open call) only to read the descriptor's mnt_id; nothing is stat'ed. The
 // calling process itself is left out.
 func FindHolders(ctx context.Context, procDir string, dev probe.Dev, mountIDs ...int) ([]Holder, error) {
+	return findHolders(ctx, procDir, nil, dev, mountIDs...)
+}
+
+// findHolders is FindHolders over the processes pids, or every process when
+// pids is nil.
+func findHolders(ctx context.Context, procDir string, pids []int, dev probe.Dev, mountIDs ...int) ([]Holder, error) {
 	if procDir == "" {
 		procDir = "/proc"
 	}
-	entries, err := os.ReadDir(procDir)
-	if err != nil {
-		return nil, fmt.Errorf("list processes: %w", err)
+	var names []string
+	if pids == nil {
+		entries, err := os.ReadDir(procDir)
+		if err != nil {
+			return nil, fmt.Errorf("list processes: %w", err)
+		}
+		for _, e := range entries {
+			names = append(names, e.Name())
+		}
+	} else {
+		for _, pid := range pids {
+			names = append(names, strconv.Itoa(pid))
+		}
 	}
 	self, _ := os.Readlink(filepath.Join(procDir, "self"))
 	extra := make(map[int]bool, len(mountIDs))
@@ -80,15 +96,15 @@ func FindHolders(ctx context.Context, procDir string, dev probe.Dev, mountIDs ..
 	}
 	byNS := make(map[string]map[int]bool) // mount IDs of dev per namespace
 	var out []Holder
-	for _, e := range entries {
+	for _, name := range names {
 		if err := ctx.Err(); err != nil {
 			return out, fmt.Errorf("find holders of %s: %w", dev, err)
 		}
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid <= 0 || e.Name() == self {
+		pid, err := strconv.Atoi(name)
+		if err != nil || pid <= 0 || name == self {
 			continue
 		}
-		proc := filepath.Join(procDir, e.Name())
+		proc := filepath.Join(procDir, name)
 		ns, err := os.Readlink(filepath.Join(proc, "ns", "mnt"))
 		if err != nil {
 			continue // exited, or not ours to read

@@ -26,9 +26,12 @@ const (
 	// starts them again on the fresh mount (dead subPath binds unmounted
 	// first so kubelet binds them again).
 	TierRestart
+	// TierUnmount is no rung: it lazily unmounts the dead mounts of pods
+	// being deleted, so that kubelet can finish tearing them down.
+	TierUnmount
 )
 
-var tierNames = [...]string{"restage", "liveswap", "restart"}
+var tierNames = [...]string{"restage", "liveswap", "restart", "unmount"}
 
 func (t Tier) String() string {
 	if int(t) >= 0 && int(t) < len(tierNames) {

@@ -358,7 +358,9 @@ func (s *Swapper) cloneSource(sys Syscalls, t SwapTarget) (tree int, desc string
 			return -1, "", &UnsafePathError{Path: t.SubDir, Root: t.Source, Reason: "subPath leaves the volume"}
 		}
 		desc = filepath.Join(t.Source, sub)
-		if sub != "." {
+		// In dry-run the source may still be the dead mount (the host is
+		// not repaired): walking into it could hang, so it is not walked.
+		if sub != "." && !s.DryRun {
 			subfd, err := openat2(src.FD(), sub, unix.O_PATH, resolveSafe)
 			if err != nil {
 				return -1, "", resolveErr(t.Source, desc, desc, err)

@@ -1,0 +1,589 @@
+package remount
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
+)
+
+// The Repairer against the real k8s-csi-s3 driver (s3driver + s3fs) and a
+// versitygw S3 server, on a lab kubelet tree with lab containers.
+
+// driverLab is one S3 server, one s3driver on the conventional socket of a
+// lab kubelet root, and a Repairer.
+type driverLab struct {
+	k    *lab.Kubelet
+	root string
+	s3   *csilab.S3
+	drv  *csilab.Driver
+	csi  *CSIClient
+	r    *Repairer
+}
+
+func startDriverLab(t testing.TB, cfg Config) *driverLab {
+	t.Helper()
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	d := &driverLab{k: k, root: k.Root()}
+	d.s3 = csilab.StartS3(t)
+	sock := filepath.Join(d.root, "plugins", csilab.DriverName, "csi.sock")
+	if err := os.MkdirAll(filepath.Dir(sock), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	d.drv = csilab.StartDriver(t, sock, lab.DefaultNodeName)
+	var err error
+	if d.csi, err = DialCSI(context.Background(), sock, CSIOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.csi.Close() })
+	d.r = d.repairer(t, cfg)
+	return d
+}
+
+func (d *driverLab) repairer(t testing.TB, cfg Config) *Repairer {
+	t.Helper()
+	cfg.KubeletRoot = d.root
+	if cfg.Probe.Timeout == 0 {
+		cfg.Probe.Timeout = 2 * time.Second
+	}
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// restartDriver brings the driver back, as its DaemonSet would.
+func (d *driverLab) restartDriver(t testing.TB) {
+	t.Helper()
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// ctrDef is a container of a pod: its volumeMounts of the volume.
+type ctrDef struct {
+	name        string
+	propagation corev1.MountPropagationMode // "" for None
+	mounts      []corev1.VolumeMount
+	readOnly    []string
+}
+
+type podDef struct {
+	name string
+	ctrs []ctrDef
+}
+
+// realVolume is a k8s-csi-s3 volume staged and published into the lab by
+// the driver, with its pods' containers running.
+type realVolume struct {
+	handle  string
+	pv      string
+	staging string
+	vol     *Volume
+	pods    []*realPod
+}
+
+type realPod struct {
+	uid    types.UID
+	target string
+	ctrs   map[string]*lab.Container
+	// subPaths are the host subPath binds by container path, and the
+	// containers' mounts by name, to start a container again.
+	subPaths map[string]string
+	def      podDef
+}
+
+const testVolumeName = "data" // the pod's spec.volumes[].name
+
+func randomHex(t testing.TB, n int) string {
+	t.Helper()
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+func randomUID(t testing.TB) types.UID {
+	h := randomHex(t, 16)
+	return types.UID(h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:])
+}
+
+// newVolume creates the volume (an S3 prefix), builds each pod's request
+// from API objects with BuildVolumeRequest, stages and publishes it through
+// the driver as kubelet would, writes data.txt and sub/g.txt, makes the
+// subPath binds and starts the containers (in their pod's cgroup).
+func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *realVolume {
+	t.Helper()
+	ctx := context.Background()
+	if err := d.s3.PutObject(csilab.Bucket, prefix+"/", nil); err != nil {
+		t.Fatal(err)
+	}
+	sv := d.s3.Volume(csilab.Bucket, prefix)
+	rv := &realVolume{handle: sv.Handle, pv: "pv-" + prefix}
+	rv.staging = d.k.StagingPath(csilab.DriverName, sv.Handle)
+	caps, err := d.csi.CheckNode(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "s3-" + prefix}, Data: map[string][]byte{}}
+	for k, v := range sv.Secrets {
+		secret.Data[k] = []byte(v)
+	}
+	ref := &corev1.SecretReference{Namespace: secret.Namespace, Name: secret.Name}
+	pvc := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "claim-" + prefix, UID: randomUID(t)},
+		Spec:       corev1.PersistentVolumeClaimSpec{VolumeName: rv.pv},
+		Status:     corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound},
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: rv.pv},
+		Spec: corev1.PersistentVolumeSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany},
+			ClaimRef:    &corev1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+				Driver: csilab.DriverName, VolumeHandle: sv.Handle, VolumeAttributes: sv.Attributes,
+				NodeStageSecretRef: ref, NodePublishSecretRef: ref,
+			}},
+		},
+	}
+	attach := false
+	driverObj := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: csilab.DriverName}, Spec: storagev1.CSIDriverSpec{AttachRequired: &attach}}
+
+	rv.vol = &Volume{Driver: csilab.DriverName, VolumeHandle: sv.Handle}
+	for i, pd := range pods {
+		uid := randomUID(t)
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: pd.name, UID: uid},
+			Spec: corev1.PodSpec{NodeName: lab.DefaultNodeName, Volumes: []corev1.Volume{{Name: testVolumeName,
+				VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: pvc.Name}}}}},
+		}
+		for _, c := range pd.ctrs {
+			pod.Spec.Containers = append(pod.Spec.Containers, corev1.Container{Name: c.name, VolumeMounts: c.mounts})
+		}
+		vr, err := BuildVolumeRequest(VolumeObjects{Pod: pod, VolumeName: testVolumeName, PVC: pvc, PV: pv, CSIDriver: driverObj,
+			StageSecret: secret, PublishSecret: secret, Capabilities: caps, KubeletRoot: d.root})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if vr.StagingPath != rv.staging {
+			t.Fatalf("staging path %s, the lab kubelet's %s", vr.StagingPath, rv.staging)
+		}
+		if i == 0 {
+			rv.vol.Stage = vr
+			if err := d.csi.NodeStageVolume(ctx, StageRequest(vr)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		target := d.k.PreparePublish(string(uid), rv.pv, csilab.DriverName, sv.Handle)
+		if target != vr.TargetPath {
+			t.Fatalf("publish path %s, the lab kubelet's %s", vr.TargetPath, target)
+		}
+		if err := d.csi.NodePublishVolume(ctx, PublishRequest(vr)); err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			writeFile(t, filepath.Join(target, "data.txt"), "data of "+prefix)
+			writeFile(t, filepath.Join(target, "sub", "g.txt"), "sub of "+prefix)
+		}
+		rp := &realPod{uid: uid, target: target, ctrs: map[string]*lab.Container{}, subPaths: map[string]string{}, def: pd}
+		pvol := PodVolume{Publish: vr}
+		for _, c := range pd.ctrs {
+			id := randomHex(t, 32)
+			for _, m := range c.mounts {
+				pvol.Containers = append(pvol.Containers, ContainerMount{PodUID: uid, Container: c.name, ContainerID: id,
+					MountPath: m.MountPath, SubPath: m.SubPath, ReadOnly: m.ReadOnly})
+			}
+			rp.ctrs[c.name] = d.startContainer(t, rp, c, id)
+		}
+		rv.vol.Pods = append(rv.vol.Pods, pvol)
+		rv.pods = append(rv.pods, rp)
+	}
+	return rv
+}
+
+// startContainer binds the container's volumeMounts as kubelet and the
+// runtime do: the publish target for the whole volume, a subPath bind
+// under volume-subpaths (made when missing, reused when there) for a
+// subPath; HostToContainer gives a slave container.
+func (d *driverLab) startContainer(t testing.TB, rp *realPod, c ctrDef, id string) *lab.Container {
+	t.Helper()
+	binds := map[string]string{}
+	for i, m := range c.mounts {
+		if m.SubPath == "" {
+			binds[m.MountPath] = rp.target
+			continue
+		}
+		sp := filepath.Join(d.root, "pods", string(rp.uid), "volume-subpaths", testVolumeName, c.name, strconv.Itoa(i))
+		if topID(t, d.root, sp) == 0 {
+			sp = d.k.SubPath(string(rp.uid), testVolumeName, c.name, i, filepath.Join(rp.target, m.SubPath))
+		}
+		rp.subPaths[c.name+":"+m.MountPath] = sp
+		binds[m.MountPath] = sp
+	}
+	prop := lab.PropagationPrivate
+	if c.propagation == corev1.MountPropagationHostToContainer {
+		prop = lab.PropagationSlave
+	}
+	opts := []lab.ContainerOption{lab.WithChroot(), lab.WithPodCgroup(string(rp.uid), id)}
+	if len(c.readOnly) > 0 {
+		opts = append(opts, lab.WithReadOnly(c.readOnly...))
+	}
+	return lab.StartContainer(t, c.name+"-"+id[:8], prop, binds, opts...)
+}
+
+// markDead fills what the agent's inventory would: the dead backend of the
+// volume's staging mount, whether it is hung, and each pod's mounts on it.
+func (d *driverLab) markDead(t testing.TB, rv *realVolume) {
+	t.Helper()
+	inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: d.root, Live: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := probe.NewProber(probe.Config{Timeout: time.Second}).Probe(context.Background(), inv)
+	var backend *probe.Backend
+	var state probe.State
+	for _, res := range rep.Mounts {
+		if res.Mount.Path == rv.staging && !res.Mount.Covered {
+			backend, state = res.Mount.Backend, res.State
+		}
+	}
+	if backend == nil || !state.Broken() {
+		t.Fatalf("staging mount of %s: backend %v state %s, want a broken one", rv.handle, backend, state)
+	}
+	rv.vol.Backend, rv.vol.Hung = backend, state == probe.Hung
+	for i, rp := range rv.pods {
+		rv.vol.Pods[i].Dead = nil
+		for _, res := range rep.Mounts {
+			if res.Mount.Backend == backend && res.Mount.Target.PodUID == string(rp.uid) {
+				rv.vol.Pods[i].Dead = append(rv.vol.Pods[i].Dead, res.Mount)
+			}
+		}
+	}
+}
+
+// views are every place a volume is seen: staging, publish targets,
+// subPath binds and each container's mounts, with what each must read.
+type view struct {
+	path, file, data string
+}
+
+func (rv *realVolume) views(prefix string) []view {
+	data, sub := "data of "+prefix, "sub of "+prefix
+	out := []view{{rv.staging, "data.txt", data}}
+	for _, rp := range rv.pods {
+		out = append(out, view{rp.target, "data.txt", data})
+		for _, sp := range rp.subPaths {
+			out = append(out, view{sp, "g.txt", sub})
+		}
+		for _, c := range rp.def.ctrs {
+			for _, m := range c.mounts {
+				if m.SubPath == "" {
+					out = append(out, view{rp.ctrs[c.name].Path(m.MountPath), "data.txt", data})
+				} else {
+					out = append(out, view{rp.ctrs[c.name].Path(m.MountPath), "g.txt", sub})
+				}
+			}
+		}
+	}
+	return out
+}
+
+func wantViews(t testing.TB, views []view) {
+	t.Helper()
+	for _, v := range views {
+		wantFile(t, filepath.Join(v.path, v.file), v.data)
+	}
+}
+
+func wantDead(t testing.TB, views []view) {
+	t.Helper()
+	for _, v := range views {
+		if err := statfsErr(v.path, failBound); !errors.Is(err, unix.ENOTCONN) {
+			t.Errorf("statfs %s after the driver died = %v, want ENOTCONN", v.path, err)
+		}
+	}
+}
+
+// pids are the containers' processes, to show they were not restarted.
+func (rv *realVolume) pids() []int {
+	var out []int
+	for _, rp := range rv.pods {
+		for _, c := range rp.ctrs {
+			out = append(out, c.Pid())
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func ops(acts []Action) map[Op]int {
+	n := map[Op]int{}
+	for _, a := range acts {
+		n[a.Op]++
+	}
+	return n
+}
+
+func logOutcome(t testing.TB, what string, o Outcome) {
+	t.Helper()
+	var b strings.Builder
+	for _, a := range o.Actions {
+		fmt.Fprintf(&b, "\n  %s (%s)", a, a.Took.Round(time.Microsecond))
+	}
+	t.Logf("%s: healed %t in %s, err %v; actions:%s", what, o.Healed, o.Took.Round(time.Millisecond), o.Err, b.String())
+}
+
+// repair runs the agent's ladder as far as LiveSwap: Restage, then LiveSwap
+// (the agent goes on when containers hold their own bind).
+func repair(t testing.TB, r *Repairer, v *Volume) (Outcome, Outcome) {
+	t.Helper()
+	ctx := context.Background()
+	re := r.Restage(ctx, v)
+	logOutcome(t, "restage", re)
+	ls := r.LiveSwap(ctx, v)
+	logOutcome(t, "liveswap", ls)
+	return re, ls
+}
+
+// twoPods is the scenario: pod a with a private container that
+// mounts the volume whole and a subPath of it, and a HostToContainer
+// sidecar; pod b with a private reader.
+func twoPods() []podDef {
+	hostToContainer := corev1.MountPropagationHostToContainer
+	return []podDef{
+		{name: "a", ctrs: []ctrDef{
+			{name: "app", mounts: []corev1.VolumeMount{
+				{Name: testVolumeName, MountPath: "/data"},
+				{Name: testVolumeName, MountPath: "/data-sub", SubPath: "sub"},
+			}},
+			{name: "sidecar", propagation: hostToContainer, mounts: []corev1.VolumeMount{
+				{Name: testVolumeName, MountPath: "/data", MountPropagation: &hostToContainer},
+			}},
+		}},
+		{name: "b", ctrs: []ctrDef{
+			{name: "reader", readOnly: []string{"/data"}, mounts: []corev1.VolumeMount{
+				{Name: testVolumeName, MountPath: "/data", ReadOnly: true},
+			}},
+		}},
+	}
+}
+
+func TestRealDriver(t *testing.T) {
+	d := startDriverLab(t, Config{})
+	const prefix = "vol1"
+	rv := d.newVolume(t, prefix, twoPods()...)
+	views := rv.views(prefix)
+	wantViews(t, views)
+	pids := rv.pids()
+	ctx := context.Background()
+
+	t.Run("driver killed and back: repaired in place", func(t *testing.T) {
+		d.drv.Kill()
+		wantDead(t, views)
+		d.markDead(t, rv)
+		d.restartDriver(t)
+
+		re, ls := repair(t, d.r, rv.vol)
+		if !re.Healed || re.Err != nil {
+			t.Fatalf("Restage: healed %t, err %v", re.Healed, re.Err)
+		}
+		// Restage reaches the HostToContainer sidecar by over-mounting
+		// the dead publish target it is a slave of.
+		n := ops(re.Actions)
+		if n[OpOverMount] != 1 || n[OpStage] != 1 || n[OpPublish] != 2 {
+			t.Errorf("Restage actions %v: want one stage, one publish per pod and one over-mount", n)
+		}
+		wantFile(t, rv.pods[0].ctrs["sidecar"].Path("/data/data.txt"), "data of "+prefix)
+		if !ls.Healed || ls.Err != nil {
+			t.Fatalf("LiveSwap: healed %t, err %v", ls.Healed, ls.Err)
+		}
+		if n := ops(ls.Actions); n[OpSwap] != 3 {
+			t.Errorf("LiveSwap swapped %d mounts, want 3 (app's /data and /data-sub, reader's /data)", n[OpSwap])
+		}
+		wantViews(t, views)
+		if got := rv.pids(); !slices.Equal(got, pids) {
+			t.Errorf("container processes %v, were %v: restarted", got, pids)
+		}
+		// The read-only volumeMount stays read-only.
+		if err := os.WriteFile(rv.pods[1].ctrs["reader"].Path("/data/x"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+			t.Errorf("write in the read-only container mount = %v, want EROFS", err)
+		}
+		writeFile(t, rv.pods[0].ctrs["app"].Path("/data/after.txt"), "written after the repair")
+		wantFile(t, rv.pods[0].ctrs["sidecar"].Path("/data/after.txt"), "written after the repair")
+	})
+
+	t.Run("repair run twice changes nothing", func(t *testing.T) {
+		before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
+		re, ls := repair(t, d.r, rv.vol)
+		if !re.Healed || !ls.Healed {
+			t.Fatalf("second repair: restage healed %t (%v), liveswap healed %t (%v)", re.Healed, re.Err, ls.Healed, ls.Err)
+		}
+		for _, o := range []Outcome{re, ls} {
+			for op, n := range ops(o.Actions) {
+				if op != OpVerify && op != OpFindProcesses {
+					t.Errorf("%s of a healthy volume took %d %s actions", o.Tier, n, op)
+				}
+			}
+		}
+		if after := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...); after != before {
+			t.Errorf("a second repair changed the mount tables")
+		}
+	})
+
+	t.Run("driver still down: nothing unmounted", func(t *testing.T) {
+		d.drv.Kill()
+		d.markDead(t, rv)
+		before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
+		for _, tier := range []func(context.Context, *Volume) Outcome{d.r.Restage, d.r.LiveSwap, d.r.Restart} {
+			o := tier(ctx, rv.vol)
+			logOutcome(t, "driver down", o)
+			if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
+				t.Errorf("%s with the driver down: healed %t, err %v; want ErrDriverUnavailable", o.Tier, o.Healed, o.Err)
+			}
+			if n := ops(o.Actions); n[OpUnmount]+n[OpAbortFUSE]+n[OpStage]+n[OpPublish]+n[OpSwap]+n[OpStopContainer] != 0 {
+				t.Errorf("%s with the driver down acted: %v", o.Tier, n)
+			}
+		}
+		if after := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...); after != before {
+			t.Errorf("the mount tables changed while the driver was down")
+		}
+		d.restartDriver(t)
+		if _, ls := repair(t, d.r, rv.vol); !ls.Healed {
+			t.Fatalf("repair once the driver is back: %v", ls.Err)
+		}
+		wantViews(t, views)
+	})
+
+	t.Run("dry-run reports the plan and changes nothing", func(t *testing.T) {
+		d.drv.Kill()
+		d.markDead(t, rv)
+		d.restartDriver(t)
+		dry := d.repairer(t, Config{DryRun: true})
+		before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
+		for _, tier := range []func(context.Context, *Volume) Outcome{dry.Restage, dry.LiveSwap} {
+			o := tier(ctx, rv.vol)
+			logOutcome(t, "dry-run", o)
+			if o.Healed || o.Err != nil {
+				t.Errorf("dry-run %s: healed %t, err %v; want a plan without errors", o.Tier, o.Healed, o.Err)
+			}
+			n := ops(o.Actions)
+			if n[OpUnmount] == 0 || n[OpStage] != 1 || n[OpPublish] != 2 || n[OpOverMount] != 1 {
+				t.Errorf("dry-run %s plan %v: want unmounts, a stage, two publishes, an over-mount", o.Tier, n)
+			}
+			if o.Tier == TierLiveSwap && n[OpSwap] == 0 {
+				t.Errorf("dry-run liveswap plans no swap")
+			}
+			for _, a := range o.Actions {
+				if a.Op != OpCheckDriver && a.Op != OpFindProcesses && !a.DryRun {
+					t.Errorf("dry-run action %v not marked dry-run", a)
+				}
+			}
+		}
+		if after := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...); after != before {
+			t.Errorf("dry-run changed the mount tables")
+		}
+		wantDead(t, views[:2])
+		if _, ls := repair(t, d.r, rv.vol); !ls.Healed {
+			t.Fatalf("repair after the dry-run: %v", ls.Err)
+		}
+		wantViews(t, views)
+	})
+
+	t.Run("hung FUSE daemon: aborted, then repaired", func(t *testing.T) {
+		s3fs := s3fsOf(t, rv.staging)
+		if err := syscall.Kill(s3fs, syscall.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { syscall.Kill(s3fs, syscall.SIGKILL) })
+		d.markDead(t, rv)
+		if !rv.vol.Hung {
+			t.Fatalf("the stopped s3fs did not make the volume hang")
+		}
+		re, ls := repair(t, d.r, rv.vol)
+		if !re.Healed || !ls.Healed {
+			t.Fatalf("repair of a hung volume: restage %v, liveswap %v", re.Err, ls.Err)
+		}
+		if ops(re.Actions)[OpAbortFUSE] != 1 {
+			t.Errorf("Restage of a hung volume: want one FUSE abort")
+		}
+		wantViews(t, views)
+		if got := rv.pids(); !slices.Equal(got, pids) {
+			t.Errorf("container processes %v, were %v: restarted", got, pids)
+		}
+	})
+
+	t.Run("symlink planted under a pod's volume dir: refused", func(t *testing.T) {
+		uid := randomUID(t)
+		target, outside := plantSymlink(t, d.root, string(uid), rv.pv)
+		outBefore := outsideMounts(t, outside)
+		d.drv.Kill()
+		d.markDead(t, rv)
+		d.restartDriver(t)
+		bad := rv.vol.Pods[0].Publish
+		bad.PodUID, bad.TargetPath = uid, target
+		v := *rv.vol
+		v.Pods = append(slices.Clone(rv.vol.Pods), PodVolume{Publish: bad})
+		re, ls := repair(t, d.r, &v)
+		for _, o := range []Outcome{re, ls} {
+			if o.Healed || !errors.Is(o.Err, ErrUnsafePath) || !strings.Contains(o.Err.Error(), target) {
+				t.Errorf("%s with a planted symlink: healed %t, err %v; want ErrUnsafePath naming %s", o.Tier, o.Healed, o.Err, target)
+			}
+		}
+		// The other pods are repaired all the same; outside is untouched.
+		wantViews(t, views)
+		if after := outsideMounts(t, outside); !slices.Equal(after, outBefore) {
+			t.Errorf("mounts at %s went from %v to %v", outside, outBefore, after)
+		}
+		if _, err := os.Stat(filepath.Join(outside, "data.txt")); err == nil {
+			t.Errorf("the volume was published outside the kubelet root")
+		}
+	})
+}
+
+// s3fsOf finds the s3fs process serving the mount at path.
+func s3fsOf(t testing.TB, path string) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cmd), "\x00")
+		if len(args) > 0 && filepath.Base(args[0]) == "s3fs" && slices.Contains(args, path) {
+			return pid
+		}
+	}
+	t.Fatalf("no s3fs serves %s", path)
+	return 0
+}

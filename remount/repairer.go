@@ -1,0 +1,606 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"k8s.io/klog/v2"
+)
+
+// Defaults of a Repairer's Config.
+const (
+	DefaultParallel       = 4
+	DefaultRestartTimeout = 2 * time.Minute
+	// restartPoll is how often Restart asks the runtime whether a stopped
+	// container runs again.
+	restartPoll = 200 * time.Millisecond
+)
+
+// Config configures a Repairer. Zero fields take the defaults.
+type Config struct {
+	// KubeletRoot is kubelet's --root-dir (probe.DefaultKubeletRoot when
+	// empty): nothing outside it is ever unmounted, mounted on or
+	// published to. It must be the resolved path, not a symlink.
+	KubeletRoot string
+	// DryRun: every tier resolves and checks its paths, asks the driver
+	// whether it answers and the runtime what runs, and reports the plan
+	// (actions with DryRun set); it mounts, unmounts, aborts, stages,
+	// publishes and stops nothing, and never reports Healed.
+	DryRun bool
+	// ProcDir is where procfs is mounted; "/proc" when empty.
+	ProcDir string
+	// FusectlDir is where the fuse control filesystem is (or gets)
+	// mounted; DefaultFusectlDir when empty.
+	FusectlDir string
+	// CRIEndpoint is the container runtime's CRI socket
+	// (unix:///run/containerd/containerd.sock). Optional: without it the
+	// restart tier fails and container processes are found through their
+	// cgroups only.
+	CRIEndpoint string
+	CRI         CRIOptions
+	CSI         CSIOptions
+	// Parallel bounds the volumes repaired at once, across all calls;
+	// DefaultParallel when zero.
+	Parallel int
+	// Probe configures verification: Timeout is the deadline of each probe
+	// (probe.DefaultConfig's when zero).
+	Probe probe.Config
+	// RestartTimeout bounds Restart's wait for the runtime to run a stopped
+	// container again; DefaultRestartTimeout when zero.
+	RestartTimeout time.Duration
+	// StopGrace is the time a stopped container has to exit after
+	// SIGTERM; DefaultStopGrace when zero.
+	StopGrace time.Duration
+
+	// Seams for tests; nil fields take the real thing.
+
+	// Sys are the operations that change mounts.
+	Sys Syscalls
+	// ProbeSys are the verification probes (Statfs and StatxSync).
+	ProbeSys probe.Syscalls
+	// FindDriver finds a driver's socket (FindDriver).
+	FindDriver func(ctx context.Context, kubeletRoot, driver string) (Endpoint, error)
+}
+
+// Repairer carries out the node-side rungs of the repair ladder on one
+// broken CSI volume at a time: Restage, LiveSwap, Restart, and Unmount for
+// pods being deleted. It keeps a CSI client per driver endpoint and a CRI
+// client, and is safe for concurrent use; calls for the same volume must
+// not overlap (the agent runs one repair per volume at a time).
+type Repairer struct {
+	cfg        Config
+	root       string
+	procDir    string
+	fusectlDir string
+	sem        chan struct{}
+	prober     *prober
+
+	mu        sync.Mutex
+	endpoints map[string]Endpoint   // driver -> endpoint
+	clients   map[string]*CSIClient // endpoint path -> client
+	cri       *CRIClient
+}
+
+// New checks cfg and returns a Repairer. No socket is dialled until a tier
+// needs it.
+func New(cfg Config) (*Repairer, error) {
+	if cfg.KubeletRoot == "" {
+		cfg.KubeletRoot = probe.DefaultKubeletRoot
+	}
+	if !filepath.IsAbs(cfg.KubeletRoot) {
+		return nil, fmt.Errorf("kubelet root %q is not an absolute path: set it to kubelet's --root-dir", cfg.KubeletRoot)
+	}
+	root := filepath.Clean(cfg.KubeletRoot)
+	if fi, err := os.Lstat(root); err == nil && fi.Mode()&fs.ModeSymlink != 0 {
+		real, _ := filepath.EvalSymlinks(root)
+		return nil, fmt.Errorf("kubelet root %s is a symlink to %s: set the resolved path, as the mount table shows it", root, real)
+	}
+	if cfg.ProcDir == "" {
+		cfg.ProcDir = "/proc"
+	}
+	if cfg.FusectlDir == "" {
+		cfg.FusectlDir = DefaultFusectlDir
+	}
+	if cfg.Parallel <= 0 {
+		cfg.Parallel = DefaultParallel
+	}
+	if cfg.Probe.Timeout <= 0 {
+		cfg.Probe.Timeout = probe.DefaultConfig().Timeout
+	}
+	if cfg.RestartTimeout <= 0 {
+		cfg.RestartTimeout = DefaultRestartTimeout
+	}
+	if cfg.StopGrace <= 0 {
+		cfg.StopGrace = DefaultStopGrace
+	}
+	if cfg.FindDriver == nil {
+		cfg.FindDriver = FindDriver
+	}
+	host := probe.HostSyscalls()
+	if cfg.ProbeSys.Statfs == nil {
+		cfg.ProbeSys.Statfs = host.Statfs
+	}
+	if cfg.ProbeSys.StatxSync == nil {
+		cfg.ProbeSys.StatxSync = host.StatxSync
+	}
+	cfg.CSI = cfg.CSI.withDefaults()
+	return &Repairer{
+		cfg:        cfg,
+		root:       root,
+		procDir:    cfg.ProcDir,
+		fusectlDir: cfg.FusectlDir,
+		sem:        make(chan struct{}, cfg.Parallel),
+		prober:     &prober{sys: cfg.ProbeSys, timeout: cfg.Probe.Timeout, inflight: map[string]*flight{}},
+		endpoints:  map[string]Endpoint{},
+		clients:    map[string]*CSIClient{},
+	}, nil
+}
+
+// Close closes the CSI and CRI connections.
+func (r *Repairer) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var errs []error
+	for p, c := range r.clients {
+		errs = append(errs, c.Close())
+		delete(r.clients, p)
+	}
+	if r.cri != nil {
+		errs = append(errs, r.cri.Close())
+		r.cri = nil
+	}
+	return errors.Join(errs...)
+}
+
+func (r *Repairer) unmounter() *Unmounter {
+	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, Sys: r.cfg.Sys}
+}
+
+// acquire takes one of the Parallel slots.
+func (r *Repairer) acquire(ctx context.Context) (func(), error) {
+	select {
+	case r.sem <- struct{}{}:
+		return func() { <-r.sem }, nil
+	case <-ctx.Done():
+		return func() {}, fmt.Errorf("wait for a repair slot: %w", ctx.Err())
+	}
+}
+
+// csiClient returns the client of the driver's endpoint, finding the
+// endpoint again when refind is set or none is known.
+func (r *Repairer) csiClient(ctx context.Context, driver string, refind bool) (*CSIClient, error) {
+	r.mu.Lock()
+	ep, ok := r.endpoints[driver]
+	r.mu.Unlock()
+	if !ok || refind {
+		var err error
+		if ep, err = r.cfg.FindDriver(ctx, r.root, driver); err != nil {
+			r.mu.Lock()
+			delete(r.endpoints, driver)
+			r.mu.Unlock()
+			return nil, err
+		}
+		r.mu.Lock()
+		r.endpoints[driver] = ep
+		r.mu.Unlock()
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c := r.clients[ep.Path]; c != nil {
+		return c, nil
+	}
+	c, err := DialCSI(ctx, ep.Path, r.cfg.CSI)
+	if err != nil {
+		return nil, err
+	}
+	r.clients[ep.Path] = c
+	return c, nil
+}
+
+// checkDriver asks the driver for its node capabilities through the cached
+// endpoint; when that fails as if the driver were down, it finds the
+// endpoint again (the driver may have registered elsewhere) and asks once
+// more. A driver that is not registered counts as unavailable: it may be
+// restarting.
+func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, NodeCapabilities, error) {
+	c, err := r.csiClient(ctx, driver, false)
+	var caps NodeCapabilities
+	if err == nil {
+		caps, err = c.CheckNode(ctx)
+	}
+	if err != nil && (errors.Is(err, ErrDriverUnavailable) || errors.Is(err, ErrDriverNotFound)) {
+		c, err = r.csiClient(ctx, driver, true)
+		if err == nil {
+			caps, err = c.CheckNode(ctx)
+		}
+	}
+	if errors.Is(err, ErrDriverNotFound) && !errors.Is(err, ErrDriverUnavailable) {
+		err = fmt.Errorf("%w: %w", ErrDriverUnavailable, err)
+	}
+	return c, caps, err
+}
+
+// criClient dials the runtime once.
+func (r *Repairer) criClient(ctx context.Context) (*CRIClient, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cri != nil {
+		return r.cri, nil
+	}
+	if r.cfg.CRIEndpoint == "" {
+		return nil, errors.New("no CRI endpoint configured: set the container runtime's socket")
+	}
+	c, err := DialCRI(ctx, r.cfg.CRIEndpoint, r.cfg.CRI)
+	if err != nil {
+		return nil, err
+	}
+	r.cri = c
+	return c, nil
+}
+
+// run is one tier call: the slot, the outcome and its log line.
+func (r *Repairer) run(ctx context.Context, tier Tier, v *Volume, body func(context.Context, *Outcome)) Outcome {
+	start := time.Now()
+	o := Outcome{Tier: tier}
+	logger := klog.FromContext(ctx).WithValues("tier", tier.String())
+	if v != nil {
+		logger = logger.WithValues("driver", v.Driver, "volumeHandle", v.VolumeHandle)
+	}
+	ctx = klog.NewContext(ctx, logger)
+	release, err := r.acquire(ctx)
+	defer release()
+	if err != nil {
+		o.Err = err
+	} else {
+		body(ctx, &o)
+	}
+	if r.cfg.DryRun {
+		o.Healed = false
+	}
+	o.Took = time.Since(start)
+	logger.V(2).Info("Repair tier finished", "healed", o.Healed, "dryRun", r.cfg.DryRun, "actions", len(o.Actions), "took", o.Took, "err", o.Err)
+	return o
+}
+
+// Restage is tier 1: it brings the volume back on the host. It reads the
+// mount table, checks every path (OpenSafe) and asks the driver whether it
+// answers (NodeGetCapabilities) before it changes anything; then it aborts
+// a hung FUSE connection, lazily unmounts the dead subPath binds, publish
+// targets and staging mount (deepest first), and sends NodeStageVolume and
+// NodePublishVolume. For a pod whose containers receive host mounts
+// (HostToContainer, Bidirectional), the dead publish target stays and the
+// fresh mount is bound over it, which reaches those containers. Healed
+// means the staging path, every publish target and those containers' views
+// answer a probe; containers with private mounts and subPaths are LiveSwap's.
+func (r *Repairer) Restage(ctx context.Context, v *Volume) Outcome {
+	return r.run(ctx, TierRestage, v, func(ctx context.Context, o *Outcome) {
+		h, err := r.repairHost(ctx, v)
+		o.Actions = h.actions
+		if err != nil {
+			o.Err = err
+			return
+		}
+		r.conclude(ctx, o, h.places(), h.refusedErr())
+	})
+}
+
+// conclude verifies the places (not in dry-run) and sets Healed and Err
+// from the actions, the verification and the other errors.
+func (r *Repairer) conclude(ctx context.Context, o *Outcome, places []place, errs ...error) {
+	errs = append([]error{actionsErr(o.Actions)}, errs...)
+	if r.cfg.DryRun {
+		o.Err = errors.Join(errs...)
+		return
+	}
+	acts, verr := r.verify(ctx, places)
+	o.Actions = append(o.Actions, acts...)
+	o.Err = errors.Join(append(errs, verr)...)
+	o.Healed = o.Err == nil
+}
+
+// LiveSwap is tier 2: it first does what Restage does when the host still
+// has dead mounts, then replaces the dead mount inside each running
+// container that still shows it (private mounts, subPaths, and containers
+// the host repair did not reach) with a clone of the pod's fresh publish
+// target or of its subPath directory (Swapper, read-only kept), and reports
+// the processes that still hold the dead mount. Healed means the host
+// places and each container's view (/proc/<pid>/root/<mountPath>) answer a
+// probe and no container shows the dead mount any more.
+func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
+	return r.run(ctx, TierLiveSwap, v, func(ctx context.Context, o *Outcome) {
+		h, err := r.repairHost(ctx, v)
+		o.Actions = h.actions
+		if err != nil {
+			o.Err = err
+			return
+		}
+		var look []*podPlan
+		for _, p := range h.pods {
+			if p.refused == nil && p.procs == nil && len(p.pv.Containers) > 0 {
+				look = append(look, p)
+			}
+		}
+		o.Actions = append(o.Actions, r.findProcs(ctx, look)...)
+		sw := &Swapper{Root: r.root, ProcDir: r.procDir, DryRun: r.cfg.DryRun, Sys: r.cfg.Sys}
+		places := h.places()
+		errs := []error{h.refusedErr()}
+		devs := h.dead.list()
+		for _, p := range h.pods {
+			if p.refused != nil || len(p.pv.Containers) == 0 {
+				continue
+			}
+			if p.procs == nil || len(p.procs.pids) == 0 {
+				errs = append(errs, fmt.Errorf("pod %s: no process of its containers found (by cgroup%s): cannot swap or verify", p.uid, r.criHint()))
+				continue
+			}
+			var targets []SwapTarget
+			for _, dev := range devs {
+				ts, err := PlanSwap(r.procDir, p.procs.pids, dev, p.deadRoot, p.target)
+				if err != nil {
+					errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
+				}
+				targets = append(targets, ts...)
+			}
+			acts, _ := sw.Swap(ctx, targets)
+			o.Actions = append(o.Actions, acts...)
+			ids := make([]int, 0, len(targets))
+			for _, t := range targets {
+				ids = append(ids, t.MountID)
+				places = append(places, containerPlace(r.procDir, t.Pid, t.ContainerPath))
+			}
+			for _, c := range p.pv.Containers {
+				if pid, ok := p.procs.byContainer[c.ContainerID]; ok && c.MountPath != "" {
+					places = append(places, containerPlace(r.procDir, pid, c.MountPath))
+				}
+			}
+			if !r.cfg.DryRun {
+				for _, dev := range devs {
+					o.Actions = append(o.Actions, r.holders(ctx, p, dev, ids)...)
+				}
+			}
+		}
+		if r.cfg.DryRun {
+			r.conclude(ctx, o, nil, errs...)
+			return
+		}
+		// Nothing dead may be left in view.
+		for _, p := range h.pods {
+			if p.refused != nil || p.procs == nil || len(p.procs.pids) == 0 {
+				continue
+			}
+			for _, dev := range devs {
+				left, _ := PlanSwap(r.procDir, p.procs.pids, dev, p.deadRoot, p.target)
+				for _, t := range left {
+					errs = append(errs, fmt.Errorf("pod %s: %s still shows dead mount %d", p.uid, t.label(), t.MountID))
+				}
+			}
+		}
+		r.conclude(ctx, o, places, errs...)
+	})
+}
+
+func (r *Repairer) criHint() string {
+	if r.cfg.CRIEndpoint == "" {
+		return "; no CRI endpoint to ask"
+	}
+	return " and through the CRI"
+}
+
+// holders reports the pod's processes that still hold the dead filesystem
+// dev (open files, working directories on it): they keep failing after the
+// swap, as the actions say.
+func (r *Repairer) holders(ctx context.Context, p *podPlan, dev probe.Dev, ids []int) []Action {
+	hs, err := findHolders(ctx, r.procDir, p.procs.pids, dev, ids...)
+	var out []Action
+	if err != nil {
+		out = append(out, Action{Op: OpHolder, Path: "pod " + string(p.uid), Err: err})
+	}
+	for _, h := range hs {
+		out = append(out, Action{Op: OpHolder, Path: fmt.Sprintf("pid %d", h.Pid),
+			Detail: h.String() + ": still on the dead filesystem " + dev.String() + ", its calls there keep failing"})
+	}
+	return out
+}
+
+// Restart is tier 3: it first does what Restage does when the host still
+// has dead mounts (which includes unmounting the dead subPath binds, so that
+// kubelet binds them afresh: it reuses a bind that is there), then stops
+// the pod's containers that mount the volume through the CRI, for kubelet
+// to start them again on the fresh mounts. Healed means the runtime shows
+// each of them running again (a new container, or a higher attempt) within
+// RestartTimeout and its view of the volume answers a probe.
+func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
+	return r.run(ctx, TierRestart, v, func(ctx context.Context, o *Outcome) {
+		h, err := r.repairHost(ctx, v)
+		o.Actions = h.actions
+		if err != nil {
+			o.Err = err
+			return
+		}
+		cri, err := r.criClient(ctx)
+		if err != nil {
+			o.Err = fmt.Errorf("restart containers: %w", err)
+			return
+		}
+		rs := &Restarter{CRI: cri, Grace: r.cfg.StopGrace, DryRun: r.cfg.DryRun}
+		type wait struct {
+			p      *podPlan
+			name   string
+			before Container
+		}
+		var waits []wait
+		errs := []error{h.refusedErr()}
+		for _, p := range h.pods {
+			if p.refused != nil || len(p.pv.Containers) == 0 {
+				continue
+			}
+			var names []string
+			for _, c := range p.pv.Containers {
+				if c.Container != "" && !slices.Contains(names, c.Container) {
+					names = append(names, c.Container)
+				}
+			}
+			before, err := cri.PodContainers(ctx, string(p.uid))
+			if err != nil {
+				errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
+				continue
+			}
+			acts, _ := rs.Restart(ctx, string(p.uid), names...)
+			o.Actions = append(o.Actions, acts...)
+			for _, name := range names {
+				i := slices.IndexFunc(before, func(c Container) bool { return c.Name == name })
+				if i < 0 {
+					o.Actions = append(o.Actions, Action{Op: OpSkip, Path: "pod " + string(p.uid), Detail: "container " + name + " is not running: nothing to stop"})
+					continue
+				}
+				waits = append(waits, wait{p: p, name: name, before: before[i]})
+			}
+		}
+		if r.cfg.DryRun {
+			r.conclude(ctx, o, nil, errs...)
+			return
+		}
+		places := h.places()
+		deadline := time.Now().Add(r.cfg.RestartTimeout)
+		start := time.Now()
+		for len(waits) > 0 {
+			var pending []wait
+			byPod := map[string][]Container{}
+			for _, w := range waits {
+				uid := string(w.p.uid)
+				if _, ok := byPod[uid]; !ok {
+					ctrs, err := cri.PodContainers(ctx, uid)
+					if err != nil {
+						r.logWait(ctx, err)
+					}
+					byPod[uid] = ctrs
+				}
+				i := slices.IndexFunc(byPod[uid], func(c Container) bool {
+					return c.Name == w.name && (c.ID != w.before.ID || c.Attempt > w.before.Attempt)
+				})
+				if i < 0 {
+					pending = append(pending, w)
+					continue
+				}
+				now := byPod[uid][i]
+				a := Action{Op: OpWaitRunning, Path: now.ID, Took: time.Since(start),
+					Detail: fmt.Sprintf("container %s of pod %s runs again (attempt %d, was %d)", w.name, uid, now.Attempt, w.before.Attempt)}
+				pid, err := cri.ContainerPID(ctx, now.ID)
+				if err != nil {
+					a.Err = fmt.Errorf("container %s of pod %s: find its process to verify: %w", w.name, uid, err)
+				} else {
+					for _, c := range w.p.pv.Containers {
+						if c.Container == w.name && c.MountPath != "" {
+							places = append(places, containerPlace(r.procDir, pid, c.MountPath))
+						}
+					}
+				}
+				o.Actions = append(o.Actions, a)
+			}
+			waits = pending
+			if len(waits) == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				for _, w := range waits {
+					err := fmt.Errorf("container %s of pod %s is not running again after %s: the restart cannot be verified", w.name, w.p.uid, r.cfg.RestartTimeout)
+					o.Actions = append(o.Actions, Action{Op: OpWaitRunning, Path: w.before.ID, Err: err, Took: time.Since(start)})
+				}
+				break
+			}
+			select {
+			case <-ctx.Done():
+				errs = append(errs, fmt.Errorf("wait for restarted containers: %w", ctx.Err()))
+				waits = nil
+			case <-time.After(restartPoll):
+			}
+		}
+		r.conclude(ctx, o, places, errs...)
+	})
+}
+
+func (r *Repairer) logWait(ctx context.Context, err error) {
+	klog.FromContext(ctx).V(4).Info("Listing containers while waiting for a restart failed", "err", err)
+}
+
+// Unmount lazily unmounts the dead mounts of pods being deleted (their
+// publish targets and subPath binds, each dead mount of a stack from the
+// top down), aborting a hung FUSE connection first, so that kubelet can
+// finish tearing them down; the staging mount is left to kubelet. Healed
+// means no dead mount is left on those paths.
+func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
+	return r.run(ctx, TierUnmount, v, func(ctx context.Context, o *Outcome) {
+		if v == nil {
+			o.Err = errors.New("unmount: no volume given")
+			return
+		}
+		dead := deadDevs(v)
+		table, err := readHostTable(r.procDir, r.root)
+		if err != nil {
+			o.Err = err
+			return
+		}
+		u := r.unmounter()
+		if v.Hung {
+			for _, dev := range dead.list() {
+				if ms := table.byDev[dev]; len(ms) > 0 && ms[0].fuse() {
+					acts, _ := u.AbortFUSE(ctx, dev)
+					o.Actions = append(o.Actions, acts...)
+				}
+			}
+		}
+		var paths []string
+		for _, p := range v.Pods {
+			for _, m := range p.Dead {
+				if m != nil && m.Path != "" && !slices.Contains(paths, filepath.Clean(m.Path)) {
+					paths = append(paths, filepath.Clean(m.Path))
+				}
+			}
+		}
+		slices.SortStableFunc(paths, func(a, b string) int {
+			if d := depth(b) - depth(a); d != 0 {
+				return d
+			}
+			return strings.Compare(a, b)
+		})
+		for _, path := range paths {
+			for i, m := range table.deadTop(path, dead) {
+				if i > 0 && r.cfg.DryRun {
+					o.Actions = append(o.Actions, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: fmt.Sprintf("mount %d, below the one above", m.ID)})
+					continue
+				}
+				acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}}, false)
+				o.Actions = append(o.Actions, acts...)
+				if err != nil {
+					break
+				}
+			}
+		}
+		o.Err = actionsErr(o.Actions)
+		if r.cfg.DryRun || o.Err != nil {
+			return
+		}
+		after, err := readHostTable(r.procDir, r.root)
+		if err != nil {
+			o.Err = err
+			return
+		}
+		var errs []error
+		for _, path := range paths {
+			if left := after.deadTop(path, dead); len(left) > 0 {
+				errs = append(errs, fmt.Errorf("dead mount %d is still on top at %s", left[0].ID, path))
+			}
+		}
+		o.Err = errors.Join(errs...)
+		o.Healed = o.Err == nil
+	})
+}

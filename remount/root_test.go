@@ -1,0 +1,589 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/lab"
+)
+
+func TestMain(m *testing.M) { lab.Main(m) }
+
+// Root tests of the toolbox on real mounts in the lab's private mount
+// namespace. The tests of the Repairer against a real CSI driver are in
+// driver_test.go.
+
+const (
+	labDriver = "lab.csi.example.com"
+	labHandle = "vol-1"
+	labVolume = "pv-1"
+	labPod    = "0b5f2c1e-8d44-4c1a-9f1e-2b7c7f0a9d11"
+)
+
+// failBound bounds waits that only a bug makes long: a safety net, not a
+// timing assertion.
+const failBound = 30 * time.Second
+
+// newKubelet lays out a lab kubelet root in a short temporary directory
+// (CSI socket paths under it must fit a sockaddr_un) and detaches every
+// mount left below it when the test ends.
+func newKubelet(t testing.TB) *lab.Kubelet {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "mmr")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	k := lab.NewKubelet(t, filepath.Join(dir, "kubelet"))
+	t.Cleanup(func() { detachAll(t, k.Root()) })
+	return k
+}
+
+// detachAll lazily unmounts every mount below root, stacks included.
+func detachAll(t testing.TB, root string) {
+	for range 64 {
+		tab, err := readHostTable("/proc", root)
+		if err != nil {
+			t.Errorf("detach all: %v", err)
+			return
+		}
+		var paths []string
+		for p := range tab.stacks {
+			paths = append(paths, p)
+		}
+		if len(paths) == 0 {
+			return
+		}
+		slices.SortFunc(paths, func(a, b string) int { return depth(b) - depth(a) })
+		for _, p := range paths {
+			if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+				t.Errorf("detach %s: %v", p, err)
+			}
+		}
+	}
+	t.Errorf("detach all: mounts still below %s", root)
+}
+
+// table reads our mount table below root.
+func table(t testing.TB, root string) *hostTable {
+	t.Helper()
+	tab, err := readHostTable("/proc", root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tab
+}
+
+// topID is the ID of the mount on top at path, 0 when none.
+func topID(t testing.TB, root, path string) int {
+	t.Helper()
+	if m := table(t, root).top(path); m != nil {
+		return m.ID
+	}
+	return 0
+}
+
+// statfsErr runs statfs on path and returns its error, or ErrHung when it
+// has not returned within d (the goroutine then stays blocked until the
+// mount is aborted).
+func statfsErr(path string, d time.Duration) error {
+	errc := make(chan error, 1)
+	go func() {
+		var st unix.Statfs_t
+		errc <- unix.Statfs(path, &st)
+	}()
+	select {
+	case err := <-errc:
+		return err
+	case <-time.After(d):
+		return probe.ErrHung
+	}
+}
+
+func writeFile(t testing.TB, path, data string) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// wantFile fails unless path reads data.
+func wantFile(t testing.TB, path, data string) {
+	t.Helper()
+	got, err := os.ReadFile(path)
+	if err != nil || string(got) != data {
+		t.Errorf("read %s = %q, %v; want %q", path, got, err, data)
+	}
+}
+
+// labVolumeFS mounts a FaultFS as the staging mount of a volume and
+// publishes it for labPod; the backing directory holds f ("old") and
+// sub/g ("old-sub").
+type labVolumeFS struct {
+	fs      *lab.FaultFS
+	staging string
+	target  string
+	subPath string
+}
+
+func newLabVolume(t testing.TB, k *lab.Kubelet, handle, volume string) *labVolumeFS {
+	t.Helper()
+	backing := t.TempDir()
+	writeFile(t, filepath.Join(backing, "f"), "old")
+	writeFile(t, filepath.Join(backing, "sub", "g"), "old-sub")
+	staging := k.StagingPath(labDriver, handle)
+	fs := lab.StartFaultFS(t, staging, lab.WithBackingDir(backing))
+	target := k.Publish(labPod, volume, labDriver, handle, staging, false)
+	sub := k.SubPath(labPod, volume, "app", 0, filepath.Join(target, "sub"))
+	return &labVolumeFS{fs: fs, staging: staging, target: target, subPath: sub}
+}
+
+func (v *labVolumeFS) dev() probe.Dev { return probe.Dev{Major: 0, Minor: v.fs.Conn()} }
+
+// freshFS mounts a FaultFS at another staging path below the kubelet root,
+// holding f ("fresh") and sub/g ("fresh-sub"): the volume as a repair
+// brings it back.
+func freshFS(t testing.TB, k *lab.Kubelet, handle string) string {
+	t.Helper()
+	backing := t.TempDir()
+	writeFile(t, filepath.Join(backing, "f"), "fresh")
+	writeFile(t, filepath.Join(backing, "sub", "g"), "fresh-sub")
+	p := k.StagingPath(labDriver, handle)
+	lab.StartFaultFS(t, p, lab.WithBackingDir(backing))
+	return p
+}
+
+func TestUnmountDeepestFirstAndIdempotent(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	root := k.Root()
+	v := newLabVolume(t, k, labHandle, labVolume)
+	// Two healthy nested mounts: unmounting the outer one first would
+	// take the inner one with it, and the action would say "path gone".
+	outer := k.EmptyDir(labPod, "cache", true)
+	inner := filepath.Join(outer, "deep", "er")
+	if err := os.MkdirAll(inner, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", inner, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	v.fs.Kill()
+	if err := statfsErr(v.target, failBound); !errors.Is(err, unix.ENOTCONN) {
+		t.Fatalf("statfs of the dead publish target = %v, want ENOTCONN", err)
+	}
+
+	u := &Unmounter{Root: root}
+	paths := []string{outer, v.staging, inner, v.target, v.subPath}
+	ctx := context.Background()
+	acts, err := u.Unmount(ctx, paths)
+	if err != nil {
+		t.Fatalf("Unmount = %v", err)
+	}
+	if len(acts) != len(paths) {
+		t.Fatalf("Unmount gave %d actions, want %d: %v", len(acts), len(paths), acts)
+	}
+	for i, a := range acts {
+		if !strings.HasPrefix(a.Detail, "mount ") || strings.Contains(a.Detail, "not mounted") {
+			t.Errorf("action %d %v: want an unmount of a mount", i, a)
+		}
+		if i > 0 && depth(a.Path) > depth(acts[i-1].Path) {
+			t.Errorf("action %d unmounts %s after the shallower %s", i, a.Path, acts[i-1].Path)
+		}
+	}
+	if i, j := slices.IndexFunc(acts, func(a Action) bool { return a.Path == inner }), slices.IndexFunc(acts, func(a Action) bool { return a.Path == outer }); i > j {
+		t.Errorf("inner mount unmounted after the outer one: %v", acts)
+	}
+	for _, p := range paths {
+		if id := topID(t, root, p); id != 0 {
+			t.Errorf("mount %d still at %s", id, p)
+		}
+	}
+
+	again, err := u.Unmount(ctx, paths)
+	if err != nil {
+		t.Fatalf("second Unmount = %v", err)
+	}
+	for _, a := range again {
+		if !strings.Contains(a.Detail, "not mounted") || a.Err != nil {
+			t.Errorf("second Unmount: %v, want nothing to do", a)
+		}
+	}
+}
+
+func TestAbortFUSEUnblocksHungMount(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	v := newLabVolume(t, k, labHandle, labVolume)
+	v.fs.Hang()
+	blocked := make(chan error, 1)
+	go func() {
+		var st unix.Statfs_t
+		blocked <- unix.Statfs(v.staging, &st)
+	}()
+	select {
+	case err := <-blocked:
+		t.Fatalf("statfs of the hung mount returned %v, want it blocked", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+
+	u := &Unmounter{Root: k.Root()}
+	acts, err := u.AbortFUSE(context.Background(), v.dev())
+	if err != nil {
+		t.Fatalf("AbortFUSE = %v (%v)", err, acts)
+	}
+	select {
+	case err := <-blocked:
+		if !errors.Is(err, unix.ECONNABORTED) {
+			t.Errorf("blocked statfs returned %v after the abort, want ECONNABORTED", err)
+		}
+	case <-time.After(failBound):
+		t.Fatalf("statfs still blocked %s after the abort", failBound)
+	}
+	if err := statfsErr(v.staging, failBound); !errors.Is(err, unix.ENOTCONN) {
+		t.Errorf("statfs after the abort = %v, want ENOTCONN", err)
+	}
+	// The mount is still there to unmount lazily; aborting again is fine.
+	if _, err := u.AbortFUSE(context.Background(), v.dev()); err != nil {
+		t.Errorf("second AbortFUSE = %v", err)
+	}
+}
+
+// plantSymlink makes pods/<uid>/volumes/kubernetes.io~csi/<volume> a
+// symlink to a directory outside the kubelet root whose "mount" holds a
+// tmpfs with a marker file, and returns the publish path through the
+// symlink and the real path outside.
+func plantSymlink(t testing.TB, root, uid, volume string) (target, outside string) {
+	t.Helper()
+	outDir := t.TempDir()
+	outside = filepath.Join(outDir, "mount")
+	if err := os.MkdirAll(outside, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", outside, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(outside, unix.MNT_DETACH) })
+	writeFile(t, filepath.Join(outside, "marker"), "outside")
+	volDir := filepath.Join(root, "pods", uid, "volumes", probe.CSIPluginDir, volume)
+	if err := os.MkdirAll(filepath.Dir(volDir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outDir, volDir); err != nil {
+		t.Fatal(err)
+	}
+	return filepath.Join(volDir, "mount"), outside
+}
+
+// outsideMounts lists the mount IDs at path (any root).
+func outsideMounts(t testing.TB, path string) []int {
+	t.Helper()
+	tab := table(t, filepath.Dir(path))
+	var ids []int
+	for _, m := range tab.stack(path) {
+		ids = append(ids, m.ID)
+	}
+	return ids
+}
+
+func TestRefusePlantedSymlink(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	root := k.Root()
+	const uid = "7d0c3a52-5a1b-4c33-9d0e-0c6a1f3b2e44"
+	target, outside := plantSymlink(t, root, uid, labVolume)
+	// A second pod whose mount directory itself is the symlink.
+	const uid2 = "a1b2c3d4-0000-4000-8000-000000000002"
+	last := filepath.Join(root, "pods", uid2, "volumes", probe.CSIPluginDir, labVolume, "mount")
+	if err := os.MkdirAll(filepath.Dir(last), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, last); err != nil {
+		t.Fatal(err)
+	}
+	before := outsideMounts(t, outside)
+	if len(before) != 1 {
+		t.Fatalf("mounts at %s = %v, want the tmpfs", outside, before)
+	}
+	fresh := freshFS(t, k, "fresh")
+	ctx := context.Background()
+
+	for _, p := range []string{target, last} {
+		if _, err := OpenSafe(root, p); !errors.Is(err, ErrUnsafePath) || !strings.Contains(err.Error(), p) {
+			t.Errorf("OpenSafe(%s) = %v, want ErrUnsafePath naming the path", p, err)
+		}
+		acts, err := (&Unmounter{Root: root}).Unmount(ctx, []string{p})
+		if !errors.Is(err, ErrUnsafePath) || len(acts) != 1 || !strings.Contains(acts[0].Err.Error(), p) {
+			t.Errorf("Unmount(%s) = %v, %v; want one refused action naming it", p, acts, err)
+		}
+		acts, err = (&OverMounter{Root: root}).OverMount(ctx, fresh, &probe.Mount{Path: p})
+		if !errors.Is(err, ErrUnsafePath) {
+			t.Errorf("OverMount onto %s = %v, %v; want ErrUnsafePath", p, acts, err)
+		}
+	}
+	if after := outsideMounts(t, outside); !slices.Equal(after, before) {
+		t.Errorf("mounts at %s went from %v to %v: something outside the kubelet root was touched", outside, before, after)
+	}
+	wantFile(t, filepath.Join(outside, "marker"), "outside")
+	if _, err := os.Stat(filepath.Join(outside, "f")); err == nil {
+		t.Errorf("the fresh volume's file shows outside the kubelet root")
+	}
+}
+
+func TestOverMountDeadAndHung(t *testing.T) {
+	for _, fault := range []string{"dead", "hung"} {
+		t.Run(fault, func(t *testing.T) {
+			lab.RequireRoot(t)
+			k := newKubelet(t)
+			root := k.Root()
+			v := newLabVolume(t, k, labHandle, labVolume)
+			slave := lab.StartContainer(t, "slave", lab.PropagationSlave, map[string]string{"/data": v.target}, lab.WithChroot())
+			private := lab.StartContainer(t, "private", lab.PropagationPrivate, map[string]string{"/data": v.target}, lab.WithChroot())
+			fresh := freshFS(t, k, "fresh")
+			deadID := topID(t, root, v.staging)
+			if fault == "dead" {
+				v.fs.Kill()
+			} else {
+				v.fs.Hang()
+				t.Cleanup(v.fs.Abort) // runs before the faultfs cleanup; frees what the test left blocked
+			}
+
+			done := make(chan error, 1)
+			go func() {
+				_, err := (&OverMounter{Root: root}).OverMount(context.Background(), fresh, &probe.Mount{Path: v.staging, ID: deadID})
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatalf("OverMount = %v", err)
+				}
+			case <-time.After(failBound):
+				t.Fatalf("OverMount on a %s mount did not return", fault)
+			}
+			// The staging mount's peers (the publish target) and their
+			// slaves (the HostToContainer container) receive it.
+			wantFile(t, filepath.Join(v.staging, "f"), "fresh")
+			wantFile(t, filepath.Join(v.target, "f"), "fresh")
+			wantFile(t, slave.Path("/data/f"), "fresh")
+			// The private container and the subPath bind keep the dead
+			// mount (not read when hung: it would block).
+			if fault == "dead" {
+				if err := statfsErr(private.Path("/data"), failBound); !errors.Is(err, unix.ENOTCONN) {
+					t.Errorf("statfs in the private container = %v, want ENOTCONN", err)
+				}
+				if err := statfsErr(v.subPath, failBound); !errors.Is(err, unix.ENOTCONN) {
+					t.Errorf("statfs of the subPath bind = %v, want ENOTCONN", err)
+				}
+			}
+			// The dead mount stays below.
+			if s := table(t, root).stack(v.staging); len(s) != 2 || s[0].ID != deadID {
+				t.Errorf("stack at the staging path = %d mounts, want the dead one below the fresh one", len(s))
+			}
+		})
+	}
+}
+
+func TestSwapIntoContainers(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	root := k.Root()
+	v := newLabVolume(t, k, labHandle, labVolume)
+	binds := map[string]string{"/data": v.target, "/data-sub": v.subPath, "/ro": v.target}
+	private := lab.StartContainer(t, "private", lab.PropagationPrivate, binds, lab.WithChroot(), lab.WithReadOnly("/ro"))
+	slave := lab.StartContainer(t, "slave", lab.PropagationSlave, binds, lab.WithChroot(), lab.WithReadOnly("/ro"))
+	v.fs.Kill()
+
+	// The host side as a re-stage leaves it: a fresh publish target.
+	fresh := freshFS(t, k, "fresh")
+	if err := unix.Unmount(v.target, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(fresh, v.target, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+
+	pids := []int{private.Pid(), slave.Pid(), os.Getpid()}
+	targets, err := PlanSwap("", pids, v.dev(), "/", v.target)
+	if err != nil {
+		t.Fatalf("PlanSwap = %v", err)
+	}
+	if len(targets) != 6 {
+		t.Fatalf("PlanSwap = %d targets, want 3 per container: %+v", len(targets), targets)
+	}
+	for _, tg := range targets {
+		if tg.ContainerPath == "/ro" && !tg.ReadOnly {
+			t.Errorf("target %s: want read-only", tg.label())
+		}
+		if tg.ContainerPath == "/data-sub" && tg.SubDir != "sub" {
+			t.Errorf("target %s: SubDir %q, want sub", tg.label(), tg.SubDir)
+		}
+	}
+
+	// Dry-run first: nothing changes.
+	before := mountTables(t, private.Pid(), slave.Pid())
+	acts, err := (&Swapper{Root: root, DryRun: true}).Swap(context.Background(), targets)
+	if err != nil {
+		t.Fatalf("dry-run Swap = %v", err)
+	}
+	for _, a := range acts {
+		if !a.DryRun || a.Detail == "" {
+			t.Errorf("dry-run action %v: want a planned step", a)
+		}
+	}
+	if after := mountTables(t, private.Pid(), slave.Pid()); after != before {
+		t.Errorf("dry-run Swap changed the containers' mount tables")
+	}
+
+	acts, err = (&Swapper{Root: root}).Swap(context.Background(), targets)
+	if err != nil {
+		t.Fatalf("Swap = %v (%v)", err, acts)
+	}
+	for _, c := range []*lab.Container{private, slave} {
+		wantFile(t, c.Path("/data/f"), "fresh")
+		wantFile(t, c.Path("/data-sub/g"), "fresh-sub")
+		wantFile(t, c.Path("/ro/f"), "fresh")
+		if err := os.WriteFile(c.Path("/ro/new"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+			t.Errorf("write under the read-only mount = %v, want EROFS", err)
+		}
+		if err := os.WriteFile(c.Path("/data/new"), []byte("x"), 0o644); err != nil {
+			t.Errorf("write under the writable mount = %v", err)
+		}
+	}
+	// The slave container's swapped volume still receives host mounts.
+	ms, err := ProcessMounts("/proc", slave.Pid(), probe.Dev{Major: 0, Minor: devOf(t, fresh).Minor})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range ms {
+		if m.Path == "/data" && propagationOf(m.Optional) != PropagationHostToContainer {
+			t.Errorf("slave container's swapped /data has propagation %q, want a slave", m.Optional)
+		}
+	}
+	// Nothing dead is left in view.
+	if left, _ := PlanSwap("", pids, v.dev(), "/", v.target); len(left) != 0 {
+		t.Errorf("after Swap, PlanSwap still finds %v", left)
+	}
+}
+
+// mountTables concatenates the mount tables of pids.
+func mountTables(t testing.TB, pids ...int) string {
+	t.Helper()
+	var b strings.Builder
+	for _, pid := range pids {
+		data, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "mountinfo"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Write(data)
+	}
+	return b.String()
+}
+
+func devOf(t testing.TB, path string) probe.Dev {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return probe.Dev{Major: unix.Major(st.Dev), Minor: unix.Minor(st.Dev)}
+}
+
+func TestFindHoldersOfDeadMount(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	v := newLabVolume(t, k, labHandle, labVolume)
+	f, err := os.Open(filepath.Join(v.target, "f"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cmd := exec.Command("sleep", "600")
+	cmd.Dir = filepath.Join(v.target, "sub")
+	cmd.ExtraFiles = []*os.File{f} // fd 3
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	v.fs.Kill()
+
+	check := func(when string, ids ...int) {
+		t.Helper()
+		hs, err := FindHolders(context.Background(), "", v.dev(), ids...)
+		if err != nil {
+			t.Fatalf("FindHolders %s = %v", when, err)
+		}
+		var cwd, fd bool
+		for _, h := range hs {
+			if h.Pid != cmd.Process.Pid {
+				continue
+			}
+			cwd = cwd || h.Kind == HoldCwd
+			fd = fd || (h.Kind == HoldFD && h.FD == 3)
+		}
+		if !cwd || !fd {
+			t.Errorf("FindHolders %s = %v; want pid %d by cwd and by fd 3", when, hs, cmd.Process.Pid)
+		}
+	}
+	check("on the dead mount")
+	// Detached, the mounts show in no table: their IDs find the holders.
+	ids := []int{topID(t, k.Root(), v.target), topID(t, k.Root(), v.staging), topID(t, k.Root(), v.subPath)}
+	if _, err := (&Unmounter{Root: k.Root()}).Unmount(context.Background(), []string{v.subPath, v.target, v.staging}); err != nil {
+		t.Fatal(err)
+	}
+	check("after the lazy unmount", ids...)
+}
+
+func TestDryRunChangesNothing(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	root := k.Root()
+	v := newLabVolume(t, k, labHandle, labVolume)
+	v.fs.Kill()
+	fresh := freshFS(t, k, "fresh")
+	before, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	var acts []Action
+	a, err := (&Unmounter{Root: root, DryRun: true}).Unmount(ctx, []string{v.subPath, v.target, v.staging})
+	if err != nil {
+		t.Fatal(err)
+	}
+	acts = append(acts, a...)
+	if a, err = (&Unmounter{Root: root, DryRun: true}).AbortFUSE(ctx, v.dev()); err != nil {
+		t.Fatal(err)
+	}
+	acts = append(acts, a...)
+	if a, err = (&OverMounter{Root: root, DryRun: true}).OverMount(ctx, fresh, &probe.Mount{Path: v.staging, ID: topID(t, root, v.staging)}); err != nil {
+		t.Fatal(err)
+	}
+	acts = append(acts, a...)
+	for _, a := range acts {
+		if !a.DryRun || a.Err != nil || a.Took != 0 {
+			t.Errorf("dry-run action %v: want planned, no error, no time", a)
+		}
+	}
+	after, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(before) != string(after) {
+		t.Errorf("dry-run changed the mount table")
+	}
+}
