@@ -1,0 +1,148 @@
+package agent_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/url"
+	"sync"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
+)
+
+// tcpProxy forwards TCP connections to a backend until it is cut: then it
+// closes every connection and refuses new ones, as a network partition
+// between a node and the API server does.
+type tcpProxy struct {
+	ln      net.Listener
+	backend string
+
+	mu    sync.Mutex
+	cut   bool
+	conns map[net.Conn]bool
+}
+
+func newTCPProxy(t testing.TB, backend string) *tcpProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &tcpProxy{ln: ln, backend: backend, conns: make(map[net.Conn]bool)}
+	go p.serve()
+	t.Cleanup(func() {
+		ln.Close()
+		p.setCut(true)
+	})
+	return p
+}
+
+func (p *tcpProxy) serve() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		go p.handle(c)
+	}
+}
+
+func (p *tcpProxy) handle(c net.Conn) {
+	p.mu.Lock()
+	if p.cut {
+		p.mu.Unlock()
+		c.Close()
+		return
+	}
+	p.mu.Unlock()
+	b, err := net.Dial("tcp", p.backend)
+	if err != nil {
+		c.Close()
+		return
+	}
+	p.mu.Lock()
+	p.conns[c], p.conns[b] = true, true
+	p.mu.Unlock()
+	go func() { io.Copy(b, c); b.Close() }()
+	io.Copy(c, b)
+	c.Close()
+}
+
+func (p *tcpProxy) setCut(cut bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cut = cut
+	if cut {
+		for c := range p.conns {
+			c.Close()
+		}
+		clear(p.conns)
+	}
+}
+
+// TestAgentKeepsWorkingWithoutAPIServer cuts the agent off from the API
+// server: detection, metrics and /healthz go on, the eviction waits (the
+// claim, which may opt out, cannot be read), and once the API server is
+// reachable again the eviction happens and the buffered event arrives.
+func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
+	e := newEnv(t, kubetest.DefaultControllers)
+	ctx := context.Background()
+	labels := map[string]string{"app": "cut"}
+	v := e.createVolume("cut", nil)
+	pod := e.createPod("cut-0", v, podOptions{owner: e.replicaSet("cut", labels), labels: labels})
+	fs := lab.StartFaultFS(t, v.staging)
+	e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+
+	u, err := url.Parse(e.agentConfig.Host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newTCPProxy(t, u.Host)
+	cfgREST := rest.CopyConfig(e.agentConfig)
+	cfgREST.Host = "https://" + proxy.ln.Addr().String()
+	cfgREST.Timeout = 2 * time.Second
+	client, err := kubernetes.NewForConfig(cfgREST)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Tiers = agent.Tiers{Evict: true}
+	cfg.APITimeout = time.Second
+	a := e.startAgent(cfg, agent.Deps{Client: client})
+
+	proxy.setCut(true)
+	fs.Kill()
+	e.waitFor("the dead volume in the metrics while the API server is cut off", func() (bool, error) {
+		n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Disconnected"}`)
+		return n == 1, nil
+	})
+	if r := a.get("/healthz"); r.code != 200 {
+		t.Errorf("/healthz while the API server is unreachable = %d %q, want 200: probing goes on", r.code, r.body)
+	}
+	// Many probe cycles: the repair needs the claim (which may opt out)
+	// and the Eviction API, so it waits; nothing is evicted blindly.
+	time.Sleep(3 * time.Second)
+	p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
+	if err != nil || p.DeletionTimestamp != nil {
+		t.Fatalf("pod evicted while the agent was cut off (err %v)", err)
+	}
+
+	proxy.setCut(false)
+	e.waitFor("the eviction once the API server is back", func() (bool, error) {
+		p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return p.DeletionTimestamp != nil, nil
+	})
+	e.waitEvent(pod.UID, agent.ReasonVolumeBroken, "Disconnected")
+	e.waitEvent(pod.UID, agent.ReasonEvicting, "evicted the pod")
+}
