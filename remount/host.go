@@ -282,8 +282,11 @@ func (r *Repairer) checkPlace(path string) error {
 			return err
 		}
 		parent := filepath.Dir(p)
+		if parent == r.root {
+			return nil // nothing below the root exists yet: no symlink either
+		}
 		if parent == p || !probe.Under(r.root, parent) {
-			return fmt.Errorf("resolve %s: no part of it exists below %s: %w", path, r.root, fs.ErrNotExist)
+			return fmt.Errorf("resolve %s: %w", path, err)
 		}
 		p = parent
 	}
@@ -349,7 +352,7 @@ func (h *hostRun) planKeep(ctx context.Context) {
 // namespaceMounts lists the mounts of the devices in the mount namespaces
 // of pids, one process per namespace, leaving out our own namespace.
 func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMount, error) {
-	ours, err := os.Readlink(filepath.Join(procDir, "self", "ns", "mnt"))
+	ours, err := os.Readlink(filepath.Join(procDir, "thread-self", "ns", "mnt"))
 	if err != nil {
 		return nil, fmt.Errorf("own mount namespace: %w", err)
 	}

@@ -89,7 +89,7 @@ func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source strin
 	if procDir == "" {
 		procDir = "/proc"
 	}
-	ours, err := os.Readlink(filepath.Join(procDir, "self", "ns", "mnt"))
+	ours, err := os.Readlink(filepath.Join(procDir, "thread-self", "ns", "mnt"))
 	if err != nil {
 		return nil, fmt.Errorf("own mount namespace: %w", err)
 	}

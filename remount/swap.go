@@ -329,7 +329,7 @@ func checkOtherNamespace(procDir string, pid int) error {
 	if err != nil {
 		return fmt.Errorf("mount namespace of pid %d: %w", pid, err)
 	}
-	ours, err := os.Readlink(filepath.Join(procDir, "self", "ns", "mnt"))
+	ours, err := os.Readlink(filepath.Join(procDir, "thread-self", "ns", "mnt"))
 	if err != nil {
 		return fmt.Errorf("own mount namespace: %w", err)
 	}
@@ -552,10 +552,18 @@ func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 // inMountNamespace runs fn on a locked OS thread that entered the mount
 // namespace nsfd. The thread is never unlocked: its goroutine ends locked and
 // Go ends the thread, whose fs and namespace are no longer the process's.
+//
+// Never on the main thread: Go does not end the main thread when a locked
+// goroutine exits on it, it parks it for good, and /proc/self (mountinfo,
+// ns/mnt) describes the main thread. A main thread left in a container's
+// namespace would make the process read the container's mount table as its
+// own (the lab caught this). When the locked goroutine finds itself on the
+// main thread, it holds that thread and does the work from a new goroutine,
+// which then runs on another one.
 func inMountNamespace(sys Syscalls, nsfd int, fn func()) error {
 	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
+	// work runs on a locked thread that is not the main thread.
+	work := func() {
 		if err := sys.Unshare(unix.CLONE_FS); err != nil {
 			errc <- fmt.Errorf("unshare fs: %w", err)
 			return
@@ -566,6 +574,23 @@ func inMountNamespace(sys Syscalls, nsfd int, fn func()) error {
 		}
 		fn()
 		errc <- nil
+	}
+	go func() {
+		runtime.LockOSThread()
+		if unix.Gettid() != unix.Getpid() {
+			work()
+			return
+		}
+		// The main thread stays locked to this goroutine until the other
+		// goroutine holds a thread of its own: it cannot get this one.
+		locked := make(chan struct{})
+		go func() {
+			runtime.LockOSThread()
+			close(locked)
+			work()
+		}()
+		<-locked
+		runtime.UnlockOSThread()
 	}()
 	return <-errc
 }

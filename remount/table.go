@@ -38,7 +38,7 @@ type hostTable struct {
 // readHostTable reads <procDir>/self/mountinfo and keeps the mounts strictly
 // below root. It reads VFS data only: no mounted filesystem is asked.
 func readHostTable(procDir, root string) (*hostTable, error) {
-	p := filepath.Join(procDir, "self", "mountinfo")
+	p := filepath.Join(procDir, "thread-self", "mountinfo")
 	data, err := os.ReadFile(p)
 	if err != nil {
 		return nil, fmt.Errorf("read mount table: %w", err)
