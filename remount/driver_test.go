@@ -254,15 +254,23 @@ func (d *driverLab) startContainer(t testing.TB, rp *realPod, c ctrDef, id strin
 	return lab.StartContainer(t, c.name+"-"+id[:8], prop, binds, opts...)
 }
 
-// markDead fills what the agent's inventory would: the dead backend of the
-// volume's staging mount, whether it is hung, and each pod's mounts on it.
-func (d *driverLab) markDead(t testing.TB, rv *realVolume) {
+// markDead fills what the agent's inventory would: the dead backend of
+// each volume's staging mount, whether it is hung, and each pod's mounts on
+// it.
+func (d *driverLab) markDead(t testing.TB, rvs ...*realVolume) {
 	t.Helper()
 	inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: d.root, Live: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep := probe.NewProber(probe.Config{Timeout: time.Second}).Probe(context.Background(), inv)
+	rep := probe.NewProber(probe.Config{Timeout: time.Second, Parallel: 8}).Probe(context.Background(), inv)
+	for _, rv := range rvs {
+		markDeadIn(t, rep, rv)
+	}
+}
+
+func markDeadIn(t testing.TB, rep *probe.Report, rv *realVolume) {
+	t.Helper()
 	var backend *probe.Backend
 	var state probe.State
 	for _, res := range rep.Mounts {

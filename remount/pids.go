@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -49,17 +51,67 @@ type podProcs struct {
 	how []string
 }
 
-// scanPodCgroups reads /proc/<pid>/cgroup of every process once and returns
-// the processes of each pod in uids, and per pod the process of each of its
-// containers that a cgroup path names.
-func scanPodCgroups(procDir string, uids map[types.UID][]string) (map[types.UID]*podProcs, error) {
+// procSnapshot is one pass over /proc/<pid>/cgroup: the processes of each
+// pod (by UID, dashed) and, per process, the cgroup path segments below its
+// pod's cgroup (where runtimes name container cgroups).
+type procSnapshot struct {
+	taken time.Time
+	byPod map[string][]int
+	segs  map[int][]string
+}
+
+// snapshotMaxAge is how long a snapshot serves later calls. The tiers of
+// one repair (Restage, then LiveSwap) and the repairs of many volumes at
+// once share one pass over /proc instead of one each; a container started
+// since is missed by that much at most (its processes are then not swapped,
+// but it bound the fresh mount when it started).
+const snapshotMaxAge = time.Second
+
+// procCache shares snapshots between concurrent calls.
+type procCache struct {
+	mu       sync.Mutex
+	snap     *procSnapshot
+	inflight chan struct{}
+	err      error
+}
+
+func (c *procCache) get(procDir string) (*procSnapshot, error) {
+	c.mu.Lock()
+	for {
+		if c.snap != nil && time.Since(c.snap.taken) < snapshotMaxAge {
+			s := c.snap
+			c.mu.Unlock()
+			return s, nil
+		}
+		if c.inflight == nil {
+			break
+		}
+		wait := c.inflight
+		c.mu.Unlock()
+		<-wait
+		c.mu.Lock()
+		if c.err != nil {
+			err := c.err
+			c.mu.Unlock()
+			return nil, err
+		}
+	}
+	done := make(chan struct{})
+	c.inflight = done
+	c.mu.Unlock()
+	snap, err := takeSnapshot(procDir)
+	c.mu.Lock()
+	c.snap, c.err, c.inflight = snap, err, nil
+	c.mu.Unlock()
+	close(done)
+	return snap, err
+}
+
+func takeSnapshot(procDir string) (*procSnapshot, error) {
+	s := &procSnapshot{taken: time.Now(), byPod: map[string][]int{}, segs: map[int][]string{}}
 	entries, err := os.ReadDir(procDir)
 	if err != nil {
 		return nil, fmt.Errorf("list processes: %w", err)
-	}
-	out := make(map[types.UID]*podProcs, len(uids))
-	for uid := range uids {
-		out[uid] = &podProcs{byContainer: map[string]int{}}
 	}
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
@@ -70,55 +122,100 @@ func scanPodCgroups(procDir string, uids map[types.UID][]string) (map[types.UID]
 		if err != nil {
 			continue // exited, or a kernel thread
 		}
-		for uid, ids := range uids {
-			if !cgroupHasPod(data, string(uid)) {
+		var pods []string
+		sc := bufio.NewScanner(bytes.NewReader(data))
+		for sc.Scan() {
+			// hierarchy-ID:controllers:path; the path may hold colons.
+			parts := strings.SplitN(sc.Text(), ":", 3)
+			if len(parts) != 3 {
 				continue
 			}
-			pp := out[uid]
-			pp.pids = append(pp.pids, pid)
+			segs := strings.Split(parts[2], "/")
+			for i, seg := range segs {
+				uid, ok := podOfSegment(seg)
+				if !ok {
+					continue
+				}
+				if !slices.Contains(pods, uid) {
+					pods = append(pods, uid)
+				}
+				for _, below := range segs[i+1:] {
+					if below != "" && !slices.Contains(s.segs[pid], below) {
+						s.segs[pid] = append(s.segs[pid], below)
+					}
+				}
+			}
+		}
+		for _, uid := range pods {
+			s.byPod[uid] = append(s.byPod[uid], pid)
+		}
+	}
+	return s, nil
+}
+
+// podOfSegment reads a pod UID from a cgroup path segment as kubelet names
+// pod cgroups: "pod<uid>" (cgroupfs) or "...-pod<uid with _>.slice"
+// (systemd).
+func podOfSegment(seg string) (string, bool) {
+	var uid string
+	switch {
+	case strings.HasSuffix(seg, ".slice"):
+		base := strings.TrimSuffix(seg, ".slice")
+		i := strings.LastIndex(base, "pod")
+		if i < 0 || (i > 0 && base[i-1] != '-') {
+			return "", false
+		}
+		uid = strings.ReplaceAll(base[i+3:], "_", "-")
+	case strings.HasPrefix(seg, "pod"):
+		uid = seg[3:]
+	default:
+		return "", false
+	}
+	// Pod UIDs are UUIDs, or 32 hex digits for static pods.
+	return uid, len(uid) >= 32 && validUID(uid)
+}
+
+// podProcs returns the processes of the pods in uids from a snapshot, and
+// per pod the process of each of its containers that a cgroup names.
+func (s *procSnapshot) podProcs(uids map[types.UID][]string) map[types.UID]*podProcs {
+	out := make(map[types.UID]*podProcs, len(uids))
+	for uid, ids := range uids {
+		pp := &podProcs{byContainer: map[string]int{}}
+		pp.pids = slices.Clone(s.byPod[string(uid)])
+		slices.Sort(pp.pids)
+		for _, pid := range pp.pids {
 			for _, id := range ids {
-				if old, ok := pp.byContainer[id]; (!ok || pid < old) && cgroupHasContainer(data, id) {
+				if _, ok := pp.byContainer[id]; !ok && segmentsName(s.segs[pid], id) {
 					pp.byContainer[id] = pid
 				}
 			}
 		}
-	}
-	for _, pp := range out {
-		slices.Sort(pp.pids)
 		if len(pp.pids) > 0 {
 			pp.how = append(pp.how, fmt.Sprintf("%d processes in the pod's cgroup", len(pp.pids)))
 		}
+		out[uid] = pp
 	}
-	return out, nil
+	return out
+}
+
+// segmentsName reports whether one of a process's cgroup segments names
+// container id (see cgroupHasContainer).
+func segmentsName(segs []string, id string) bool {
+	if len(id) < minContainerID {
+		return false
+	}
+	for _, seg := range segs {
+		seg = strings.TrimSuffix(seg, ".scope")
+		if seg == id || strings.HasSuffix(seg, "-"+id) {
+			return true
+		}
+	}
+	return false
 }
 
 // minContainerID is the shortest container ID matched against cgroup names:
 // shorter strings could match by accident.
 const minContainerID = 12
-
-// cgroupHasContainer reports whether a /proc/<pid>/cgroup file puts the
-// process in the cgroup of container id: a path segment that is the ID
-// (cgroupfs driver) or ends in "-<id>" with an optional ".scope" (systemd
-// driver: cri-containerd-<id>.scope, crio-<id>.scope, docker-<id>.scope).
-func cgroupHasContainer(data []byte, id string) bool {
-	if len(id) < minContainerID || strings.ContainsAny(id, "/\n") {
-		return false
-	}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		parts := strings.SplitN(sc.Text(), ":", 3)
-		if len(parts) != 3 {
-			continue
-		}
-		for _, seg := range strings.Split(parts[2], "/") {
-			seg = strings.TrimSuffix(seg, ".scope")
-			if seg == id || strings.HasSuffix(seg, "-"+id) {
-				return true
-			}
-		}
-	}
-	return false
-}
 
 // findProcs finds the processes of the containers of each pod (see the
 // comment above): the cgroups first, the CRI for what they leave out. A
@@ -140,10 +237,12 @@ func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 		return nil
 	}
 	var actions []Action
-	found, err := scanPodCgroups(r.procDir, uids)
+	found := map[types.UID]*podProcs{}
+	snap, err := r.procs.get(r.procDir)
 	if err != nil {
 		actions = append(actions, Action{Op: OpFindProcesses, Path: r.procDir, Err: err})
-		found = map[types.UID]*podProcs{}
+	} else {
+		found = snap.podProcs(uids)
 	}
 	for _, p := range pods {
 		pp := found[p.uid]

@@ -83,6 +83,7 @@ type Repairer struct {
 	fusectlDir string
 	sem        chan struct{}
 	prober     *prober
+	procs      procCache
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
@@ -160,6 +161,9 @@ func (r *Repairer) Close() error {
 	}
 	return errors.Join(errs...)
 }
+
+// DryRun reports whether the Repairer only plans (Config.DryRun).
+func (r *Repairer) DryRun() bool { return r.cfg.DryRun }
 
 func (r *Repairer) unmounter() *Unmounter {
 	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, Sys: r.cfg.Sys}

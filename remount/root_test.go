@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -50,8 +51,16 @@ func newKubelet(t testing.TB) *lab.Kubelet {
 	return k
 }
 
-// detachAll lazily unmounts every mount below root, stacks included.
+// detachAll lazily unmounts every mount below root, stacks included. It
+// first checks that the process's main thread is still in our mount
+// namespace: a swap that ran on it would have left it in a container's (see
+// inMountNamespace), and /proc/self would describe the container.
 func detachAll(t testing.TB, root string) {
+	if self, err := os.Readlink("/proc/self/ns/mnt"); err == nil {
+		if ours, _ := os.Readlink("/proc/thread-self/ns/mnt"); self != ours {
+			t.Errorf("the main thread is in mount namespace %s, not ours %s: a swap ran on it", self, ours)
+		}
+	}
 	for range 64 {
 		tab, err := readHostTable("/proc", root)
 		if err != nil {
@@ -72,7 +81,8 @@ func detachAll(t testing.TB, root string) {
 			}
 		}
 	}
-	t.Errorf("detach all: mounts still below %s", root)
+	data, _ := os.ReadFile("/proc/self/mountinfo")
+	t.Errorf("detach all: mounts still below %s:\n%s", root, data)
 }
 
 // table reads our mount table below root.
@@ -585,5 +595,51 @@ func TestDryRunChangesNothing(t *testing.T) {
 	}
 	if string(before) != string(after) {
 		t.Errorf("dry-run changed the mount table")
+	}
+}
+
+// TestSwapNeverLeavesMainThreadInContainer: Go parks, rather than ends, the
+// main thread when a goroutine exits locked on it, and /proc/self describes
+// the main thread. Entering containers must never happen there, or the
+// process reads a container's mount table as its own.
+func TestSwapNeverLeavesMainThreadInContainer(t *testing.T) {
+	lab.RequireRoot(t)
+	c := lab.StartContainer(t, "ns", lab.PropagationPrivate, nil)
+	ours, err := os.Readlink("/proc/thread-self/ns/mnt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs, err := os.Readlink(c.MountNS())
+	if err != nil || theirs == ours {
+		t.Fatalf("container namespace %s (%v), ours %s", theirs, err, ours)
+	}
+	nsfd, err := unix.Open(c.MountNS(), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(nsfd)
+	// One P: the main thread, which holds it while the test's goroutines
+	// run, is then the likely one to pick up a new goroutine.
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	onMain := 0
+	for range 300 {
+		var inside string
+		if err := inMountNamespace(HostSyscalls(), nsfd, func() {
+			inside, _ = os.Readlink("/proc/thread-self/ns/mnt")
+			if unix.Gettid() == unix.Getpid() {
+				onMain++
+			}
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if inside != theirs {
+			t.Fatalf("fn ran in namespace %s, want the container's %s", inside, theirs)
+		}
+		if self, _ := os.Readlink("/proc/self/ns/mnt"); self != ours {
+			t.Fatalf("the main thread is in namespace %s after a swap, want ours %s (fn ran on the main thread %d times)", self, ours, onMain)
+		}
+	}
+	if onMain != 0 {
+		t.Errorf("fn ran on the main thread %d times", onMain)
 	}
 }

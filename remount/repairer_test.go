@@ -1,0 +1,258 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/mountmedic/mountmedic/probe"
+)
+
+// Unit tests of the Repairer's pure logic; the tiers themselves are tested
+// on real mounts (root_test.go, driver_test.go, restart_test.go).
+
+func TestBuildHostTable(t *testing.T) {
+	const root = "/var/lib/kubelet"
+	pub := root + "/pods/u1/volumes/kubernetes.io~csi/pv/mount"
+	stg := root + "/plugins/kubernetes.io/csi/d/0000000000000000000000000000000000000000000000000000000000000000/globalmount"
+	infos := []*mountinfo.Info{
+		// Listed out of order on purpose: the stack follows parent IDs.
+		{ID: 30, Parent: 20, Major: 0, Minor: 52, Root: "/", Mountpoint: pub, FSType: "fuse.s3fs"},
+		{ID: 20, Parent: 10, Major: 0, Minor: 50, Root: "/", Mountpoint: pub, FSType: "fuse.s3fs"},
+		{ID: 10, Parent: 1, Major: 8, Minor: 1, Root: "/var/lib/kubelet", Mountpoint: root + "/pods", FSType: "ext4"},
+		{ID: 40, Parent: 30, Major: 0, Minor: 53, Root: "/", Mountpoint: pub, FSType: "fuse.s3fs"},
+		{ID: 50, Parent: 1, Major: 0, Minor: 52, Root: "/", Mountpoint: stg, FSType: "fuse.s3fs"},
+	}
+	tab := buildHostTable(root, infos)
+	var ids []int
+	for _, m := range tab.stack(pub) {
+		ids = append(ids, m.ID)
+	}
+	if want := []int{20, 30, 40}; !slices.Equal(ids, want) {
+		t.Errorf("stack(%s) = %v, want %v (bottom first)", pub, ids, want)
+	}
+	if top := tab.top(pub); top == nil || top.ID != 40 {
+		t.Errorf("top(%s) = %v, want mount 40", pub, top)
+	}
+	if top := tab.top(root + "/nothing"); top != nil {
+		t.Errorf("top of a path with no mount = %v, want nil", top)
+	}
+	if k := tab.top(stg).Target.Kind; k != probe.KindStaging {
+		t.Errorf("staging mount classified %s", k)
+	}
+	for _, tc := range []struct {
+		name string
+		dead devSet
+		want []int
+	}{
+		{"top dead", devSet{{Major: 0, Minor: 53}: true}, []int{40}},
+		{"top two dead", devSet{{Major: 0, Minor: 53}: true, {Major: 0, Minor: 52}: true}, []int{40, 30}},
+		{"top alive", devSet{{Major: 0, Minor: 50}: true}, nil},
+	} {
+		var got []int
+		for _, m := range tab.deadTop(pub, tc.dead) {
+			got = append(got, m.ID)
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("%s: deadTop = %v, want %v (topmost first, stop at the first live one)", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestSnapshotFindsPodContainers(t *testing.T) {
+	const (
+		uid  = "3f0c9a52-5a1b-4c33-9d0e-0c6a1f3b2e44"
+		uidU = "3f0c9a52_5a1b_4c33_9d0e_0c6a1f3b2e44"
+		id1  = "4f1c2d3e4a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455"
+		id2  = "aa1c2d3e4a5b6c7d8e9f00112233445566778899aabbccddeeff0011223344bb"
+		id3  = "cc1c2d3e4a5b6c7d8e9f00112233445566778899aabbccddeeff0011223344dd"
+	)
+	proc := t.TempDir()
+	for pid, cgroup := range map[string]string{
+		// cgroupfs, v1 and v2 lines.
+		"100": "4:memory:/kubepods/besteffort/pod" + uid + "/" + id1 + "\n0::/kubepods/besteffort/pod" + uid + "/" + id1 + "\n",
+		// systemd driver, containerd.
+		"101": "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod" + uidU + ".slice/cri-containerd-" + id2 + ".scope\n",
+		// the sandbox: the pod's cgroup only.
+		"102": "0::/kubepods/besteffort/pod" + uid + "/" + "sandbox0123456789abcdef\n",
+		// another pod, a container ID that only starts like id3.
+		"103": "0::/kubepods/besteffort/pod11111111-2222-3333-4444-555555555555/" + id3 + "0\n",
+		// not a pod at all.
+		"104":  "0::/system.slice/podman.service\n",
+		"self": "0::/\n",
+	} {
+		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte(cgroup), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap, err := takeSnapshot(proc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := snap.podProcs(map[types.UID][]string{uid: {id1, id2, id3}, "11111111-2222-3333-4444-555555555555": {id3}})
+	pp := got[uid]
+	if want := []int{100, 101, 102}; !slices.Equal(pp.pids, want) {
+		t.Errorf("pod processes = %v, want %v", pp.pids, want)
+	}
+	want := map[string]int{id1: 100, id2: 101}
+	if len(pp.byContainer) != len(want) || pp.byContainer[id1] != 100 || pp.byContainer[id2] != 101 {
+		t.Errorf("container processes = %v, want %v", pp.byContainer, want)
+	}
+	if other := got["11111111-2222-3333-4444-555555555555"]; len(other.byContainer) != 0 || !slices.Equal(other.pids, []int{103}) {
+		t.Errorf("other pod: %+v; want pid 103 and no container (its cgroup is %s0, not %s)", other, id3, id3)
+	}
+	for _, seg := range []string{"kubepods", "kubepods.slice", "kubepods-besteffort.slice", "podman.service", "pod", "poda-b"} {
+		if uid, ok := podOfSegment(seg); ok {
+			t.Errorf("podOfSegment(%q) = %q, want no pod", seg, uid)
+		}
+	}
+}
+
+func TestDeadDevs(t *testing.T) {
+	v := &Volume{Backend: &probe.Backend{Dev: probe.Dev{Major: 0, Minor: 50}}, Pods: []PodVolume{
+		{Dead: []*probe.Mount{{Dev: probe.Dev{Major: 0, Minor: 50}}, {Dev: probe.Dev{Major: 0, Minor: 51}}, nil}},
+		{Dead: []*probe.Mount{{Path: "/missing"}}}, // a publish target without its mount: 0:0
+	}}
+	got := deadDevs(v).list()
+	want := []probe.Dev{{Major: 0, Minor: 50}, {Major: 0, Minor: 51}}
+	if !slices.Equal(got, want) {
+		t.Errorf("deadDevs = %v, want %v", got, want)
+	}
+}
+
+func TestNewChecksKubeletRoot(t *testing.T) {
+	dir := t.TempDir()
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(dir, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, root string
+		ok         bool
+	}{
+		{"relative", "var/lib/kubelet", false},
+		{"symlink", link, false},
+		{"directory", dir, true},
+		{"missing is fine", filepath.Join(dir, "later"), true},
+	} {
+		r, err := New(Config{KubeletRoot: tc.root})
+		if (err == nil) != tc.ok {
+			t.Errorf("%s: New(%q) = %v, want ok %t", tc.name, tc.root, err, tc.ok)
+		}
+		if r != nil {
+			r.Close()
+		}
+	}
+}
+
+// TestProbeOneInFlight: a probe past its deadline reports Hung, and no
+// second probe of the path starts while the first is blocked.
+func TestProbeOneInFlight(t *testing.T) {
+	release := make(chan struct{})
+	var calls atomic.Int32
+	p := &prober{timeout: 10 * time.Millisecond, inflight: map[string]*flight{}, sys: probe.Syscalls{
+		Statfs: func(path string) error {
+			calls.Add(1)
+			if path == "/hung" {
+				<-release
+			}
+			return nil
+		},
+		StatxSync: func(string) error { return nil },
+	}}
+	ctx := context.Background()
+	for i := range 3 {
+		if err := p.check(ctx, "/hung"); !errors.Is(err, probe.ErrHung) {
+			t.Fatalf("probe %d of a blocked path = %v, want ErrHung", i, err)
+		}
+	}
+	if n := calls.Load(); n != 1 {
+		t.Errorf("statfs called %d times while the first call was blocked, want 1", n)
+	}
+	if err := p.check(ctx, "/fine"); err != nil {
+		t.Errorf("probe of another path = %v, want nil", err)
+	}
+	close(release)
+	var err error
+	for range 1000 { // until the blocked call has returned
+		if err = p.check(ctx, "/hung"); err == nil {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err != nil {
+		t.Errorf("probe after the path answered again = %v, want nil", err)
+	}
+}
+
+// recordingSys counts the calls that would change a mount.
+func recordingSys(n *atomic.Int32) Syscalls {
+	count := func() error { n.Add(1); return errors.New("must not be called") }
+	return Syscalls{
+		Unmount:   func(string, int) error { return count() },
+		Mount:     func(string, string, string, uintptr, string) error { return count() },
+		WriteFile: func(string, []byte) error { return count() },
+	}
+}
+
+func TestRestageDriverDownChangesNothing(t *testing.T) {
+	root := t.TempDir()
+	var changes atomic.Int32
+	var finds atomic.Int32
+	r, err := New(Config{KubeletRoot: root, Sys: recordingSys(&changes),
+		FindDriver: func(ctx context.Context, kubeletRoot, driver string) (Endpoint, error) {
+			finds.Add(1)
+			return FindDriver(ctx, kubeletRoot, driver) // nothing registered: not found
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	vr := VolumeRequest{Driver: "gone.csi.example.com", VolumeHandle: "h", StageUnstage: true,
+		StagingPath: StagingPath(root, "gone.csi.example.com", "h"), TargetPath: TargetPath(root, "6a1e2d55-0f3b-4a4b-9d3f-5b5e2f1c0a77", "pv")}
+	v := &Volume{Driver: vr.Driver, VolumeHandle: vr.VolumeHandle, Stage: vr, Pods: []PodVolume{{Publish: vr}}}
+	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
+		o := tier(context.Background(), v)
+		if !errors.Is(o.Err, ErrDriverUnavailable) || !errors.Is(o.Err, ErrDriverNotFound) || o.Healed {
+			t.Errorf("%s with no driver: healed %t, err %v; want ErrDriverUnavailable and ErrDriverNotFound", o.Tier, o.Healed, o.Err)
+		}
+	}
+	if n := changes.Load(); n != 0 {
+		t.Errorf("%d mount changes with the driver down, want none", n)
+	}
+	// Each call looks for the driver afresh: it may have registered since.
+	if n := finds.Load(); n < 3 {
+		t.Errorf("FindDriver called %d times over three calls", n)
+	}
+}
+
+func TestBlockVolumeLeftToEviction(t *testing.T) {
+	r, err := New(Config{KubeletRoot: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	v := &Volume{Driver: "d", VolumeHandle: "h", Stage: VolumeRequest{Block: true}}
+	var wg sync.WaitGroup
+	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
+		wg.Go(func() {
+			o := tier(context.Background(), v)
+			if !errors.Is(o.Err, ErrBlockVolume) || o.Healed {
+				t.Errorf("%s of a block volume: healed %t, err %v; want ErrBlockVolume", o.Tier, o.Healed, o.Err)
+			}
+		})
+	}
+	wg.Wait()
+}

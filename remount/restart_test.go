@@ -1,0 +1,280 @@
+package remount
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/lab"
+)
+
+// The restart tier needs a container runtime and a kubelet that starts a
+// stopped container again. Neither runs in this package's tests: fakeRuntime
+// answers the CRI calls the Repairer makes (ListContainers, StopContainer,
+// ContainerStatus) over a real unix socket, to the real CRIClient, for lab
+// containers on real mounts, and the test plays kubelet: it starts a
+// stopped container again with the binds kubelet would give it. The mounts,
+// the driver and the verification are real; the runtime and kubelet are
+// stand-ins.
+
+type fakeRuntime struct {
+	runtimeapi.UnimplementedRuntimeServiceServer
+	mu      sync.Mutex
+	ctrs    []*fakeCtr
+	stopped chan *fakeCtr
+}
+
+type fakeCtr struct {
+	id, name, podUID string
+	attempt          uint32
+	running          bool
+	c                *lab.Container
+}
+
+func startFakeRuntime(t testing.TB) (*fakeRuntime, string) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "mmcri")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sock := filepath.Join(dir, "cri.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := &fakeRuntime{stopped: make(chan *fakeCtr, 16)}
+	srv := grpc.NewServer()
+	runtimeapi.RegisterRuntimeServiceServer(srv, rt)
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+	return rt, "unix://" + sock
+}
+
+func (rt *fakeRuntime) add(c *fakeCtr) {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	rt.ctrs = append(rt.ctrs, c)
+}
+
+func (rt *fakeRuntime) ListContainers(_ context.Context, req *runtimeapi.ListContainersRequest) (*runtimeapi.ListContainersResponse, error) {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	resp := &runtimeapi.ListContainersResponse{}
+	for _, c := range rt.ctrs {
+		state := runtimeapi.ContainerState_CONTAINER_EXITED
+		if c.running {
+			state = runtimeapi.ContainerState_CONTAINER_RUNNING
+		}
+		f := req.GetFilter()
+		if f.GetState() != nil && f.GetState().GetState() != state {
+			continue
+		}
+		if uid, ok := f.GetLabelSelector()[criPodUIDLabel]; ok && uid != c.podUID {
+			continue
+		}
+		resp.Containers = append(resp.Containers, &runtimeapi.Container{
+			Id: c.id, State: state,
+			Metadata: &runtimeapi.ContainerMetadata{Name: c.name, Attempt: c.attempt},
+			Labels: map[string]string{criPodUIDLabel: c.podUID, criContainerNameLabel: c.name,
+				criPodNameLabel: "pod", criPodNamespaceLabel: "default"},
+		})
+	}
+	return resp, nil
+}
+
+func (rt *fakeRuntime) find(id string) *fakeCtr {
+	for _, c := range rt.ctrs {
+		if c.id == id {
+			return c
+		}
+	}
+	return nil
+}
+
+func (rt *fakeRuntime) StopContainer(_ context.Context, req *runtimeapi.StopContainerRequest) (*runtimeapi.StopContainerResponse, error) {
+	rt.mu.Lock()
+	c := rt.find(req.GetContainerId())
+	if c == nil {
+		rt.mu.Unlock()
+		return nil, status.Errorf(codes.NotFound, "no container %s", req.GetContainerId())
+	}
+	was := c.running
+	c.running = false
+	rt.mu.Unlock()
+	c.c.Kill()
+	if was {
+		rt.stopped <- c
+	}
+	return &runtimeapi.StopContainerResponse{}, nil
+}
+
+func (rt *fakeRuntime) ContainerStatus(_ context.Context, req *runtimeapi.ContainerStatusRequest) (*runtimeapi.ContainerStatusResponse, error) {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	c := rt.find(req.GetContainerId())
+	if c == nil || !c.running {
+		return nil, status.Errorf(codes.NotFound, "no running container %s", req.GetContainerId())
+	}
+	return &runtimeapi.ContainerStatusResponse{
+		Status: &runtimeapi.ContainerStatus{Id: c.id, State: runtimeapi.ContainerState_CONTAINER_RUNNING},
+		Info:   map[string]string{"info": fmt.Sprintf(`{"pid":%d}`, c.c.Pid())},
+	}, nil
+}
+
+// register adds the volume's running containers to the runtime.
+func (rt *fakeRuntime) register(rv *realVolume) {
+	for i, rp := range rv.pods {
+		for _, cm := range rv.vol.Pods[i].Containers {
+			if rt.find(cm.ContainerID) == nil {
+				rt.add(&fakeCtr{id: cm.ContainerID, name: cm.Container, podUID: string(rp.uid), running: true, c: rp.ctrs[cm.Container]})
+			}
+		}
+	}
+}
+
+// kubelet starts a stopped container again, as kubelet does under
+// restartPolicy Always: a new container (new ID, next attempt) with the
+// volume bound from the publish target and the subPath bind reused when it
+// is there, made when it is not.
+func (rt *fakeRuntime) kubelet(t testing.TB, d *driverLab, rv *realVolume, stopped *fakeCtr) {
+	t.Helper()
+	for _, rp := range rv.pods {
+		if string(rp.uid) != stopped.podUID {
+			continue
+		}
+		for _, def := range rp.def.ctrs {
+			if def.name != stopped.name {
+				continue
+			}
+			id := randomHex(t, 32)
+			c := d.startContainer(t, rp, def, id)
+			rp.ctrs[def.name] = c
+			rt.add(&fakeCtr{id: id, name: def.name, podUID: string(rp.uid), attempt: stopped.attempt + 1, running: true, c: c})
+		}
+	}
+}
+
+func TestRestartTier(t *testing.T) {
+	rt, endpoint := startFakeRuntime(t)
+	d := startDriverLab(t, Config{CRIEndpoint: endpoint, StopGrace: time.Second, RestartTimeout: failBound})
+	const prefix = "vol2"
+	rv := d.newVolume(t, prefix, podDef{name: "r", ctrs: []ctrDef{{name: "app", mounts: []corev1.VolumeMount{
+		{Name: testVolumeName, MountPath: "/data"},
+		{Name: testVolumeName, MountPath: "/data-sub", SubPath: "sub"},
+	}}}})
+	rt.register(rv)
+	wantViews(t, rv.views(prefix))
+	old := rv.pods[0].ctrs["app"].Pid()
+
+	t.Run("containers run again on the fresh volume", func(t *testing.T) {
+		d.drv.Kill()
+		d.markDead(t, rv)
+		wantDead(t, rv.views(prefix))
+		d.restartDriver(t)
+
+		outc := make(chan Outcome, 1)
+		go func() { outc <- d.r.Restart(context.Background(), rv.vol) }()
+		var o Outcome
+		select {
+		case stopped := <-rt.stopped:
+			rt.kubelet(t, d, rv, stopped)
+			o = <-outc
+		case o = <-outc:
+			t.Fatalf("Restart returned without stopping a container: healed %t, err %v", o.Healed, o.Err)
+		case <-time.After(failBound):
+			t.Fatalf("no container stopped")
+		}
+		logOutcome(t, "restart", o)
+		if !o.Healed || o.Err != nil {
+			t.Fatalf("Restart: healed %t, err %v", o.Healed, o.Err)
+		}
+		n := ops(o.Actions)
+		if n[OpStopContainer] != 1 || n[OpWaitRunning] != 1 {
+			t.Errorf("Restart actions %v: want one stop and one wait", n)
+		}
+		if got := rv.pods[0].ctrs["app"].Pid(); got == old {
+			t.Errorf("container still runs as pid %d", old)
+		}
+		wantViews(t, rv.views(prefix))
+	})
+
+	t.Run("container not back: not verified", func(t *testing.T) {
+		r := d.repairer(t, Config{CRIEndpoint: endpoint, StopGrace: time.Second, RestartTimeout: time.Second})
+		o := r.Restart(context.Background(), rv.vol)
+		logOutcome(t, "restart, no kubelet", o)
+		<-rt.stopped // the test plays no kubelet this time
+		if o.Healed || o.Err == nil || !strings.Contains(o.Err.Error(), "not running again") {
+			t.Errorf("Restart with no container back: healed %t, err %v; want not verified", o.Healed, o.Err)
+		}
+	})
+}
+
+func TestUnmountTerminatingPod(t *testing.T) {
+	for _, fault := range []string{"dead", "hung"} {
+		t.Run(fault, func(t *testing.T) {
+			lab.RequireRoot(t)
+			k := newKubelet(t)
+			root := k.Root()
+			v := newLabVolume(t, k, labHandle, labVolume)
+			tab := table(t, root)
+			vol := &Volume{Driver: labDriver, VolumeHandle: labHandle, Backend: &probe.Backend{Dev: v.dev(), Kind: probe.BackendFUSE},
+				Pods: []PodVolume{{Dead: []*probe.Mount{
+					{ID: tab.top(v.target).ID, Path: v.target, Dev: v.dev()},
+					{ID: tab.top(v.subPath).ID, Path: v.subPath, Dev: v.dev()},
+				}}}}
+			stagingID := tab.top(v.staging).ID
+			if fault == "dead" {
+				v.fs.Kill()
+			} else {
+				v.fs.Hang()
+				vol.Hung = true
+			}
+			r, err := New(Config{KubeletRoot: root})
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan Outcome, 1)
+			go func() { done <- r.Unmount(context.Background(), vol) }()
+			var o Outcome
+			select {
+			case o = <-done:
+			case <-time.After(failBound):
+				t.Fatalf("Unmount of a %s volume did not return", fault)
+			}
+			logOutcome(t, "unmount", o)
+			if !o.Healed || o.Err != nil {
+				t.Fatalf("Unmount: healed %t, err %v", o.Healed, o.Err)
+			}
+			n := ops(o.Actions)
+			if n[OpUnmount] != 2 || (fault == "hung") != (n[OpAbortFUSE] == 1) {
+				t.Errorf("Unmount actions %v: want two unmounts, and an abort when hung", n)
+			}
+			for _, p := range []string{v.target, v.subPath} {
+				if id := topID(t, root, p); id != 0 {
+					t.Errorf("mount %d still at %s", id, p)
+				}
+			}
+			if id := topID(t, root, v.staging); id != stagingID {
+				t.Errorf("staging mount %d became %d: Unmount must leave it to kubelet", stagingID, id)
+			}
+			again := r.Unmount(context.Background(), vol)
+			if !again.Healed || ops(again.Actions)[OpUnmount] != 0 {
+				t.Errorf("second Unmount: healed %t, actions %v; want nothing to do", again.Healed, again.Actions)
+			}
+		})
+	}
+}
