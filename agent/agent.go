@@ -33,7 +33,8 @@ type Deps struct {
 	Client kubernetes.Interface
 	// Repairer acts on mounts (a *remount.Repairer). Nil runs the agent
 	// without the restage, live swap, restart and unmount tiers: it detects,
-	// reports and evicts only.
+	// reports and evicts only. A dry-run agent needs a dry-run repairer,
+	// whose plans its events report.
 	Repairer repairer
 	// DriverCaps returns a CSI driver's node capabilities; nil uses
 	// DialDriverCaps(cfg.KubeletRoot).
@@ -84,6 +85,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	}
 	if deps.Client == nil {
 		return nil, errors.New("agent needs a Kubernetes client")
+	}
+	if cfg.DryRun && deps.Repairer != nil {
+		if dr, ok := deps.Repairer.(interface{ DryRun() bool }); !ok || !dr.DryRun() {
+			return nil, errors.New("a dry-run agent needs a repairer that only plans (remount.Config.DryRun): refusing one that acts")
+		}
 	}
 	if deps.DriverCaps == nil {
 		deps.DriverCaps = DialDriverCaps(cfg.KubeletRoot)

@@ -68,13 +68,19 @@ func (r reporter) volume(pods []*corev1.Pod, pvc *corev1.PersistentVolumeClaim, 
 		}
 		r.rec.Eventf(pod, related, eventtype, reason, action, "%s", note)
 	}
-	if pvc != nil {
-		var related runtime.Object
-		if len(pods) > 0 {
-			related = pods[0]
-		}
-		r.rec.Eventf(pvc, related, eventtype, reason, action, "%s", note)
+	r.claim(pvc, pods, eventtype, reason, action, note)
+}
+
+// claim sends an event on the PVC only (related: the first pod).
+func (r reporter) claim(pvc *corev1.PersistentVolumeClaim, pods []*corev1.Pod, eventtype, reason, action, note string) {
+	if r.rec == nil || pvc == nil {
+		return
 	}
+	var related runtime.Object
+	if len(pods) > 0 {
+		related = pods[0]
+	}
+	r.rec.Eventf(pvc, related, eventtype, reason, action, "%s", note)
 }
 
 // pod sends an event on one pod (related: the PVC) and on the PVC.

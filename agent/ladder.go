@@ -139,9 +139,13 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 
 	restageable := j.vol.csi
 	rungs := a.rungs(restageable, j.floor)
-	needRequests := len(rungs) > 0 && rungs[0] != rungEvict && !a.cfg.DryRun
+	needRequests := len(rungs) > 0 && rungs[0] != rungEvict
 	r, err := a.resolve(ctx, j, needRequests)
 	defer r.wipe()
+	if r != nil && r.pvc != nil && a.notes.once(j.key, ReasonVolumeBroken+"/claim") {
+		// The pods heard of it above; the claim is known only now.
+		a.report.claim(r.pvc, r.pods, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
+	}
 	var optOut *optOutError
 	switch {
 	case errors.As(err, &optOut):
@@ -190,10 +194,22 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 	}
 
 	if a.cfg.DryRun && rungs[0] != rungEvict {
-		a.metrics.repair(rungNames[rungs[0]], resultDryRun, 0)
-		note := a.report.message("would %s, then %s", rungNames[rungs[0]], orNothing(rungList(rungs[1:])))
+		// The repairer is a dry-run one (New checks): it resolves every
+		// path, asks the driver whether it answers and reports its plan.
+		tier := rungNames[rungs[0]]
+		out := a.tier(ctx, rungs[0], r.vol)
+		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
+			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
+			return a.driverDown(ctx, j, r, res, out.Err)
+		}
+		a.metrics.repair(tier, resultDryRun, 0)
+		plan := planText(a.cfg.KubeletRoot, out.Actions)
+		if out.Err != nil {
+			plan += "; it would fail: " + out.Err.Error()
+		}
+		note := a.report.message("would %s (%s), then if that does not heal it: %s", tier, plan, orNothing(rungList(rungs[1:])))
 		if a.notes.once(j.key, note) {
-			logger.V(2).Info("Dry run", "plan", rungList(rungs))
+			logger.V(2).Info("Dry run", "tiers", rungList(rungs), "actions", len(out.Actions), "err", out.Err)
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, note)
 		}
 		res.outcome = outcomeWaiting
@@ -226,15 +242,7 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 			}
 			return res
 		}
-		var out remount.Outcome
-		switch rung {
-		case rungRestage:
-			out = a.repairer.Restage(ctx, r.vol)
-		case rungLiveSwap:
-			out = a.repairer.LiveSwap(ctx, r.vol)
-		case rungRestart:
-			out = a.repairer.Restart(ctx, r.vol)
-		}
+		out := a.tier(ctx, rung, r.vol)
 		tier := rungNames[rung]
 		logger.V(2).Info("Repair tier done", "tier", tier, "healed", out.Healed, "took", out.Took, "actions", len(out.Actions), "err", out.Err)
 		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
@@ -271,6 +279,33 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 	}
 	res.outcome = outcomeFailed
 	return res
+}
+
+// tier runs one node-side rung on the repairer.
+func (a *Agent) tier(ctx context.Context, rung int, v *remount.Volume) remount.Outcome {
+	switch rung {
+	case rungRestage:
+		return a.repairer.Restage(ctx, v)
+	case rungLiveSwap:
+		return a.repairer.LiveSwap(ctx, v)
+	case rungRestart:
+		return a.repairer.Restart(ctx, v)
+	}
+	return remount.Outcome{Err: fmt.Errorf("no node-side tier %d", rung)}
+}
+
+// planText is a dry run's actions for an event: each step with its path
+// relative to the kubelet root.
+func planText(root string, actions []remount.Action) string {
+	if len(actions) == 0 {
+		return "nothing to do"
+	}
+	steps := make([]string, 0, len(actions))
+	for _, act := range actions {
+		act.DryRun = false
+		steps = append(steps, strings.ReplaceAll(act.String(), strings.TrimSuffix(root, "/")+"/", ""))
+	}
+	return strings.Join(steps, "; ")
 }
 
 func orNothing(s string) string {

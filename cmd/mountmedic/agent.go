@@ -9,6 +9,8 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // agentFlags are the agent command's flags; everything but the tier list
@@ -104,5 +106,16 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if err != nil {
 		return err
 	}
-	return agent.Run(cmd.Context(), cfg, agent.Deps{Client: client})
+	repairer, err := remount.New(remount.Config{
+		KubeletRoot: cfg.KubeletRoot,
+		DryRun:      cfg.DryRun,
+		CRIEndpoint: cfg.CRISocket,
+		Parallel:    cfg.MaxConcurrentRepairs,
+		Probe:       probe.Config{Timeout: cfg.ProbeTimeout},
+	})
+	if err != nil {
+		return fmt.Errorf("--kubelet-root: %w", err)
+	}
+	defer repairer.Close()
+	return agent.Run(cmd.Context(), cfg, agent.Deps{Client: client, Repairer: repairer})
 }

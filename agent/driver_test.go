@@ -1,0 +1,291 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
+)
+
+// s3Volume is a volume of the real k8s-csi-s3 driver: its API objects, and
+// the pod that uses it with its lab containers.
+type s3Volume struct {
+	pvc    *corev1.PersistentVolumeClaim
+	pod    *corev1.Pod
+	target string
+	// private sees the volume at /data and its "sub" directory at /sub
+	// through a subPath bind, with private propagation; slave sees it at
+	// /data with HostToContainer propagation.
+	private, slave *lab.Container
+}
+
+// driverEnv is env with the real driver on the lab kubelet root's
+// conventional socket and an S3 server.
+type driverEnv struct {
+	*env
+	s3  *csilab.S3
+	drv *csilab.Driver
+}
+
+func newDriverEnv(t *testing.T) *driverEnv {
+	t.Helper()
+	e := newEnv(t, nil)
+	d := &driverEnv{env: e, s3: csilab.StartS3(t)}
+	sock := filepath.Join(e.kubelet.Root(), "plugins", csilab.DriverName, "csi.sock")
+	if err := os.MkdirAll(filepath.Dir(sock), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	d.drv = csilab.StartDriver(t, sock, e.node)
+	attach := false
+	if _, err := e.admin.StorageV1().CSIDrivers().Create(context.Background(), &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: csilab.DriverName},
+		Spec:       storagev1.CSIDriverSpec{AttachRequired: &attach},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create CSIDriver: %v", err)
+	}
+	return d
+}
+
+// newVolume creates an S3-backed volume in the API (Secret, PV, bound PVC,
+// a Running pod with a whole-volume and a subPath mount), stages and
+// publishes it through the driver at kubelet's paths, writes data.txt and
+// sub/g.txt, and starts the pod's two lab containers.
+func (d *driverEnv) newVolume(name string) *s3Volume {
+	t := d.t
+	t.Helper()
+	ctx := context.Background()
+	if err := d.s3.PutObject(csilab.Bucket, name+"/", nil); err != nil {
+		t.Fatal(err)
+	}
+	sv := d.s3.Volume(csilab.Bucket, name)
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: "s3-" + name}, StringData: sv.Secrets}
+	if _, err := d.admin.CoreV1().Secrets(testNamespace).Create(ctx, secret, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create Secret: %v", err)
+	}
+	ref := &corev1.SecretReference{Namespace: testNamespace, Name: secret.Name}
+	v := d.createVolume(name, func(pv *corev1.PersistentVolume) {
+		pv.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany}
+		pv.Spec.CSI = &corev1.CSIPersistentVolumeSource{Driver: csilab.DriverName, VolumeHandle: sv.Handle,
+			VolumeAttributes: sv.Attributes, NodeStageSecretRef: ref, NodePublishSecretRef: ref}
+	})
+	h2c := corev1.MountPropagationHostToContainer
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name},
+		Spec: corev1.PodSpec{
+			NodeName: d.node,
+			Containers: []corev1.Container{
+				{Name: "app", Image: "busybox", VolumeMounts: []corev1.VolumeMount{
+					{Name: "data", MountPath: "/data"}, {Name: "data", MountPath: "/sub", SubPath: "sub"}}},
+				{Name: "watcher", Image: "busybox", VolumeMounts: []corev1.VolumeMount{
+					{Name: "data", MountPath: "/data", MountPropagation: &h2c}}},
+			},
+			Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: v.pvc.Name}}}},
+		},
+	}
+	pod, err := d.admin.CoreV1().Pods(testNamespace).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod: %v", err)
+	}
+	ids := map[string]string{"app": strings.Repeat("a1", 32), "watcher": strings.Repeat("b2", 32)}
+	now := metav1.Now()
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning,
+		Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
+	for _, c := range pod.Spec.Containers {
+		pod.Status.ContainerStatuses = append(pod.Status.ContainerStatuses, corev1.ContainerStatus{
+			Name: c.Name, Ready: true, Image: "busybox", ImageID: "busybox", ContainerID: "containerd://" + ids[c.Name],
+			State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}}})
+	}
+	if pod, err = d.admin.CoreV1().Pods(testNamespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("set pod running: %v", err)
+	}
+
+	// Stage and publish as kubelet would, with the request built from the
+	// same API objects.
+	csi, err := remount.DialCSI(ctx, d.drv.Socket(), remount.CSIOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer csi.Close()
+	caps, err := csi.NodeGetCapabilities(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvObj, err := d.admin.CoreV1().PersistentVolumes().Get(ctx, v.pv.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	secretObj, err := d.admin.CoreV1().Secrets(testNamespace).Get(ctx, secret.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	driverObj, err := d.admin.StorageV1().CSIDrivers().Get(ctx, csilab.DriverName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vr, err := remount.BuildVolumeRequest(remount.VolumeObjects{Pod: pod, VolumeName: "data", PVC: v.pvc, PV: pvObj,
+		CSIDriver: driverObj, StageSecret: secretObj, PublishSecret: secretObj, Capabilities: caps, KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	staging := d.kubelet.StagingPath(csilab.DriverName, sv.Handle)
+	if vr.StagingPath != staging {
+		t.Fatalf("request staging path %s, kubelet's %s", vr.StagingPath, staging)
+	}
+	if err := csi.NodeStageVolume(ctx, remount.StageRequest(vr)); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	target := d.kubelet.PreparePublish(string(pod.UID), pvObj.Name, csilab.DriverName, sv.Handle)
+	if err := csi.NodePublishVolume(ctx, remount.PublishRequest(vr)); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+	writeFile(t, filepath.Join(target, "data.txt"), "data of "+name)
+	writeFile(t, filepath.Join(target, "sub", "g.txt"), "sub of "+name)
+	sub := d.kubelet.SubPath(string(pod.UID), "data", "app", 1, filepath.Join(target, "sub"))
+	s := &s3Volume{pvc: v.pvc, pod: pod, target: target}
+	s.private = lab.StartContainer(t, "app-"+name, lab.PropagationPrivate, map[string]string{"/data": target, "/sub": sub},
+		lab.WithChroot(), lab.WithPodCgroup(string(pod.UID), ids["app"]))
+	s.slave = lab.StartContainer(t, "watcher-"+name, lab.PropagationSlave, map[string]string{"/data": target},
+		lab.WithChroot(), lab.WithPodCgroup(string(pod.UID), ids["watcher"]))
+	return s
+}
+
+func writeFile(t testing.TB, path, data string) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+		t.Fatalf("write %s: %v", path, err)
+	}
+}
+
+// reads checks the files through every place a user of the volume sees it;
+// it returns nil when all read back.
+func (s *s3Volume) reads(name string) error {
+	checks := map[string]string{
+		filepath.Join(s.target, "data.txt"):     "data of " + name,
+		filepath.Join(s.target, "sub", "g.txt"): "sub of " + name,
+		s.private.Path("/data/data.txt"):        "data of " + name,
+		s.private.Path("/sub/g.txt"):            "sub of " + name,
+		s.slave.Path("/data/data.txt"):          "data of " + name,
+	}
+	var errs []error
+	for p, want := range checks {
+		got, err := os.ReadFile(p)
+		switch {
+		case err != nil:
+			errs = append(errs, err)
+		case string(got) != want:
+			errs = append(errs, errors.New(p+": read "+string(got)+", want "+want))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// TestAgentHealsRealDriverRestart is the mission: the real k8s-csi-s3 node
+// plugin is killed with its whole process tree (every s3fs dies with it),
+// every place the pod sees its volume answers ENOTCONN, the plugin comes
+// back, and the agent, untuned but for a fast test probe interval, heals it
+// everywhere without restarting the containers.
+func TestAgentHealsRealDriverRestart(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("heal")
+	if err := s.reads("heal"); err != nil {
+		t.Fatalf("volume not readable before the crash: %v", err)
+	}
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := d.config()
+	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	privatePid, slavePid := s.private.Pid(), s.slave.Pid()
+
+	d.drv.Kill()
+	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
+		t.Fatalf("read in the container after the plugin died: %v, want ENOTCONN", err)
+	}
+	d.waitEvent(s.pod.UID, agent.ReasonDriverDown, csilab.DriverName)
+	d.waitEvent(s.pvc.UID, agent.ReasonDriverDown, csilab.DriverName)
+
+	back := time.Now()
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	ev := d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by")
+	healed := time.Now()
+	d.waitEvent(s.pvc.UID, agent.ReasonVolumeRepaired, "repaired by")
+	if err := s.reads("heal"); err != nil {
+		t.Errorf("after the repair: %v", err)
+	}
+	if s.private.Pid() != privatePid || s.slave.Pid() != slavePid {
+		t.Error("a container was restarted; the live tiers must heal in place")
+	}
+	if n, _ := a.metric(`mountmedic_repairs_total{result="driver_unavailable",tier="restage"}`); n < 1 {
+		t.Errorf("repairs_total{restage,driver_unavailable} = %v, want at least 1 (the attempt while the plugin was down)", n)
+	}
+	d.waitFor("the stale mounts to be counted gone", func() (bool, error) {
+		v, _ := a.metric(`mountmedic_stale_mounts{driver="` + csilab.DriverName + `",kind="publish",state="Disconnected"}`)
+		return v == 0, nil
+	})
+	t.Logf("%s %q; event seen %.2fs after the plugin's restart returned", ev.Reason, ev.Note, healed.Sub(back).Seconds())
+}
+
+// TestAgentDryRunShowsTheRepairPlan runs a dry-run agent with a dry-run
+// repairer over the same crash: its events name each step a real run would
+// take, and nothing is changed.
+func TestAgentDryRunShowsTheRepairPlan(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("plan")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), DryRun: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	d.drv.Kill()
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	before := mountID(t, s.target)
+	cfg := d.config()
+	cfg.DryRun = true
+	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+
+	ev := d.waitEvent(s.pod.UID, agent.ReasonNotRepaired, "[dry-run] would restage", "unmount")
+	t.Logf("dry-run plan: %s", ev.Note)
+	time.Sleep(time.Second)
+	if after := mountID(t, s.target); after != before {
+		t.Errorf("the dead publish target changed (mount %d -> %d) in a dry run", before, after)
+	}
+	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
+		t.Errorf("the container's volume after a dry run: %v, want still ENOTCONN", err)
+	}
+	if n, _ := a.metric(`mountmedic_repairs_total{result="dry_run",tier="restage"}`); n < 1 {
+		t.Errorf("repairs_total{restage,dry_run} = %v, want at least 1", n)
+	}
+	// A dry-run agent refuses a repairer that would act.
+	acting, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer acting.Close()
+	if _, err := agent.New(cfg, agent.Deps{Client: d.admin, Repairer: acting}); err == nil || !strings.Contains(err.Error(), "dry-run") {
+		t.Errorf("agent.New(dry run, acting repairer) = %v, want a refusal", err)
+	}
+}
