@@ -88,6 +88,9 @@ type ctrDef struct {
 	propagation corev1.MountPropagationMode // "" for None
 	mounts      []corev1.VolumeMount
 	readOnly    []string
+	// noCgroup: no cgroup names the pod (kubelet with cgroupsPerQOS:
+	// false); only the runtime knows the container's process.
+	noCgroup bool
 }
 
 type podDef struct {
@@ -247,7 +250,10 @@ func (d *driverLab) startContainer(t testing.TB, rp *realPod, c ctrDef, id strin
 	if c.propagation == corev1.MountPropagationHostToContainer {
 		prop = lab.PropagationSlave
 	}
-	opts := []lab.ContainerOption{lab.WithChroot(), lab.WithPodCgroup(string(rp.uid), id)}
+	opts := []lab.ContainerOption{lab.WithChroot()}
+	if !c.noCgroup {
+		opts = append(opts, lab.WithPodCgroup(string(rp.uid), id))
+	}
 	if len(c.readOnly) > 0 {
 		opts = append(opts, lab.WithReadOnly(c.readOnly...))
 	}

@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"github.com/moby/sys/mountinfo"
+	"google.golang.org/grpc"
 	"k8s.io/apimachinery/pkg/types"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/mountmedic/mountmedic/probe"
 )
@@ -255,4 +257,78 @@ func TestBlockVolumeLeftToEviction(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+// TestDriverReRegistersElsewhere: the Repairer keeps the endpoint it found,
+// and finds it again when the driver stops answering there, as after a
+// restart that registered another socket.
+func TestDriverReRegistersElsewhere(t *testing.T) {
+	const name = "moving.csi.example.com"
+	root := socketDir(t)
+	if err := os.MkdirAll(filepath.Join(root, "plugins_registry"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	reg := filepath.Join(root, "plugins_registry", name+"-reg.sock")
+	a, b := &fakeDriver{}, &fakeDriver{}
+	sockA, srvA := serveDriver(t, a)
+	regA := serveUnix(t, reg, func(s *grpc.Server) {
+		registerapi.RegisterRegistrationServer(s, &fakeRegistration{info: &registerapi.PluginInfo{
+			Type: registerapi.CSIPlugin, Name: name, Endpoint: sockA, SupportedVersions: []string{"1.0.0"}}})
+	})
+	r, err := New(Config{KubeletRoot: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ctx := context.Background()
+	c, _, err := r.checkDriver(ctx, name)
+	if err != nil || c.Endpoint() != sockA {
+		t.Fatalf("checkDriver = %v, %v; want endpoint %s", c, err, sockA)
+	}
+	if _, _, err := r.checkDriver(ctx, name); err != nil || a.capsCalls.Load() != 2 {
+		t.Fatalf("second checkDriver = %v, driver asked %d times; want 2 (it is asked every time)", err, a.capsCalls.Load())
+	}
+
+	srvA.Stop()
+	regA.Stop()
+	sockB, _ := serveDriver(t, b)
+	serveUnix(t, reg, func(s *grpc.Server) {
+		registerapi.RegisterRegistrationServer(s, &fakeRegistration{info: &registerapi.PluginInfo{
+			Type: registerapi.CSIPlugin, Name: name, Endpoint: sockB, SupportedVersions: []string{"1.0.0"}}})
+	})
+	c, _, err = r.checkDriver(ctx, name)
+	if err != nil || c.Endpoint() != sockB || b.capsCalls.Load() != 1 {
+		t.Fatalf("checkDriver after the move = %v, %v (driver b asked %d times); want endpoint %s", c, err, b.capsCalls.Load(), sockB)
+	}
+}
+
+// TestDriverBackAnswersAtOnce: a client whose connection failed while the
+// driver was down reaches the driver on the first call once it is back,
+// not after gRPC's reconnect backoff.
+func TestDriverBackAnswersAtOnce(t *testing.T) {
+	f := &fakeDriver{}
+	path, srv := serveDriver(t, f)
+	c, err := DialCSI(context.Background(), path, CSIOptions{ReconnectMaxDelay: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	if _, err := c.CheckNode(ctx); err != nil {
+		t.Fatal(err)
+	}
+	srv.Stop()
+	deadSocket(t, path)
+	for range 3 { // grow the backoff
+		if _, err := c.CheckNode(ctx); !errors.Is(err, ErrDriverUnavailable) {
+			t.Fatalf("CheckNode with the driver down = %v, want ErrDriverUnavailable", err)
+		}
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	serveUnix(t, path, func(s *grpc.Server) { registerDriver(s, f) })
+	if _, err := c.CheckNode(ctx); err != nil {
+		t.Errorf("first CheckNode with the driver back = %v, want an answer", err)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -277,4 +278,37 @@ func TestUnmountTerminatingPod(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLiveSwapFindsProcessesThroughCRI: where no cgroup names the pod, the
+// container's process comes from the runtime's ContainerStatus.
+func TestLiveSwapFindsProcessesThroughCRI(t *testing.T) {
+	rt, endpoint := startFakeRuntime(t)
+	d := startDriverLab(t, Config{})
+	const prefix = "vol3"
+	rv := d.newVolume(t, prefix, podDef{name: "c", ctrs: []ctrDef{{name: "app", noCgroup: true, mounts: []corev1.VolumeMount{
+		{Name: testVolumeName, MountPath: "/data"},
+	}}}})
+	rt.register(rv)
+	d.drv.Kill()
+	d.markDead(t, rv)
+	d.restartDriver(t)
+
+	// Without a runtime to ask, the container cannot be found.
+	o := d.r.LiveSwap(context.Background(), rv.vol)
+	logOutcome(t, "liveswap without a runtime", o)
+	if o.Healed || o.Err == nil || !strings.Contains(o.Err.Error(), "no process of its containers found") {
+		t.Errorf("LiveSwap without cgroup or runtime: healed %t, err %v; want no process found", o.Healed, o.Err)
+	}
+	withCRI := d.repairer(t, Config{CRIEndpoint: endpoint})
+	o = withCRI.LiveSwap(context.Background(), rv.vol)
+	logOutcome(t, "liveswap", o)
+	if !o.Healed || o.Err != nil {
+		t.Fatalf("LiveSwap through the runtime: healed %t, err %v", o.Healed, o.Err)
+	}
+	i := slices.IndexFunc(o.Actions, func(a Action) bool { return a.Op == OpFindProcesses })
+	if i < 0 || !strings.Contains(o.Actions[i].Detail, "from the runtime") {
+		t.Errorf("find-processes action %v: want processes from the runtime", o.Actions)
+	}
+	wantViews(t, rv.views(prefix))
 }

@@ -643,3 +643,67 @@ func TestSwapNeverLeavesMainThreadInContainer(t *testing.T) {
 		t.Errorf("fn ran on the main thread %d times", onMain)
 	}
 }
+
+// TestPropagationFacts asserts what the package documentation says a host
+// unmount does to containers: it never takes their own bind away; the fresh
+// mounts of a re-stage form a new peer group that a HostToContainer
+// container does not receive; and once every host member of the old group
+// is gone, the container's bind is private.
+func TestPropagationFacts(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	root := k.Root()
+	v := newLabVolume(t, k, labHandle, labVolume)
+	binds := map[string]string{"/data": v.target, "/data-sub": v.subPath}
+	slave := lab.StartContainer(t, "slave", lab.PropagationSlave, binds, lab.WithChroot())
+	private := lab.StartContainer(t, "private", lab.PropagationPrivate, binds, lab.WithChroot())
+	v.fs.Kill()
+	mountAt := func(c *lab.Container, path string) *ProcessMount {
+		t.Helper()
+		ms, err := ProcessMounts("/proc", c.Pid(), v.dev())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range ms {
+			if ms[i].Path == path && !ms[i].Covered {
+				return &ms[i]
+			}
+		}
+		return nil
+	}
+	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != PropagationHostToContainer {
+		t.Fatalf("slave container's /data = %+v, want a slave of the volume's peer group", m)
+	}
+
+	// Unmount the publish target and staging mount, stage and publish
+	// afresh: the containers keep their dead binds, and the slave does not
+	// receive the fresh publish.
+	if _, err := (&Unmounter{Root: root}).Unmount(context.Background(), []string{v.target, v.staging}); err != nil {
+		t.Fatal(err)
+	}
+	fresh := freshFS(t, k, "fresh")
+	if err := unix.Mount(fresh, v.target, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []*lab.Container{slave, private} {
+		for _, p := range []string{"/data", "/data-sub"} {
+			if mountAt(c, p) == nil {
+				t.Errorf("%s: the dead bind at %s is gone after host unmounts, want it kept", c.Path("/"), p)
+			}
+		}
+		if err := statfsErr(c.Path("/data"), failBound); !errors.Is(err, unix.ENOTCONN) {
+			t.Errorf("statfs %s after a fresh publish on the host = %v, want ENOTCONN (not received)", c.Path("/data"), err)
+		}
+	}
+	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != PropagationHostToContainer {
+		t.Errorf("slave's /data = %+v, want still a slave while the host subPath bind is in the group", m)
+	}
+
+	// The last host member goes: the slave's bind turns private.
+	if _, err := (&Unmounter{Root: root}).Unmount(context.Background(), []string{v.subPath}); err != nil {
+		t.Fatal(err)
+	}
+	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != PropagationNone {
+		t.Errorf("slave's /data after the last host member went = %+v, want a private mount", m)
+	}
+}
