@@ -1,0 +1,763 @@
+package deploy_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
+)
+
+// The lab node's name and the labels Prometheus gives its scrape target,
+// as the PodMonitor's relabelling does in a cluster.
+const (
+	labNode   = lab.DefaultNodeName
+	labJob    = "mountmedic"
+	appsNS    = "apps"
+	fuseCSI   = "s3.csi.lab.mountmedic.io"
+	blockCSI  = "rbd.csi.lab.mountmedic.io"
+	nfsPlugin = "kubernetes.io~nfs" // the driver label of in-tree nfs volumes
+	rateRange = "5m"                // $__rate_interval: long enough to hold the whole scenario
+)
+
+// labVolume is one volume of one pod: a CSI PersistentVolume with its
+// claim, or an inline volume of an in-tree plugin (nfs).
+type labVolume struct {
+	name  string // pod name suffix; PV and PVC names for CSI volumes
+	csi   string // CSI driver; empty: an inline nfs volume
+	fault string // kill, hang, eio or shutdown (ext4)
+	// owned: a ReplicaSet controls the pod (evictable); ready: the pod is
+	// Running and Ready, so a PodDisruptionBudget applies to its eviction.
+	owned, ready, pdb bool
+}
+
+// labVolumes are the scenario. The in-tree volumes are never re-staged, so
+// their pods reach the eviction tier whether or not the command runs with
+// a mount repairer; the CSI volumes' drivers are not registered on the lab
+// node, so a repairer would find them down.
+var labVolumes = []labVolume{
+	{name: "dead", csi: fuseCSI, fault: "kill", owned: true},           // Disconnected (publish, staging, subPath)
+	{name: "ext4", csi: blockCSI, fault: "shutdown", owned: true},      // Shutdown
+	{name: "gone", fault: "kill", owned: true},                         // Disconnected, evicted
+	{name: "hung", fault: "hang", owned: true, ready: true, pdb: true}, // Hung, eviction blocked by a PDB (429)
+	{name: "eio", fault: "eio"},                                        // IOError, no controller: never evicted
+}
+
+// TestLiveDashboardAndAlerts runs the real `mountmedic agent` under the
+// RBAC of deploy/ against a real kube-apiserver, on a lab kubelet tree with
+// a dead, a hung and an EIO FUSE volume and a shut-down ext4 volume; a real
+// Prometheus scrapes it and loads rules.yaml. Every dashboard query and
+// every alert expression must then return data (not NaN), every rule must
+// evaluate without error, `promtool check metrics` must pass on the
+// agent's /metrics, and testdata/metrics.txt must have its shape.
+//
+// Queries that need something to have happened, and how the scenario makes
+// it happen:
+//   - repairs, repair duration, evictions: the agent evicts the ReplicaSet
+//     pods of the dead and the shut-down volume (evict tier; the command
+//     runs without a mount repairer yet), a PodDisruptionBudget answers 429
+//     for the hung volume's pod, and the EIO pod has no controller.
+//   - MountmedicRepairsFailing: the blocked and the refused evictions count
+//     as failed evict repairs while mounts stay broken.
+//   - MountmedicAgentDown: evaluated after the agent is stopped (and checked
+//     empty while it runs).
+//   - MountmedicScanStalled: needs two minutes without a finished probe
+//     cycle; it is evaluated 125 s after the last scrape (Prometheus's
+//     query time parameter) instead of waiting, and checked empty now.
+//   - failover queries: see pendingMetrics.
+func TestLiveDashboardAndAlerts(t *testing.T) {
+	lab.RequireRoot(t)
+	promBin := tool(t, "prometheus", "apt-get install prometheus (scripts/deps.sh)")
+	pt := promtool(t)
+	kc := kubectl(t)
+	bin := buildMountmedic(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+
+	// The control plane, with deploy/ applied: the agent runs as its
+	// ServiceAccount, under its RBAC.
+	// kube-controller-manager's disruption controller computes the
+	// PodDisruptionBudget's status, which the eviction API judges by.
+	c := kubetest.Start(t, kubetest.Options{Controllers: kubetest.DefaultControllers})
+	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
+	agentKubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic")
+	c.CreateNamespace(t, appsNS)
+
+	// Pods in the API and their volumes in a lab kubelet tree.
+	kl := lab.NewKubelet(t, filepath.Join(t.TempDir(), "var", "lib", "kubelet"))
+	faults, unhang := createWorkload(ctx, t, c.Client, kl)
+
+	// The agent: the DaemonSet's own arguments, then what differs in the
+	// lab (later flags win).
+	ds, _ := daemonSet(t)
+	metricsAddr := freeAddr(t)
+	args := slices.Clone(ds.Spec.Template.Spec.Containers[0].Args)
+	args = append(args, "--kubeconfig="+agentKubeconfig, "--node-name="+labNode, "--kubelet-root="+kl.Root(),
+		"--host-table=/proc/self/mountinfo", "--metrics-addr="+metricsAddr, "-v=2")
+	agent := startProcess(t, "agent", bin, args...)
+	// A thread blocked in a FUSE request the daemon has read cannot be
+	// killed: the agent process cannot exit until the hung connection is
+	// aborted. Cleanups run last-in first-out: this one before the agent's.
+	t.Cleanup(unhang)
+
+	// Prometheus scrapes it every second and evaluates the rules.
+	prom := startPrometheus(t, promBin, metricsAddr)
+
+	// The faults, once the agent has seen the volumes healthy.
+	waitQuery(ctx, t, prom, fmt.Sprintf(`sum(mountmedic_kubelet_mounts{node=%q, kind=~"publish|plugin"}) >= %d`, labNode, len(labVolumes)))
+	for _, f := range faults {
+		f()
+	}
+	faulted := time.Now()
+
+	// Every query returns data.
+	queries := liveQueries(t)
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		failing := 0
+		for i := range queries {
+			q := &queries[i]
+			if q.ok {
+				continue
+			}
+			q.result, q.err = prom.query(q.expr, time.Now().Add(q.shift))
+			if q.pending {
+				t.Logf("pending %s: %s = %v (err %v)", q.name, q.expr, q.result, q.err)
+				q.ok = true
+				continue
+			}
+			q.ok = q.err == nil && q.want == hasData(q.result)
+			if !q.ok {
+				failing++
+			}
+		}
+		if failing == 0 {
+			break
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			for _, q := range queries {
+				if !q.ok {
+					t.Errorf("%s: %s\n  want data: %v, got %v (err %v)", q.name, q.expr, q.want, q.result, q.err)
+				}
+			}
+			t.Fatalf("%d of %d queries never gave what they should; agent log:\n%s", failing, len(queries), agent.tail(40))
+		}
+		time.Sleep(2 * time.Second)
+	}
+	t.Logf("%d queries evaluated against the live agent, all as expected %.0f s after the faults", len(queries), time.Since(faulted).Seconds())
+
+	// The rule engine evaluated every rule without error, and the alerts
+	// the scenario raises are pending (their "for" has not passed) or firing.
+	checkRules(t, prom, "MountmedicStaleMounts", "MountmedicHungMounts", "MountmedicRepairsFailing")
+
+	// The agent's own /metrics: promtool's lint, and the capture's shape.
+	body := httpGet(t, "http://"+metricsAddr+"/metrics")
+	cmd := exec.Command(pt, "check", "metrics")
+	cmd.Stdin = bytes.NewReader(body)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Errorf("promtool check metrics on the agent's /metrics: %v\n%s", err, out)
+	}
+	compareCapture(t, body)
+	logUsage(t, prom)
+
+	// Agent down: stop it; up turns 0 and the alert expression has data.
+	// The hung FUSE connection is aborted first, as a re-stage would:
+	// otherwise the thread probing it keeps the process from exiting.
+	unhang()
+	agent.stop(t)
+	waitQuery(ctx, t, prom, `up{job="mountmedic"} == 0`)
+	for _, a := range alerts(t) {
+		if a.Alert != "MountmedicAgentDown" {
+			continue
+		}
+		res, err := prom.query(a.Expr, time.Now())
+		if err != nil || !hasData(res) {
+			t.Errorf("MountmedicAgentDown after the agent stopped: %s = %v (err %v), want data", a.Expr, res, err)
+		}
+	}
+}
+
+// liveQuery is one expression to evaluate against the live Prometheus.
+type liveQuery struct {
+	name, expr string
+	// shift moves the evaluation time; want is whether data is expected.
+	shift time.Duration
+	want  bool
+	// pending: the query uses a metric of pendingMetrics; its result is
+	// logged, not required.
+	pending bool
+	ok      bool
+	result  model.Vector
+	err     error
+}
+
+// liveQueries lists every dashboard query (variables substituted), the
+// variables' own queries and every alert expression, with the exceptions
+// described on TestLiveDashboardAndAlerts.
+func liveQueries(t *testing.T) []liveQuery {
+	t.Helper()
+	subst := strings.NewReplacer(`$__rate_interval`, rateRange, `$__range`, "1h", `$node`, labNode, `$driver`, ".*", `$job`, labJob)
+	pending := func(expr string) bool {
+		for _, m := range metricName.FindAllString(expr, -1) {
+			if pendingMetrics[m] {
+				return true
+			}
+		}
+		return false
+	}
+	var qs []liveQuery
+	// The scenario itself: each fault seen in its state, each eviction
+	// outcome counted. (A shut-down ext4 shows only in the mount table's
+	// super options, which the agent re-reads at its resync, 30 s by
+	// default: nothing wakes it when a filesystem shuts down.)
+	for _, s := range []struct{ driver, kind, state string }{
+		{fuseCSI, "publish", "Disconnected"}, {fuseCSI, "subpath", "Disconnected"}, {blockCSI, "publish", "Shutdown"},
+		{nfsPlugin, "plugin", "Disconnected"}, {nfsPlugin, "plugin", "Hung"}, {nfsPlugin, "plugin", "IOError"},
+	} {
+		qs = append(qs, liveQuery{name: "scenario: " + s.state + " " + s.kind + " mounts of " + s.driver, want: true,
+			expr: fmt.Sprintf(`mountmedic_stale_mounts{node=%q, driver=%q, kind=%q, state=%q} > 0`, labNode, s.driver, s.kind, s.state)})
+	}
+	for _, r := range []string{`result="evicted"} > 0`, `result="blocked_by_pdb"} > 0`, `result="no_controller"} > 0`} {
+		qs = append(qs, liveQuery{name: "scenario: evictions " + r, want: true, expr: `mountmedic_evictions_total{` + r})
+	}
+	add := func(q liveQuery) {
+		q.pending = pending(q.expr)
+		qs = append(qs, q)
+	}
+	for _, tg := range dashboardTargets(t) {
+		add(liveQuery{name: fmt.Sprintf("panel %q query %s", tg.panel, tg.ref), expr: subst.Replace(tg.expr), want: true})
+	}
+	// Variables: label_values(M, L) has data when M has series with L.
+	add(liveQuery{name: "variable node", expr: fmt.Sprintf(`mountmedic_build_info{node=%q}`, labNode), want: true})
+	for _, d := range []string{fuseCSI, blockCSI, nfsPlugin} {
+		add(liveQuery{name: "variable driver " + d, expr: fmt.Sprintf(`mountmedic_stale_mounts{node=~%q, driver=%q}`, labNode, d), want: true})
+	}
+	for _, a := range alerts(t) {
+		switch a.Alert {
+		case "MountmedicAgentDown":
+			add(liveQuery{name: "alert " + a.Alert + " while the agent runs", expr: a.Expr, want: false})
+		case "MountmedicScanStalled":
+			add(liveQuery{name: "alert " + a.Alert + " now", expr: a.Expr, want: false})
+			add(liveQuery{name: "alert " + a.Alert + " 125 s after the last scrape", expr: a.Expr, shift: 125 * time.Second, want: true})
+		default:
+			add(liveQuery{name: "alert " + a.Alert, expr: a.Expr, want: true})
+		}
+	}
+	return qs
+}
+
+// hasData reports a vector with at least one sample that is a number.
+func hasData(v model.Vector) bool {
+	for _, s := range v {
+		if !math.IsNaN(float64(s.Value)) {
+			return true
+		}
+	}
+	return false
+}
+
+// createWorkload creates in the API the pods, claims and volumes of
+// labVolumes, lays out their mounts in the kubelet tree, and returns the
+// functions that inject each volume's fault.
+func createWorkload(ctx context.Context, t *testing.T, cs kubernetes.Interface, kl *lab.Kubelet) (faults []func(), unhang func()) {
+	t.Helper()
+	rs, err := cs.AppsV1().ReplicaSets(appsNS).Create(ctx, &appsv1.ReplicaSet{
+		ObjectMeta: metav1.ObjectMeta{Name: "web"},
+		Spec: appsv1.ReplicaSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "web"}},
+				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app", Image: "busybox"}}},
+			},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create ReplicaSet: %v", err)
+	}
+	for _, v := range labVolumes {
+		volume := corev1.Volume{Name: "data", VolumeSource: corev1.VolumeSource{NFS: &corev1.NFSVolumeSource{Server: "nfs.lab", Path: "/export/" + v.name}}}
+		handle := "vol-" + v.name
+		if v.csi != "" {
+			createClaim(ctx, t, cs, v.name, v.csi, handle)
+			volume.VolumeSource = corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "data-" + v.name}}
+		}
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "web-" + v.name, Labels: map[string]string{"app": "web", "volume": v.name}},
+			Spec: corev1.PodSpec{
+				NodeName:   labNode,
+				Containers: []corev1.Container{{Name: "app", Image: "busybox", VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
+				Volumes:    []corev1.Volume{volume},
+			},
+		}
+		if v.owned {
+			yes := true
+			pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: rs.Name, UID: rs.UID, Controller: &yes}}
+		}
+		pod, err = cs.CoreV1().Pods(appsNS).Create(ctx, pod, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatalf("create pod: %v", err)
+		}
+		if v.ready {
+			// A Pending pod ignores its PodDisruptionBudget on eviction.
+			pod.Status.Phase = corev1.PodRunning
+			pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+			if _, err := cs.CoreV1().Pods(appsNS).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+				t.Fatalf("set pod %s running: %v", pod.Name, err)
+			}
+		}
+		if v.pdb {
+			one := intstr.FromInt32(1)
+			_, err := cs.PolicyV1().PodDisruptionBudgets(appsNS).Create(ctx, &policyv1.PodDisruptionBudget{
+				ObjectMeta: metav1.ObjectMeta{Name: "web-" + v.name},
+				Spec:       policyv1.PodDisruptionBudgetSpec{MinAvailable: &one, Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"volume": v.name}}},
+			}, metav1.CreateOptions{})
+			if err != nil {
+				t.Fatalf("create PDB: %v", err)
+			}
+		}
+
+		// The mounts, where kubelet and the driver would make them.
+		uid := string(pod.UID)
+		var fs *lab.FaultFS
+		switch {
+		case v.fault == "shutdown":
+			staging := kl.StagingPath(v.csi, handle)
+			ext4 := lab.NewExt4(t, staging, 16)
+			kl.Publish(uid, "pv-"+v.name, v.csi, handle, staging, false)
+			faults = append(faults, ext4.Shutdown)
+			continue
+		case v.csi != "":
+			staging := kl.StagingPath(v.csi, handle)
+			fs = lab.StartFaultFS(t, staging)
+			if err := os.Mkdir(filepath.Join(staging, "sub"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			kl.Publish(uid, "pv-"+v.name, v.csi, handle, staging, false)
+			kl.SubPath(uid, "data", "app", 0, filepath.Join(staging, "sub"))
+		default:
+			fs = lab.StartFaultFS(t, filepath.Join(kl.Root(), "pods", uid, "volumes", "kubernetes.io~nfs", "data"))
+		}
+		switch v.fault {
+		case "kill":
+			faults = append(faults, fs.Kill)
+		case "hang":
+			faults = append(faults, fs.Hang)
+			unhang = fs.Abort
+		case "eio":
+			faults = append(faults, func() { fs.SetErrno(syscall.EIO) })
+		default:
+			t.Fatalf("volume %s: unknown fault %q", v.name, v.fault)
+		}
+	}
+	return faults, unhang
+}
+
+// createClaim creates a CSI PersistentVolume and the claim bound to it.
+func createClaim(ctx context.Context, t *testing.T, cs kubernetes.Interface, name, driver, handle string) {
+	t.Helper()
+	_, err := cs.CoreV1().PersistentVolumes().Create(ctx, &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "pv-" + name},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: driver, VolumeHandle: handle}},
+			ClaimRef:                      &corev1.ObjectReference{Namespace: appsNS, Name: "data-" + name},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create PV: %v", err)
+	}
+	empty := ""
+	_, err = cs.CoreV1().PersistentVolumeClaims(appsNS).Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "data-" + name},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+			VolumeName:       "pv-" + name,
+			StorageClassName: &empty,
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create PVC: %v", err)
+	}
+}
+
+// writeKubeconfig writes a kubeconfig that authenticates as the
+// ServiceAccount namespace/name with a real token.
+func writeKubeconfig(t *testing.T, c *kubetest.Cluster, namespace, name string) string {
+	t.Helper()
+	rc := c.ServiceAccountConfig(t, namespace, name)
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["lab"] = &clientcmdapi.Cluster{Server: rc.Host, CertificateAuthorityData: rc.CAData}
+	cfg.AuthInfos[name] = &clientcmdapi.AuthInfo{Token: rc.BearerToken}
+	cfg.Contexts["lab"] = &clientcmdapi.Context{Cluster: "lab", AuthInfo: name}
+	cfg.CurrentContext = "lab"
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// freeAddr returns a loopback address with a port free right now.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// process is a program the test started; it is stopped at cleanup.
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+}
+
+func startProcess(t *testing.T, name, bin string, args ...string) *process {
+	t.Helper()
+	logPath := filepath.Join(t.TempDir(), name+".log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		t.Fatalf("start %s: %v", name, err)
+	}
+	p := &process{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.stop(t)
+		if t.Failed() {
+			t.Logf("last lines of %s:\n%s", name, p.tail(30))
+		}
+	})
+	return p
+}
+
+// stop sends SIGTERM, and SIGKILL when the process has not exited 10 s
+// later.
+func (p *process) stop(t *testing.T) {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		t.Errorf("%s did not stop within 10 s of SIGTERM; killing it", p.name)
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+func (p *process) tail(n int) string {
+	b, _ := os.ReadFile(p.log)
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// promServer is a running Prometheus.
+type promServer struct {
+	url string
+	p   *process
+}
+
+// startPrometheus starts Prometheus on a free loopback port with a fresh
+// data directory, scraping the agent at target every second as job
+// mountmedic with the node and pod labels the PodMonitor gives, and
+// evaluating rules.yaml every second.
+func startPrometheus(t *testing.T, bin, target string) *promServer {
+	t.Helper()
+	dir := t.TempDir()
+	rules, err := filepath.Abs(rulesFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := fmt.Sprintf(`global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+rule_files:
+  - %q
+scrape_configs:
+  - job_name: %s
+    static_configs:
+      - targets: [%q]
+        labels:
+          node: %q
+          pod: mountmedic-lab
+          namespace: mountmedic
+`, rules, labJob, target, labNode)
+	cfgPath := filepath.Join(dir, "prometheus.yml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	addr := freeAddr(t)
+	p := startProcess(t, "prometheus", bin, "--config.file="+cfgPath, "--storage.tsdb.path="+filepath.Join(dir, "data"),
+		"--web.listen-address="+addr, "--log.level=warn")
+	s := &promServer{url: "http://" + addr, p: p}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		resp, err := http.Get(s.url + "/-/ready")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return s
+			}
+		}
+		select {
+		case <-p.done:
+			t.Fatalf("prometheus exited:\n%s", p.tail(20))
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("prometheus not ready after a minute:\n%s", p.tail(20))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// query evaluates an instant query at time at.
+func (s *promServer) query(expr string, at time.Time) (model.Vector, error) {
+	v := url.Values{"query": {expr}, "time": {strconv.FormatFloat(float64(at.UnixNano())/1e9, 'f', 3, 64)}}
+	resp, err := http.Get(s.url + "/api/v1/query?" + v.Encode())
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var r struct {
+		Status string `json:"status"`
+		Error  string `json:"error"`
+		Data   struct {
+			ResultType string          `json:"resultType"`
+			Result     json.RawMessage `json:"result"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil {
+		return nil, fmt.Errorf("decode answer: %w", err)
+	}
+	if r.Status != "success" {
+		return nil, fmt.Errorf("query %s: %s", expr, r.Error)
+	}
+	switch r.Data.ResultType {
+	case "vector":
+		var vec model.Vector
+		if err := json.Unmarshal(r.Data.Result, &vec); err != nil {
+			return nil, err
+		}
+		return vec, nil
+	case "scalar":
+		var sc model.Scalar
+		if err := json.Unmarshal(r.Data.Result, &sc); err != nil {
+			return nil, err
+		}
+		return model.Vector{{Value: sc.Value, Timestamp: sc.Timestamp}}, nil
+	}
+	return nil, fmt.Errorf("query %s: result type %s, want a vector", expr, r.Data.ResultType)
+}
+
+// waitQuery waits until expr has data.
+func waitQuery(ctx context.Context, t *testing.T, s *promServer, expr string) {
+	t.Helper()
+	for {
+		res, err := s.query(expr, time.Now())
+		if err == nil && hasData(res) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for %s: %v (last: %v, err %v)", expr, ctx.Err(), res, err)
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// checkRules reads the rule engine's state: every rule healthy, and the
+// named alerts active (pending or firing).
+func checkRules(t *testing.T, s *promServer, active ...string) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		errs := ruleErrors(t, s, active)
+		if len(errs) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			for _, e := range errs {
+				t.Error(e)
+			}
+			return
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// ruleErrors says what is wrong with the rule engine's state now.
+func ruleErrors(t *testing.T, s *promServer, active []string) []string {
+	t.Helper()
+	var errs []string
+	var r struct {
+		Data struct {
+			Groups []struct {
+				Rules []struct {
+					Name      string `json:"name"`
+					Health    string `json:"health"`
+					LastError string `json:"lastError"`
+					State     string `json:"state"`
+				} `json:"rules"`
+			} `json:"groups"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(httpGet(t, s.url+"/api/v1/rules"), &r); err != nil {
+		t.Fatal(err)
+	}
+	seen := 0
+	for _, g := range r.Data.Groups {
+		for _, rule := range g.Rules {
+			seen++
+			if rule.Health != "ok" {
+				errs = append(errs, fmt.Sprintf("rule %s: health %q, last error %q", rule.Name, rule.Health, rule.LastError))
+			}
+			if slices.Contains(active, rule.Name) && rule.State != "pending" && rule.State != "firing" {
+				errs = append(errs, fmt.Sprintf("alert %s is %q, want pending or firing", rule.Name, rule.State))
+			}
+		}
+	}
+	if want := len(alerts(t)); seen != want {
+		errs = append(errs, fmt.Sprintf("Prometheus loaded %d rules, want %d", seen, want))
+	}
+	return errs
+}
+
+func httpGet(t *testing.T, u string) []byte {
+	t.Helper()
+	resp, err := http.Get(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s %v\n%s", u, resp.Status, err, b)
+	}
+	return b
+}
+
+// captureHeader opens testdata/metrics.txt.
+const captureHeader = `# CAPTURED from a real mountmedic agent in the fault lab (a dead, a hung and
+# an EIO FUSE volume, a shut-down ext4 volume, evictions) by
+#   go test ./deploy/ -run TestLiveDashboardAndAlerts -update
+# The live test fails when the agent's metric families (names, types, label
+# names) differ from this file's; TestQueriesUseExportedMetrics checks the
+# dashboard's and the alerts' metric names against it without root.
+`
+
+// shape is a metric family's type and label names.
+func shape(t *testing.T, text []byte) map[string]string {
+	t.Helper()
+	parser := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := parser.TextToMetricFamilies(bytes.NewReader(text))
+	if err != nil {
+		t.Fatalf("parse metrics: %v", err)
+	}
+	out := make(map[string]string)
+	for name, f := range fams {
+		labels := map[string]bool{}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = true
+			}
+		}
+		var names []string
+		for l := range labels {
+			names = append(names, l)
+		}
+		sort.Strings(names)
+		out[name] = f.GetType().String() + " {" + strings.Join(names, ",") + "}"
+	}
+	return out
+}
+
+func compareCapture(t *testing.T, live []byte) {
+	t.Helper()
+	if *update {
+		if err := os.WriteFile(metricsCapture, append([]byte(captureHeader), live...), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, want := shape(t, live), shape(t, readFile(t, metricsCapture))
+	for name, s := range want {
+		if got[name] != s {
+			t.Errorf("metric %s: live %q, %s has %q (rerun with -update if the change is intended)", name, got[name], metricsCapture, s)
+		}
+	}
+	for name, s := range got {
+		if _, ok := want[name]; !ok {
+			t.Errorf("metric %s (%s) is not in %s (rerun with -update)", name, s, metricsCapture)
+		}
+	}
+}
+
+// logUsage logs the agent's CPU and memory in the scenario, for the
+// DaemonSet's requests.
+func logUsage(t *testing.T, s *promServer) {
+	t.Helper()
+	for _, q := range []string{
+		`rate(process_cpu_seconds_total{job="mountmedic"}[1m])`,
+		`max_over_time(process_resident_memory_bytes{job="mountmedic"}[5m])`,
+		`max_over_time(go_memstats_heap_inuse_bytes{job="mountmedic"}[5m])`,
+		`max_over_time(go_threads{job="mountmedic"}[5m])`,
+	} {
+		if res, err := s.query(q, time.Now()); err == nil && len(res) > 0 {
+			t.Logf("agent %s = %g", q, float64(res[0].Value))
+		}
+	}
+}

@@ -1,0 +1,146 @@
+// Package deploy_test checks what deploy/ ships against the real parts it is
+// meant for: the kustomizations against a real kube-apiserver (server-side
+// dry run, and a real apply whose RBAC the agent then runs under), the
+// DaemonSet's flags against `mountmedic agent --help`, the alert rules with
+// promtool, and every dashboard query and alert expression against a real
+// Prometheus scraping a real agent in the fault lab (live_test.go).
+//
+// Tools: kubectl (and etcd, kube-apiserver) from scripts/tools.sh,
+// prometheus and promtool from Debian (scripts/deps.sh). A missing tool
+// skips a test, or fails it when MOUNTMEDIC_REQUIRE_ROOT=1 (CI).
+package deploy_test
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"flag"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/yaml"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
+)
+
+var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml) and the metrics capture (testdata/metrics.txt)")
+
+func TestMain(m *testing.M) { lab.Main(m) }
+
+// requireEnv is the variable that turns a skip for a missing tool into a
+// failure.
+const requireEnv = "MOUNTMEDIC_REQUIRE_ROOT"
+
+// tool returns the path of a program from PATH, skipping (or failing in CI)
+// when it is not installed.
+func tool(t *testing.T, name, install string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err == nil {
+		return p
+	}
+	msg := name + " is not installed: " + install
+	if os.Getenv(requireEnv) == "1" {
+		t.Fatal(msg)
+	}
+	t.Skip(msg)
+	return ""
+}
+
+func promtool(t *testing.T) string {
+	return tool(t, "promtool", "apt-get install prometheus (scripts/deps.sh)")
+}
+
+// kubectl is the pinned kubectl that scripts/tools.sh builds (its built-in
+// kustomize renders the kustomizations), never whichever one is on PATH.
+func kubectl(t *testing.T) string {
+	t.Helper()
+	return kubetest.FindBinaries(t, "kubectl", "kubectl")["kubectl"]
+}
+
+// run runs a program and returns its standard output; on failure it fails
+// the test with the program's output.
+func run(t *testing.T, dir string, name string, args ...string) []byte {
+	t.Helper()
+	cmd := exec.Command(name, args...)
+	cmd.Dir = dir
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("%s %s: %v\n%s%s", filepath.Base(name), strings.Join(args, " "), err, stdout.String(), stderr.String())
+	}
+	return stdout.Bytes()
+}
+
+// buildMountmedic builds the command into a temporary directory.
+func buildMountmedic(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "mountmedic")
+	run(t, "..", "go", "build", "-o", bin, "./cmd/mountmedic")
+	return bin
+}
+
+// object is one decoded manifest.
+type object struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Metadata   struct {
+		Name        string            `json:"name"`
+		Namespace   string            `json:"namespace"`
+		Labels      map[string]string `json:"labels"`
+		Annotations map[string]string `json:"annotations"`
+	} `json:"metadata"`
+	raw []byte
+}
+
+// decodeAll splits a multi-document YAML stream into objects.
+func decodeAll(t *testing.T, data []byte) []object {
+	t.Helper()
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	var out []object
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return out
+		}
+		if err != nil {
+			t.Fatalf("split YAML: %v", err)
+		}
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		var o object
+		if err := yaml.Unmarshal(doc, &o); err != nil {
+			t.Fatalf("decode manifest: %v\n%s", err, doc)
+		}
+		if o.Kind == "" {
+			continue
+		}
+		o.raw = doc
+		out = append(out, o)
+	}
+}
+
+// kustomize renders a kustomization directory with the pinned kubectl.
+func kustomize(t *testing.T, dir string) []object {
+	t.Helper()
+	return decodeAll(t, run(t, ".", kubectl(t), "kustomize", dir))
+}
+
+// find returns the only object of kind named name.
+func find(t *testing.T, objs []object, kind, name string) object {
+	t.Helper()
+	for _, o := range objs {
+		if o.Kind == kind && o.Metadata.Name == name {
+			return o
+		}
+	}
+	t.Fatalf("no %s %q among the rendered objects", kind, name)
+	return object{}
+}
