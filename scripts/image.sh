@@ -2,7 +2,7 @@
 # image.sh builds the mountmedic container image with buildah, without a
 # registry and without a daemon (see the Dockerfile header for why).
 #
-#   scripts/image.sh [--version V] [--name NAME] [--archive FILE [--format F]] [--no-verify]
+#   scripts/image.sh [--version V] [--name NAME] [--archive FILE [--format F]] [--no-verify] [--rm]
 #
 #   --version V    image tag and main.version (default: $VERSION, else
 #                  `git describe --tags --always --dirty`, else dev)
@@ -14,6 +14,9 @@
 #                  inside is named docker.io/library/NAME:V, which is what a
 #                  pod's "image: NAME:V" resolves to
 #   --no-verify    skip running `/mountmedic version` inside the built image
+#   --rm           remove the image from buildah's storage at the end (after
+#                  the verification and the archive): a build check, as
+#                  scripts/test.sh runs it, leaves nothing behind
 #
 # Environment: GOARCH (default: the host's), STORAGE_DRIVER (buildah storage
 # driver; default overlay when the kernel has it and the storage root is not
@@ -36,6 +39,7 @@ version=${VERSION:-}
 archive=
 format=docker-archive
 verify=1
+remove=0
 while [ $# -gt 0 ]; do
 	case $1 in
 	--version) version=${2:?--version needs a value}; shift 2 ;;
@@ -47,7 +51,8 @@ while [ $# -gt 0 ]; do
 	--format) format=${2:?--format needs a value}; shift 2 ;;
 	--format=*) format=${1#*=}; shift ;;
 	--no-verify) verify=0; shift ;;
-	-h | --help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	--rm) remove=1; shift ;;
+	-h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) die "unknown argument $1 (see scripts/image.sh --help)" ;;
 	esac
 done
@@ -142,4 +147,9 @@ if [ -n "$archive" ]; then
 	esac
 	bah push --quiet "$ref" "$format:$archive:$full" >/dev/null
 	echo "archive $archive ($format, $full, $(du -h "$archive" | cut -f1)); load it with: ctr -n k8s.io images import $archive"
+fi
+
+if [ "$remove" = 1 ]; then
+	bah rmi "$ref" >/dev/null
+	echo "removed $ref from buildah's storage"
 fi

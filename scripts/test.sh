@@ -21,6 +21,9 @@ if [ -n "$unformatted" ]; then
 	exit 1
 fi
 go vet ./...
+# The container image, built from the Dockerfile with buildah (no daemon, no
+# registry) and run once: image.sh checks `mountmedic version` inside it.
+scripts/image.sh --version "ci-$(git rev-parse --short HEAD 2>/dev/null || echo dev)" --rm
 go test -race -count=1 -timeout 30m ./... 2>&1 | tee /tmp/mountmedic-test.log
 for target in FuzzParse FuzzClassify; do
 	go test -run '^$' -fuzz "^${target}\$" -fuzztime "${FUZZTIME:-15s}" ./probe
