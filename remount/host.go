@@ -92,6 +92,19 @@ func (h *hostRun) places() []place {
 	return out
 }
 
+// fresh checks that the pod's publish target answers a probe: what a swap
+// clones and what a restarted container binds. In dry-run the host is not
+// repaired, so it is not checked.
+func (h *hostRun) fresh(ctx context.Context, p *podPlan) error {
+	if h.r.cfg.DryRun {
+		return nil
+	}
+	if err := h.r.prober.check(ctx, p.target); err != nil {
+		return fmt.Errorf("pod %s: its publish target %s is not healthy (%s: %w): nothing fresh to give its containers", p.uid, p.target, probe.StateOf(err), err)
+	}
+	return nil
+}
+
 // refusedErr joins why pods were left alone.
 func (h *hostRun) refusedErr() error {
 	var errs []error

@@ -346,6 +346,10 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 				errs = append(errs, fmt.Errorf("pod %s: no process of its containers found (by cgroup%s): cannot swap or verify", p.uid, r.criHint()))
 				continue
 			}
+			if err := h.fresh(ctx, p); err != nil {
+				errs = append(errs, err)
+				continue
+			}
 			var targets []SwapTarget
 			for _, dev := range devs {
 				ts, err := PlanSwap(r.procDir, p.procs.pids, dev, p.deadRoot, p.target)
@@ -445,6 +449,10 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 		errs := []error{h.refusedErr()}
 		for _, p := range h.pods {
 			if p.refused != nil || len(p.pv.Containers) == 0 {
+				continue
+			}
+			if err := h.fresh(ctx, p); err != nil {
+				errs = append(errs, err)
 				continue
 			}
 			var names []string
