@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -9,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -19,7 +21,10 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
 )
 
 // BenchmarkAgentSteadyState runs the real mountmedic binary (`mountmedic
@@ -222,4 +227,83 @@ func procRSS(b *testing.B, pid int) int {
 		}
 	}
 	return 0
+}
+
+// BenchmarkAgentHeal measures, at the agent's default settings and with the
+// real k8s-csi-s3 driver, what a user sees when the node plugin is killed
+// with its whole process tree and its DaemonSet brings it back one second
+// later (the peers' measurement): kill -> the agent counts the volume broken
+// (detect), plugin back -> the file reads again inside the container through
+// its private mount (back-to-healed), and kill -> healed. One volume, a
+// pod with a private and a HostToContainer container and a subPath.
+//
+//	go test -run '^$' -bench AgentHeal -benchtime 10x ./agent
+func BenchmarkAgentHeal(b *testing.B) {
+	d := newDriverEnv(b)
+	s := d.newVolume("bench")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { rep.Close() })
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
+	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	inContainer := s.private.Path("/data/data.txt")
+	var detect, backHealed, killHealed []time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		killed := time.Now()
+		d.drv.Kill()
+		restarted := make(chan time.Time, 1)
+		go func() {
+			time.Sleep(time.Second)
+			if err := d.drv.Restart(); err != nil {
+				panic(err)
+			}
+			restarted <- time.Now()
+		}()
+		var seen time.Time
+		for seen.IsZero() {
+			if n, _ := a.metric(`mountmedic_stale_mounts{driver="` + csilab.DriverName + `",kind="publish",state="Disconnected"}`); n > 0 {
+				seen = time.Now()
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		var healed time.Time
+		deadline := time.Now().Add(2 * time.Minute)
+		for healed.IsZero() {
+			if got, err := os.ReadFile(inContainer); err == nil && string(got) == "data of bench" {
+				healed = time.Now()
+				break
+			}
+			if time.Now().After(deadline) {
+				b.Fatalf("run %d: not healed within 2 minutes", i+1)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		back := <-restarted
+		if seen.After(healed) {
+			seen = healed // healed before the probe saw it: the driver's return woke the agent first
+		}
+		detect = append(detect, seen.Sub(killed))
+		backHealed = append(backHealed, max(0, healed.Sub(back)))
+		killHealed = append(killHealed, healed.Sub(killed))
+		time.Sleep(3 * time.Second) // let the episode end before the next kill
+	}
+	b.StopTimer()
+	for name, ds := range map[string][]time.Duration{"detect": detect, "back-to-healed": backHealed, "kill-to-healed": killHealed} {
+		slices.Sort(ds)
+		b.ReportMetric(quantile(ds, 0.5).Seconds(), name+"-p50-s")
+		b.ReportMetric(quantile(ds, 0.99).Seconds(), name+"-p99-s")
+	}
+}
+
+// quantile is the q-quantile of sorted ds (nearest rank).
+func quantile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(ds)))) - 1
+	return ds[max(0, min(i, len(ds)-1))]
 }

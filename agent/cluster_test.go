@@ -19,13 +19,19 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
 
-func TestMain(m *testing.M) { lab.Main(m) }
+// TestMain runs the tests in the lab's private mount namespace; klog's
+// flags (-v=4 after -args) show the agent's decisions.
+func TestMain(m *testing.M) {
+	klog.InitFlags(nil)
+	lab.Main(m)
+}
 
 // Names of the fixtures.
 const (

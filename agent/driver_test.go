@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -41,7 +42,7 @@ type driverEnv struct {
 	drv *csilab.Driver
 }
 
-func newDriverEnv(t *testing.T) *driverEnv {
+func newDriverEnv(t testing.TB) *driverEnv {
 	t.Helper()
 	e := newEnv(t, nil)
 	d := &driverEnv{env: e, s3: csilab.StartS3(t)}
@@ -287,5 +288,36 @@ func TestAgentDryRunShowsTheRepairPlan(t *testing.T) {
 	defer acting.Close()
 	if _, err := agent.New(cfg, agent.Deps{Client: d.admin, Repairer: acting}); err == nil || !strings.Contains(err.Error(), "dry-run") {
 		t.Errorf("agent.New(dry run, acting repairer) = %v, want a refusal", err)
+	}
+}
+
+// TestAgentHealsRepeatedCrashes crashes the plugin again after each repair:
+// a volume healed once (a fresh mount over or in place of the dead one)
+// must heal again, and again.
+func TestAgentHealsRepeatedCrashes(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("again")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	// The defaults, as deployed: the plugin's return, not the probe
+	// interval, drives the repair.
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
+	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	for round := 1; round <= 3; round++ {
+		d.drv.Kill()
+		if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
+			t.Fatalf("round %d: read in the container after the plugin died: %v, want ENOTCONN", round, err)
+		}
+		time.Sleep(time.Second) // the DaemonSet brings the plugin back a second later
+		if err := d.drv.Restart(); err != nil {
+			t.Fatal(err)
+		}
+		d.waitFor("round "+strconv.Itoa(round)+" to heal", func() (bool, error) {
+			return s.reads("again") == nil, nil
+		})
 	}
 }

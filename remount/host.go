@@ -615,8 +615,8 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 // container keeps its own (LiveSwap replaces that).
 func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 	for _, b := range p.subPaths {
-		sub, ok := relRoot(p.deadRoot, b.root)
-		if !ok || sub == "" || strings.HasSuffix(b.root, "//deleted") {
+		sub, ok := relRoot(p.deadRoot, liveRoot(b.root))
+		if !ok || sub == "" {
 			continue
 		}
 		a := Action{Op: OpBind, Path: b.path, DryRun: h.r.cfg.DryRun, Detail: "bind " + filepath.Join(p.target, sub) + " again, as kubelet binds a subPath"}

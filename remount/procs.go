@@ -83,8 +83,10 @@ func mountsOf(infos []*mountinfo.Info, pid int, dev probe.Dev) []ProcessMount {
 // (usually "/"): a container mount whose root is deadRoot is the whole
 // volume, one whose root lies below it a subPath, cloned from the same
 // subdirectory of source. Read-only and propagation are taken from the
-// container's own mount. Processes that share a mount namespace are visited
-// once, and processes in our own namespace (the host's) never.
+// container's own mount. A subPath root that reads deleted is planned from
+// its name all the same (see liveRoot). Processes that share a mount
+// namespace are visited once, and processes in our own namespace (the
+// host's) never.
 func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source string) ([]SwapTarget, error) {
 	if procDir == "" {
 		procDir = "/proc"
@@ -118,10 +120,10 @@ func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source strin
 			continue
 		}
 		for _, m := range mounts {
-			if m.Covered || strings.HasSuffix(m.Root, "//deleted") {
+			if m.Covered {
 				continue
 			}
-			sub, ok := relRoot(deadRoot, m.Root)
+			sub, ok := relRoot(deadRoot, liveRoot(m.Root))
 			if !ok {
 				continue
 			}
@@ -135,6 +137,14 @@ func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source strin
 	}
 	return out, errors.Join(errs...)
 }
+
+// liveRoot drops the "//deleted" mountinfo appends to a mount whose root
+// dentry was unhashed. On a dead FUSE connection that happens to a subPath
+// bind's directory as soon as anything looks its name up (revalidation
+// fails with ENOTCONN and the kernel invalidates the dentry), while the
+// directory is still there in the filesystem behind it: the fresh mount is
+// asked for it by name, and a directory that is really gone fails there.
+func liveRoot(root string) string { return strings.TrimSuffix(root, "//deleted") }
 
 // relRoot returns the mountinfo root child relative to parent ("" when they
 // are equal), by path segments.
