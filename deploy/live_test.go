@@ -124,6 +124,7 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	args = append(args, "--kubeconfig="+agentKubeconfig, "--node-name="+labNode, "--kubelet-root="+kl.Root(),
 		"--host-table=/proc/self/mountinfo", "--metrics-addr="+metricsAddr, "-v=2")
 	agent := startProcess(t, "agent", bin, args...)
+	started := time.Now()
 	// A thread blocked in a FUSE request the daemon has read cannot be
 	// killed: the agent process cannot exit until the hung connection is
 	// aborted. Cleanups run last-in first-out: this one before the agent's.
@@ -174,6 +175,13 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 		time.Sleep(2 * time.Second)
 	}
 	t.Logf("%d queries evaluated against the live agent, all as expected %.0f s after the faults", len(queries), time.Since(faulted).Seconds())
+
+	// The dashboard picture (README.md), from this Prometheus; with -update
+	// after a little more history.
+	if *update {
+		time.Sleep(20 * time.Second)
+	}
+	writePreview(t, prom, started, time.Now())
 
 	// The rule engine evaluated every rule without error, and the alerts
 	// the scenario raises are pending (their "for" has not passed) or firing.
