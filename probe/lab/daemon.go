@@ -55,7 +55,7 @@ func startDaemon(role string, cfg any, cloneflags uintptr) (*daemon, error) {
 		Cloneflags: cloneflags,
 		Pdeathsig:  syscall.SIGKILL,
 	}
-	err = startProcess(cmd)
+	err = StartProcess(cmd)
 	w.Close()
 	if err != nil {
 		return nil, fmt.Errorf("start %s daemon: %w", role, err)

@@ -98,7 +98,7 @@ func reexecInNamespace() (int, error) {
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGQUIT)
 	defer signal.Stop(sigs)
-	if err := startProcess(cmd); err != nil {
+	if err := StartProcess(cmd); err != nil {
 		return 0, err
 	}
 	done := make(chan struct{})
@@ -157,11 +157,13 @@ type spawnRequest struct {
 	errs chan error
 }
 
-// startProcess starts cmd from one OS thread that never exits. Pdeathsig is
+// StartProcess starts cmd from one OS thread that never exits. Pdeathsig is
 // tied to the thread that forked, not to the process: a child started from a
 // thread that Go later retires (a goroutine that exits while locked to its
-// thread, as a setns helper does) would be killed with it.
-func startProcess(cmd *exec.Cmd) error {
+// thread, as a setns helper or a live swap does) would be killed with it.
+// Every helper process a test starts with Pdeathsig goes through here (the
+// lab's daemons, scripts/kubetest's control plane, scripts/csilab's driver).
+func StartProcess(cmd *exec.Cmd) error {
 	spawner.once.Do(func() {
 		spawner.reqs = make(chan spawnRequest)
 		go func() {

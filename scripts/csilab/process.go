@@ -6,10 +6,10 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"runtime"
-	"sync"
 	"syscall"
 	"time"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // process is a child of the test binary, its output in a log file.
@@ -31,7 +31,7 @@ func startProcess(name string, cmd *exec.Cmd, logPath string) (*process, error) 
 		cmd.SysProcAttr = &syscall.SysProcAttr{}
 	}
 	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
-	if err := spawn(cmd); err != nil {
+	if err := lab.StartProcess(cmd); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
@@ -92,33 +92,6 @@ func (p *process) waitDial(network, address string, timeout time.Duration) error
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-}
-
-var spawner struct {
-	once sync.Once
-	reqs chan spawnRequest
-}
-
-type spawnRequest struct {
-	cmd  *exec.Cmd
-	errs chan error
-}
-
-// spawn starts cmd from one OS thread that never exits: Pdeathsig belongs to the
-// thread that forked, and Go retires threads whose goroutine exits while locked.
-func spawn(cmd *exec.Cmd) error {
-	spawner.once.Do(func() {
-		spawner.reqs = make(chan spawnRequest)
-		go func() {
-			runtime.LockOSThread() // never unlocked: this thread must live
-			for r := range spawner.reqs {
-				r.errs <- r.cmd.Start()
-			}
-		}()
-	})
-	errs := make(chan error, 1)
-	spawner.reqs <- spawnRequest{cmd: cmd, errs: errs}
-	return <-errs
 }
 
 // freePort returns a free TCP port on the loopback interface.

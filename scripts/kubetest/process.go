@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"syscall"
 	"time"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // process is one component of the cluster, running in its own process group.
@@ -33,7 +35,9 @@ func startProcess(name, bin string, args []string, logDir string) (*process, err
 	cmd.Stdout = f
 	cmd.Stderr = f
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	// From a thread that never exits: Pdeathsig follows the forking thread,
+	// and the live swap retires threads.
+	if err := lab.StartProcess(cmd); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
