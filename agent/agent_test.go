@@ -59,7 +59,7 @@ func (e *env) deadVolume(v *volume, pod *corev1.Pod) string {
 		e.t.Fatal(err)
 	}
 	pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
-	e.kubelet.SubPath(string(pod.UID), "data", "app", 1, filepath.Join(pub, "sub"))
+	e.kubelet.SubPath(string(pod.UID), v.pv.Name, "app", 1, filepath.Join(pub, "sub"))
 	fs.Kill()
 	return pub
 }

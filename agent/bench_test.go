@@ -51,7 +51,7 @@ func BenchmarkAgentSteadyState(b *testing.B) {
 					b.Fatal(err)
 				}
 				pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
-				e.kubelet.SubPath(string(pod.UID), "data", "app", 1, filepath.Join(pub, "sub"))
+				e.kubelet.SubPath(string(pod.UID), v.pv.Name, "app", 1, filepath.Join(pub, "sub"))
 			}
 			p := startAgentProcess(b, e, bin)
 			time.Sleep(5 * time.Second) // warm-up: first scan, informer sync

@@ -156,7 +156,7 @@ func (d *driverEnv) newVolume(name string) *s3Volume {
 	}
 	writeFile(t, filepath.Join(target, "data.txt"), "data of "+name)
 	writeFile(t, filepath.Join(target, "sub", "g.txt"), "sub of "+name)
-	sub := d.kubelet.SubPath(string(pod.UID), "data", "app", 1, filepath.Join(target, "sub"))
+	sub := d.kubelet.SubPath(string(pod.UID), pvObj.Name, "app", 1, filepath.Join(target, "sub"))
 	s := &s3Volume{pvc: v.pvc, pod: pod, target: target}
 	s.private = lab.StartContainer(t, "app-"+name, lab.PropagationPrivate, map[string]string{"/data": target, "/sub": sub},
 		lab.WithChroot(), lab.WithPodCgroup(string(pod.UID), ids["app"]))

@@ -38,7 +38,7 @@ type podUse struct {
 	// plugin volumes.
 	specName string
 	// volumeName is the pod's spec.volumes[].name when a mount names it
-	// (subPath binds and plugin volumes do).
+	// (plugin volumes do; a subPath bind names the inner spec, as specName).
 	volumeName string
 	dead       []*probe.Mount
 }
@@ -164,7 +164,12 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 		case probe.KindPublish:
 			u.specName = m.Target.Volume
 		case probe.KindSubPath:
-			u.volumeName = m.Target.Volume
+			// kubelet names the directory after the volume's inner spec
+			// name, as it does the publish target: the PV of a claim, the
+			// pod volume of an inline one (makeMounts in kubelet_pods.go).
+			if u.specName == "" {
+				u.specName = m.Target.Volume
+			}
 		case probe.KindPluginVolume:
 			u.specName, u.volumeName = m.Target.Volume, m.Target.Volume
 		}
