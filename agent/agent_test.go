@@ -307,3 +307,28 @@ func threads(t *testing.T) int {
 	t.Fatal("no Threads line in /proc/self/status")
 	return 0
 }
+
+// TestAgentSeesShutdownWithoutResync shuts an ext4 volume down under the
+// agent, which then counts it Shutdown within a few probe cycles: the
+// shutdown shows only in the super options, which no mount-table
+// notification reports, and the resync is far away.
+func TestAgentSeesShutdownWithoutResync(t *testing.T) {
+	lab.RequireBinary(t, "mkfs.ext4")
+	e := newEnv(t, nil)
+	v := e.createVolume("ext4", nil)
+	pod := e.createPod("ext4-0", v, podOptions{})
+	fs := lab.NewExt4(t, v.staging, 16)
+	e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+	cfg := e.config()
+	cfg.Resync = 10 * time.Minute
+	cfg.Tiers = agent.Tiers{}
+	a := e.startAgent(cfg, agent.Deps{})
+	if n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Shutdown"}`); n != 0 {
+		t.Fatalf("stale mounts before the shutdown = %v, want 0", n)
+	}
+	fs.Shutdown()
+	e.waitFor("the shutdown to be counted", func() (bool, error) {
+		n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Shutdown"}`)
+		return n == 1, nil
+	})
+}

@@ -223,7 +223,9 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 		}
 		if rung == rungEvict {
 			res.reachedEvict = true
+			start := time.Now()
 			er := a.evictPods(ctx, j.key, r.pods, r.pvc)
+			took := time.Since(start)
 			result := resultFailure
 			switch {
 			case a.cfg.DryRun:
@@ -231,7 +233,7 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 			case er.evicted > 0:
 				result = resultSuccess
 			}
-			a.metrics.repair(TierEvict, result, 0)
+			a.metrics.repair(TierEvict, result, took)
 			switch {
 			case er.evicted > 0 || er.waiting:
 				res.outcome = outcomeWaiting
