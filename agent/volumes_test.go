@@ -49,6 +49,11 @@ func TestGroupBrokenSharedVolume(t *testing.T) {
 	if u.specName != "pvc-1b2c3d4e-0000-4000-8000-000000000001" || len(u.dead) != 2 {
 		t.Errorf("pod use = spec %q, %d dead mounts; want the PV name and 2 (publish + subPath)", u.specName, len(u.dead))
 	}
+	// kubelet names volume-subpaths/<dir> after the PV too, not after the
+	// pod's volume: a subPath bind must not be taken for a pod volume name.
+	if u.volumeName != "" {
+		t.Errorf("pod use volume name = %q from the subPath bind, want none (the directory is the PV name)", u.volumeName)
+	}
 	if !v.certain() {
 		t.Error("a Disconnected FUSE volume is not certain")
 	}
