@@ -189,9 +189,17 @@ func (p *SafePath) Close() error {
 	return err
 }
 
-// fdMountID reads the mount ID of our descriptor fd from /proc/self/fdinfo:
-// a field of the open file, read without asking the filesystem anything.
+// fdMountID returns the mount ID of our descriptor fd, without asking the
+// filesystem anything: statx STATX_MNT_ID with AT_STATX_DONT_SYNC, which
+// resolves no /proc path (after a setns into a container's mount namespace,
+// /proc is the container's procfs, where this process does not exist:
+// seen on the e2e node), else the mnt_id line of /proc/self/fdinfo.
 func fdMountID(fd int) (int, error) {
+	var stx unix.Statx_t
+	err := unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_MNT_ID, &stx)
+	if err == nil && stx.Mask&unix.STATX_MNT_ID != 0 {
+		return int(stx.Mnt_id), nil
+	}
 	return fdinfoMountID("/proc/self/fdinfo/" + strconv.Itoa(fd))
 }
 
