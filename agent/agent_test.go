@@ -14,12 +14,14 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
 
@@ -262,7 +264,7 @@ func TestAgentAPIFootprint(t *testing.T) {
 // cycle adds goroutines or threads on top.
 func TestAgentHungMountsDoNotGrowThreads(t *testing.T) {
 	e := newEnv(t, nil)
-	const n = 40
+	const n = 100
 	for i := 0; i < n; i++ {
 		fs := lab.StartFaultFS(t, e.kubelet.StagingPath(labDriver, "hung-"+strconv.Itoa(i)))
 		fs.Hang()
@@ -278,7 +280,7 @@ func TestAgentHungMountsDoNotGrowThreads(t *testing.T) {
 	})
 	time.Sleep(time.Second)
 	g1, t1 := runtime.NumGoroutine(), threads(t)
-	time.Sleep(3 * time.Second) // ~30 more cycles over 40 hung mounts
+	time.Sleep(3 * time.Second) // ~30 more cycles over the hung mounts
 	g2, t2 := runtime.NumGoroutine(), threads(t)
 	t.Logf("goroutines %d -> %d, threads %d (before the agent) -> %d -> %d over 3s with %d hung mounts", g1, g2, base, t1, t2, n)
 	if g2 > g1+10 {
@@ -331,4 +333,52 @@ func TestAgentSeesShutdownWithoutResync(t *testing.T) {
 		n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Shutdown"}`)
 		return n == 1, nil
 	})
+}
+
+// TestAgentFreesTerminatingPods deletes two pods whose volume is dead; no
+// kubelet runs, so they stay Terminating. The agent lazily unmounts their
+// dead mounts so that kubelet could finish, and with the opt-in
+// force-delete tier force-deletes the one a controller owns once it is
+// past its deadline; the one without an owner is never force-deleted.
+func TestAgentFreesTerminatingPods(t *testing.T) {
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	labels := map[string]string{"app": "gone"}
+	owned := e.createVolume("owned", nil)
+	ownedPod := e.createPod("owned-0", owned, podOptions{owner: e.replicaSet("gone", labels), labels: labels, subPath: "sub"})
+	ownedPub := e.deadVolume(owned, ownedPod)
+	lone := e.createVolume("lone", nil)
+	lonePod := e.createPod("lone-0", lone, podOptions{})
+	lonePub := e.deadVolume(lone, lonePod)
+	one := int64(1)
+	for _, p := range []string{ownedPod.Name, lonePod.Name} {
+		if err := e.admin.CoreV1().Pods(testNamespace).Delete(ctx, p, metav1.DeleteOptions{GracePeriodSeconds: &one}); err != nil {
+			t.Fatalf("delete pod %s: %v", p, err)
+		}
+	}
+	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := e.config()
+	cfg.Tiers = agent.Tiers{Unmount: true, ForceDelete: true}
+	cfg.ForceDeleteAfter = time.Second
+	e.startAgent(cfg, agent.Deps{Repairer: rep})
+
+	e.waitEvent(ownedPod.UID, agent.ReasonVolumeRepaired, "lazily unmounted")
+	e.waitEvent(lonePod.UID, agent.ReasonVolumeRepaired, "lazily unmounted")
+	for _, pub := range []string{ownedPub, lonePub} {
+		if id := mountID(t, pub); id != 0 {
+			t.Errorf("%s is still mount %d after the unmount tier", pub, id)
+		}
+	}
+	e.waitFor("the owned pod to be force-deleted", func() (bool, error) {
+		_, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, ownedPod.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	})
+	e.waitEvent(lonePod.UID, agent.ReasonNotRepaired, "no controller owner")
+	if _, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, lonePod.Name, metav1.GetOptions{}); err != nil {
+		t.Errorf("the pod without an owner was force-deleted: %v", err)
+	}
 }

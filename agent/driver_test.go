@@ -321,3 +321,31 @@ func TestAgentHealsRepeatedCrashes(t *testing.T) {
 		})
 	}
 }
+
+// TestAgentRollsForwardAfterCrashMidRepair leaves a volume as an agent that
+// was killed in the middle of a re-stage leaves it (the dead staging mount
+// already detached, nothing staged yet, the publish targets and subPath
+// binds still dead) and starts a new agent: it recomputes from the mount
+// table and the API and finishes the repair.
+func TestAgentRollsForwardAfterCrashMidRepair(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("midway")
+	d.drv.Kill()
+	staging := d.kubelet.StagingPath(csilab.DriverName, d.s3.Volume(csilab.Bucket, "midway").Handle)
+	if err := unix.Unmount(staging, unix.MNT_DETACH); err != nil {
+		t.Fatalf("detach the dead staging mount as the interrupted repair did: %v", err)
+	}
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by")
+	if err := s.reads("midway"); err != nil {
+		t.Errorf("after the new agent's repair: %v", err)
+	}
+}
