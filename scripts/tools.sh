@@ -184,14 +184,59 @@ build_one() { # build_one NAME
 	echo "$name $version ${took}s" >>"$LOGS/timings"
 }
 
-# build_module builds, one after the other, the wanted components of one build
-# module: go commands that share a go.mod must not edit it at the same time.
+# build_module builds the wanted components of one build module. The missing
+# ones are built by a single `go build -o DIR/ pkg...`, so that packages they
+# share (all of k8s.io/kubernetes for the kube binaries) compile once; go
+# commands that share a go.mod must not run at the same time anyway.
 build_module() {
-	local name rc=0
+	local name e version dir pkgs=() missing=() logf tmp start took
 	for name in "$@"; do
-		build_one "$name" || rc=1
+		e=$(entry "$name")
+		version=$(field 1 "$e")
+		if [ -x "$(cached_path "$name" "$version")" ]; then
+			link_current "$name" "$version"
+			log "$name $version cached"
+		else
+			missing+=("$name")
+		fi
 	done
-	return $rc
+	case ${#missing[@]} in
+	0) return 0 ;;
+	1) build_one "${missing[0]}"; return ;;
+	esac
+	e=$(entry "${missing[0]}")
+	version=$(field 1 "$e")
+	dir=$TOOLS_DIR/$(field 2 "$e")
+	for name in "${missing[@]}"; do pkgs+=("$(field 3 "$(entry "$name")")"); done
+	mkdir -p "$LOGS" "$BIN"
+	logf=$LOGS/$(field 2 "$e")-$version.log
+	start=$(date +%s)
+	log "${missing[*]} $version building together (log $logf)"
+	tmp=$(mktemp -d "$BIN/.build.XXXXXX")
+	if ! (
+		set -e
+		for name in "${missing[@]}"; do
+			prepare_module "$dir" "$name" "$version" "$(field 3 "$(entry "$name")")"
+		done
+		cd "$dir"
+		CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod" \
+			go build -trimpath -ldflags "$(ldflags_for "${missing[0]}" "$version")" -o "$tmp/" "${pkgs[@]}"
+	) >"$logf" 2>&1; then
+		rm -rf "$tmp"
+		tail -n 30 "$logf" >&2
+		log "${missing[*]} $version FAILED after $(($(date +%s) - start))s"
+		return 1
+	fi
+	took=$(($(date +%s) - start))
+	for name in "${missing[@]}"; do
+		version=$(field 1 "$(entry "$name")")
+		mkdir -p "$(dirname "$(cached_path "$name" "$version")")"
+		mv -f "$tmp/$name" "$(cached_path "$name" "$version")"
+		link_current "$name" "$version"
+		echo "$name $version ${took}s (built together)" >>"$LOGS/timings"
+	done
+	rm -rf "$tmp"
+	log "${missing[*]} $version built together in ${took}s"
 }
 
 cmd_list() {
