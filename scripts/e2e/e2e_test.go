@@ -2,74 +2,167 @@ package e2e_test
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 func TestMain(m *testing.M) { e2e.Main(m) }
 
-// TestHarness proves the node: a pod mounts a real CSI volume whole and
-// through a subPath; killing the node plugin leaves the container with
-// ENOTCONN; deleting the pod (the naive fix) does not heal it.
-func TestHarness(t *testing.T) {
-	c := kubetest.Start(t, kubetest.Options{Controllers: e2e.Controllers, Scheduler: true})
-	n := e2e.StartNode(t, c, e2e.NodeOptions{})
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
+// runsEnv sets how many times each scenario runs (default 1); the bench
+// script (scripts/e2e/bench.sh) asks for more and reads the figures.
+const runsEnv = "MOUNTMEDIC_E2E_RUNS"
 
-	start := time.Now()
-	w, err := n.DeployWorkload(ctx, "harness")
+// env is what every scenario shares: one cluster, one node, one agent.
+type env struct {
+	c     *kubetest.Cluster
+	n     *e2e.Node
+	agent *e2e.Agent
+	figs  *e2e.Figures
+	runs  int
+}
+
+// TestE2E brings up the node once, proves it (the harness), deploys the
+// agent as the DaemonSet of deploy/ and runs every scenario against it.
+func TestE2E(t *testing.T) {
+	runs := 1
+	if v := os.Getenv(runsEnv); v != "" {
+		var err error
+		if runs, err = strconv.Atoi(v); err != nil || runs < 1 {
+			t.Fatalf("%s=%q: want a positive number of runs", runsEnv, v)
+		}
+	}
+	archive, err := e2e.BuildAgentImage(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("workload running in %s", time.Since(start).Round(time.Millisecond))
-	pods, err := w.Pods(ctx)
-	if err != nil || len(pods) != 1 {
-		t.Fatalf("pods = %d, %v; want 1", len(pods), err)
+	c := kubetest.Start(t, kubetest.Options{Controllers: e2e.Controllers, Scheduler: true})
+	n := e2e.StartNode(t, c, e2e.NodeOptions{Archives: []string{archive}})
+	e := &env{c: c, n: n, figs: e2e.NewFigures(), runs: runs}
+	t.Cleanup(func() { e.figs.Print(os.Stdout) })
+
+	if !t.Run("harness", e.harness) {
+		t.FailNow()
 	}
-	pod := &pods[0]
-	if err := w.ReadFiles(ctx, pod); err != nil {
+	e.agent, err = n.NewAgent()
+	if err != nil {
 		t.Fatal(err)
 	}
+	for _, s := range scenarios {
+		t.Run(s.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+			defer cancel()
+			if err := e.agent.Deploy(ctx, s.args...); err != nil {
+				t.Fatal(err)
+			}
+			for i := range e.runs {
+				ns := fmt.Sprintf("%s-%d", s.name, i)
+				if !t.Run(ns, func(t *testing.T) { s.run(t, e, ns) }) {
+					return
+				}
+			}
+		})
+	}
+}
+
+// harness proves the node: a pod mounts a real CSI volume whole and through
+// a subPath; killing the node plugin leaves the container with ENOTCONN.
+func (e *env) harness(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, "harness")
+	pod := w.pod(t, ctx)
 	// The live-swap tier finds a pod's processes by their pod cgroup.
 	if pids, err := remount.PodPIDs("/proc", string(pod.UID)); err != nil || len(pids) < 2 {
 		t.Errorf("remount.PodPIDs(%s) = %v, %v; want the sandbox and the app container", pod.UID, pids, err)
 	}
-
 	killed := time.Now()
-	n.Driver.Kill()
-	if _, err := w.Exec(ctx, pod, 10*time.Second, "cat", e2e.WholeFile); err == nil || !strings.Contains(err.Error(), "Transport endpoint is not connected") {
-		t.Fatalf("read %s after the plugin died: %v, want ENOTCONN", e2e.WholeFile, err)
-	}
-	if _, err := w.Exec(ctx, pod, 10*time.Second, "cat", e2e.SubFile); err == nil || !strings.Contains(err.Error(), "Transport endpoint is not connected") {
-		t.Fatalf("read %s after the plugin died: %v, want ENOTCONN", e2e.SubFile, err)
+	e.n.Driver.Kill()
+	defer e.restartDriver(t)
+	for _, f := range []string{e2e.WholeFile, e2e.SubFile} {
+		if _, err := w.Exec(ctx, pod, 10*time.Second, "cat", f); err == nil || !strings.Contains(err.Error(), "Transport endpoint is not connected") {
+			t.Fatalf("read %s after the plugin died: %v, want ENOTCONN", f, err)
+		}
 	}
 	if err := w.WaitLog(ctx, pod, "bad", killed); err != nil {
 		t.Fatal(err)
 	}
-	if err := n.Driver.Restart(); err != nil {
-		t.Fatal(err)
-	}
+}
 
-	// The naive fix: delete the pod. Its replacement binds the dead staging
-	// mount again (the driver answers NodeStage with OK on it) and never runs.
-	if err := c.Client.CoreV1().Pods(w.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+// workload deploys the scenario's workload and deletes it when the test
+// ends (with the driver running, so that kubelet can unstage).
+func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
+	t.Helper()
+	start := time.Now()
+	w, err := e.n.DeployWorkload(ctx, ns)
+	if err != nil {
 		t.Fatal(err)
 	}
-	wctx, wcancel := context.WithTimeout(ctx, 30*time.Second)
-	defer wcancel()
-	if p, err := w.WaitRunning(wctx, string(pod.UID)); err == nil {
-		if rerr := w.ReadFiles(ctx, p); rerr == nil {
-			t.Fatalf("the replacement pod %s runs and reads its files: the naive fix healed", p.Name)
+	t.Logf("workload %s running and written in %s", ns, time.Since(start).Round(time.Millisecond))
+	t.Cleanup(func() {
+		if t.Failed() && e.agent != nil {
+			t.Logf("agent log:\n%s", e.agent.LogTail(60))
 		}
-		t.Logf("replacement pod %s runs but cannot read its files", p.Name)
-	} else {
-		t.Logf("no replacement pod ran within 30s: %s", w.Describe(ctx))
+		e.restartDriver(t)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		if err := w.Delete(ctx); err != nil {
+			t.Errorf("delete workload %s: %v\n%s", ns, err, w.Describe(ctx))
+		}
+	})
+	return &wl{Workload: w}
+}
+
+// restartDriver starts the node plugin again if it is down.
+func (e *env) restartDriver(t *testing.T) {
+	if e.n.Driver.Running() {
+		return
 	}
+	if err := e.n.Driver.Restart(); err != nil {
+		t.Error(err)
+	}
+}
+
+type wl struct{ *e2e.Workload }
+
+// pod returns the workload's one pod, with its files readable.
+func (w *wl) pod(t *testing.T, ctx context.Context) *corev1.Pod {
+	t.Helper()
+	p := w.current(t, ctx)
+	if err := w.ReadFiles(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// current returns the workload's one pod as it is (its volume may be dead).
+func (w *wl) current(t *testing.T, ctx context.Context) *corev1.Pod {
+	t.Helper()
+	pods, err := w.Pods(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pods) != 1 {
+		t.Fatalf("workload %s has %d pods, want 1: %s", w.Namespace, len(pods), w.Describe(ctx))
+	}
+	return &pods[0]
+}
+
+// restarts is the restart count of the pod's app container.
+func restarts(p *corev1.Pod) int32 {
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.Name == "app" {
+			return cs.RestartCount
+		}
+	}
+	return -1
 }

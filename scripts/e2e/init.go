@@ -52,7 +52,8 @@ type initProc struct {
 
 // runInit is PID 1 of a node: a new PID namespace and a new mount namespace
 // (a copy of the test's, so the shared binds of the node's directories stay
-// peers of the test's). It mounts a /proc of its own PID namespace, starts
+// peers of the test's). It makes its mounts shared, as on a systemd host,
+// mounts a /proc of its own PID namespace, starts
 // the daemons, reaps every orphan (containerd's shims re-parent to it) and
 // exits when a daemon exits, which ends the whole namespace: the kernel
 // kills every process left in it, containers included.
@@ -67,6 +68,13 @@ func runInit(raw string) int {
 	}
 	if os.Getpid() != 1 {
 		logf("not PID 1 of a new PID namespace (pid %d)", os.Getpid())
+		return 2
+	}
+	// A node booted by systemd has every mount shared; the DaemonSet's
+	// HostToContainer mount of /dev needs that. The test's tree is private,
+	// so this makes peer groups of the node's own.
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SHARED, ""); err != nil {
+		logf("make / rshared: %v", err)
 		return 2
 	}
 	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
@@ -174,32 +182,4 @@ func waitSocket(path string, timeout time.Duration, exited <-chan string) error 
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-}
-
-var spawner struct {
-	once sync.Once
-	reqs chan spawnRequest
-}
-
-type spawnRequest struct {
-	cmd  *exec.Cmd
-	errs chan error
-}
-
-// spawn starts cmd from one OS thread that never exits: Pdeathsig belongs to
-// the thread that forked, and Go retires a thread whose goroutine exits while
-// locked to it (as a setns helper does), which would kill the child.
-func spawn(cmd *exec.Cmd) error {
-	spawner.once.Do(func() {
-		spawner.reqs = make(chan spawnRequest)
-		go func() {
-			runtime.LockOSThread() // never unlocked: this thread must live
-			for r := range spawner.reqs {
-				r.errs <- r.cmd.Start()
-			}
-		}()
-	})
-	errs := make(chan error, 1)
-	spawner.reqs <- spawnRequest{cmd: cmd, errs: errs}
-	return <-errs
 }

@@ -365,7 +365,7 @@ func (n *Node) startInit(spec initSpec) error {
 		Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS,
 		Pdeathsig:  syscall.SIGKILL,
 	}
-	if err := spawn(cmd); err != nil {
+	if err := lab.StartProcess(cmd); err != nil {
 		log.Close()
 		return fmt.Errorf("start the node init: %w", err)
 	}

@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -18,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"k8s.io/utils/ptr"
 
@@ -406,9 +409,14 @@ func (w *Workload) Delete(ctx context.Context) error {
 // Describe summarises the workload's pods and their latest events (for
 // logs and failure messages).
 func (w *Workload) Describe(ctx context.Context) string {
-	c := w.node.Cluster.Client
+	return describeNamespace(ctx, w.node.Cluster.Client, w.Namespace)
+}
+
+// describeNamespace summarises the pods of a namespace and its latest
+// events.
+func describeNamespace(ctx context.Context, c kubernetes.Interface, ns string) string {
 	var b strings.Builder
-	list, err := c.CoreV1().Pods(w.Namespace).List(ctx, metav1.ListOptions{})
+	list, err := c.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return err.Error()
 	}
@@ -416,10 +424,10 @@ func (w *Workload) Describe(ctx context.Context) string {
 		b.WriteString(describePod(&list.Items[i]))
 		b.WriteString("; ")
 	}
-	events, err := c.CoreV1().Events(w.Namespace).List(ctx, metav1.ListOptions{})
+	events, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
 	if err == nil {
 		seen := map[string]bool{}
-		for i := len(events.Items) - 1; i >= 0 && len(seen) < 6; i-- {
+		for i := len(events.Items) - 1; i >= 0 && len(seen) < 8; i-- {
 			e := events.Items[i]
 			key := e.InvolvedObject.Name + e.Reason
 			if seen[key] {
@@ -430,4 +438,12 @@ func (w *Workload) Describe(ctx context.Context) string {
 		}
 	}
 	return b.String()
+}
+
+// StagingPath is where kubelet stages a CSI volume of the lab's driver:
+// <kubelet root>/plugins/kubernetes.io/csi/<driver>/<sha256 of the volume
+// handle>/globalmount.
+func StagingPath(handle string) string {
+	sum := sha256.Sum256([]byte(handle))
+	return filepath.Join(KubeletRoot, "plugins", "kubernetes.io", "csi", csilab.DriverName, hex.EncodeToString(sum[:]), "globalmount")
 }

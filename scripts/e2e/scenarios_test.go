@@ -1,0 +1,412 @@
+package e2e_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/mountmedic/mountmedic/scripts/e2e"
+)
+
+// A scenario runs the agent with its flags (added to deploy/'s) and then,
+// once per run, its own workload through a fault.
+type scenario struct {
+	name string
+	args []string
+	run  func(t *testing.T, e *env, ns string)
+}
+
+var scenarios = []scenario{
+	{name: "live", run: liveScenario},
+	{name: "restart", args: []string{"--tiers=restage,restart,evict,unmount"}, run: restartScenario},
+	// Runs repeat within the eviction window: lift the per-node budget.
+	{name: "evict", args: []string{"--tiers=restage,evict,unmount", "--max-evictions=100"}, run: evictScenario},
+	{name: "hung", run: hungScenario},
+	{name: "driver-down", run: driverDownScenario},
+	{name: "dry-run", args: []string{"--dry-run"}, run: dryRunScenario},
+	// The naive way runs while the agent only watches (dry run).
+	{name: "naive", args: []string{"--dry-run"}, run: naiveScenario},
+	{name: "steady", run: steadyScenario},
+}
+
+// pluginDown is how long the node plugin stays down in a plugin-crash
+// scenario: a DaemonSet's crashed pod is back in about that time.
+const pluginDown = time.Second
+
+// healBound bounds every wait for a heal: a heal later than this is a
+// failure (a miss in the figures), not a slow run.
+const healBound = 3 * time.Minute
+
+// outage is one crash of the node plugin, as the test saw it.
+type outage struct {
+	start time.Time // the plugin was killed
+	bad   time.Time // the container logged its first failed read
+	back  time.Time // the restarted plugin answers on its socket
+}
+
+// crash kills the node plugin (its whole process tree: s3driver and every
+// s3fs), waits until the container sees the failure, and starts the plugin
+// again down after the kill (never, when down is 0: the caller does).
+func (e *env) crash(t *testing.T, ctx context.Context, w *wl, pod *corev1.Pod, down time.Duration) outage {
+	t.Helper()
+	o := outage{start: time.Now()}
+	e.n.Driver.Kill()
+	var err error
+	if o.bad, err = w.WaitLogTime(ctx, pod, "bad", o.start); err != nil {
+		t.Fatal(err)
+	}
+	if down == 0 {
+		return o
+	}
+	time.Sleep(time.Until(o.start.Add(down)))
+	o.back = e.bringBack(t)
+	return o
+}
+
+// bringBack restarts the node plugin and returns when it answers.
+func (e *env) bringBack(t *testing.T) time.Time {
+	t.Helper()
+	if err := e.n.Driver.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	return time.Now()
+}
+
+// detected waits for the agent's VolumeBroken event on the workload and
+// records fault -> detected.
+func (e *env) detected(t *testing.T, ctx context.Context, scenario, ns string, o outage) time.Time {
+	t.Helper()
+	at, ev, err := e.agent.WaitEvent(ctx, ns, "VolumeBroken", o.start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.figs.Duration(scenario, "fault -> detected", at.Sub(o.start))
+	t.Logf("detected %s after the fault: %s", at.Sub(o.start).Round(time.Millisecond), ev.Note)
+	return at
+}
+
+// healed waits for the container (of pod, or of the workload's pod that
+// replaced it) to read both mounts again after the outage, and records
+// driver back -> healed and fault -> healed.
+func (e *env) healed(t *testing.T, ctx context.Context, scenario string, w *wl, pod *corev1.Pod, o outage) time.Time {
+	t.Helper()
+	hctx, cancel := context.WithTimeout(ctx, healBound)
+	defer cancel()
+	at, err := w.WaitLogTime(hctx, pod, "ok", o.bad)
+	if err != nil {
+		e.figs.Miss(scenario, "driver back -> healed", "s")
+		t.Fatalf("not healed within %s: %v\n%s\nagent log:\n%s", healBound, err, w.Describe(ctx), e.agent.LogTail(30))
+	}
+	if !o.back.IsZero() {
+		e.figs.Duration(scenario, "driver back -> healed", at.Sub(o.back))
+	}
+	e.figs.Duration(scenario, "fault -> healed", at.Sub(o.start))
+	t.Logf("healed %s after the fault", at.Sub(o.start).Round(time.Millisecond))
+	return at
+}
+
+// metric scrapes one summed sample of the agent's metrics.
+func (e *env) metric(t *testing.T, ctx context.Context, name string, labels ...string) float64 {
+	t.Helper()
+	m, err := e.agent.Metrics(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e2e.Sum(m, name, labels...)
+}
+
+// samePod checks that the workload still has its one pod, with its files
+// readable, and returns its current state.
+func samePod(t *testing.T, ctx context.Context, w *wl, before *corev1.Pod) *corev1.Pod {
+	t.Helper()
+	after := w.pod(t, ctx)
+	if after.UID != before.UID {
+		t.Fatalf("pod UID = %s, want %s (the pod was replaced)", after.UID, before.UID)
+	}
+	return after
+}
+
+// liveScenario: the plugin crashes and is back a second later; the agent
+// re-stages the volume and swaps the fresh mount into the running container.
+func liveScenario(t *testing.T, e *env, ns string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+	swaps := e.metric(t, ctx, "mountmedic_repairs_total", `tier="liveswap"`, `result="success"`)
+
+	o := e.crash(t, ctx, w, pod, pluginDown)
+	e.detected(t, ctx, "live", ns, o)
+	e.healed(t, ctx, "live", w, pod, o)
+
+	after := samePod(t, ctx, w, pod)
+	if got, want := restarts(after), restarts(pod); got != want {
+		t.Errorf("container restarts = %d, want %d (live tier: no restart)", got, want)
+	}
+	if got := e.metric(t, ctx, "mountmedic_repairs_total", `tier="liveswap"`, `result="success"`); got <= swaps {
+		t.Errorf("mountmedic_repairs_total{tier=liveswap,result=success} = %v, want more than %v", got, swaps)
+	}
+}
+
+// restartScenario: live swap off; the agent re-stages and restarts the
+// container, which kubelet starts again on the fresh mount.
+func restartScenario(t *testing.T, e *env, ns string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+
+	o := e.crash(t, ctx, w, pod, pluginDown)
+	e.detected(t, ctx, "restart", ns, o)
+	e.healed(t, ctx, "restart", w, pod, o)
+
+	var after *corev1.Pod
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		after = samePod(t, ctx, w, pod)
+		return restarts(after) == restarts(pod)+1, nil
+	})
+	if err != nil {
+		t.Errorf("container restarts = %d, want %d (restart tier: one restart)", restarts(after), restarts(pod)+1)
+	}
+}
+
+// evictScenario: live swap and restart off; the agent re-stages and evicts
+// the pod. A PodDisruptionBudget at its limit holds the eviction (the agent
+// says so in an event) until the budget is lifted.
+func evictScenario(t *testing.T, e *env, ns string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+	pdbs := e.c.Client.PolicyV1().PodDisruptionBudgets(ns)
+	pdb := &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Name: "reader", Namespace: ns},
+		Spec: policyv1.PodDisruptionBudgetSpec{
+			MinAvailable: ptrTo(intstr.FromInt32(1)),
+			Selector:     &metav1.LabelSelector{MatchLabels: map[string]string{"app": w.Name}},
+		},
+	}
+	if _, err := pdbs.Create(ctx, pdb, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		got, err := pdbs.Get(ctx, pdb.Name, metav1.GetOptions{})
+		return err == nil && got.Status.ObservedGeneration == got.Generation && got.Status.CurrentHealthy == 1 && got.Status.DisruptionsAllowed == 0, nil
+	})
+	if err != nil {
+		t.Fatalf("PodDisruptionBudget never reached its limit (1 healthy, 0 disruptions allowed): %v", err)
+	}
+
+	o := e.crash(t, ctx, w, pod, pluginDown)
+	e.detected(t, ctx, "evict", ns, o)
+	blocked, ev, err := e.agent.WaitEvent(ctx, ns, "EvictionBlocked", o.start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.figs.Duration("evict", "fault -> eviction blocked (PDB)", blocked.Sub(o.start))
+	t.Logf("eviction blocked: %s", ev.Note)
+	if cur := w.current(t, ctx); cur.UID != pod.UID {
+		t.Fatalf("pod %s replaced while its PodDisruptionBudget forbids it", pod.Name)
+	}
+
+	released := time.Now()
+	if err := pdbs.Delete(ctx, pdb.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ectx, ecancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer ecancel()
+	if _, _, err := e.agent.WaitEvent(ectx, ns, "Evicting", released); err != nil {
+		e.figs.Miss("evict", "budget lifted -> new pod reads", "s")
+		t.Fatalf("the agent did not evict once the budget allowed it: %v", err)
+	}
+	hctx, hcancel := context.WithTimeout(ctx, healBound)
+	defer hcancel()
+	next, err := w.WaitRunning(hctx, string(pod.UID))
+	if err != nil {
+		e.figs.Miss("evict", "budget lifted -> new pod reads", "s")
+		t.Fatalf("no replacement pod ran: %v\n%s\nagent log:\n%s", err, w.Describe(ctx), e.agent.LogTail(30))
+	}
+	ok, err := w.WaitLogTime(hctx, next, "ok", released)
+	if err != nil {
+		e.figs.Miss("evict", "budget lifted -> new pod reads", "s")
+		t.Fatalf("replacement pod %s never read its files: %v\n%s", next.Name, err, w.Describe(ctx))
+	}
+	e.figs.Duration("evict", "budget lifted -> new pod reads", ok.Sub(released))
+	if err := w.ReadFiles(ctx, next); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// hungScenario: the volume's FUSE daemon hangs (SIGSTOP) instead of dying;
+// the agent sees the probe pass its deadline, aborts the connection through
+// fusectl and heals the volume; the driver never went away.
+func hungScenario(t *testing.T, e *env, ns string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+	pid, err := s3fsOf(w.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := outage{start: time.Now()}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatalf("stop s3fs (pid %d): %v", pid, err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
+	e.detected(t, ctx, "hung", ns, o)
+	// The container's read blocks in the hung daemon; only the abort ends it
+	// (ECONNABORTED): the "bad" line proves the agent aborted the connection.
+	if o.bad, err = w.WaitLogTime(ctx, pod, "bad", o.start); err != nil {
+		t.Fatal(err)
+	}
+	e.figs.Duration("hung", "hang -> aborted", o.bad.Sub(o.start))
+	e.healed(t, ctx, "hung", w, pod, o)
+	if after := samePod(t, ctx, w, pod); restarts(after) != restarts(pod) {
+		t.Errorf("container restarts = %d, want %d (live tier)", restarts(after), restarts(pod))
+	}
+}
+
+// s3fsOf finds the s3fs daemon serving the volume with handle: the one
+// whose mount point argument is the volume's staging path (s3fs rewrites its
+// "bucket:/prefix" argument in place, so that one cannot be matched).
+func s3fsOf(handle string) (int, error) {
+	staging := e2e.StagingPath(handle)
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	var found []int
+	var seen []string
+	for _, en := range entries {
+		pid, err := strconv.Atoi(en.Name())
+		if err != nil {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join("/proc", en.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
+		if filepath.Base(args[0]) != "s3fs" {
+			continue
+		}
+		seen = append(seen, strings.Join(args, " "))
+		if slices.Contains(args, staging) {
+			found = append(found, pid)
+		}
+	}
+	if len(found) != 1 {
+		return 0, fmt.Errorf("s3fs processes mounting %s: %v, want exactly one (s3fs processes: %q)", staging, found, seen)
+	}
+	return found[0], nil
+}
+
+// driverDownScenario: the plugin stays down. The agent reports the driver
+// down, evicts nothing (a new pod could not mount either) and keeps its
+// repair attempts few; once the plugin is back it heals in place.
+func driverDownScenario(t *testing.T, e *env, ns string) {
+	const down = 20 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+	evictions := e.metric(t, ctx, "mountmedic_evictions_total")
+	attempts := e.metric(t, ctx, "mountmedic_repairs_total")
+
+	o := e.crash(t, ctx, w, pod, 0)
+	e.detected(t, ctx, "driver-down", ns, o)
+	at, ev, err := e.agent.WaitEvent(ctx, ns, "DriverDown", o.start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.figs.Duration("driver-down", "fault -> DriverDown event", at.Sub(o.start))
+	t.Logf("driver down: %s", ev.Note)
+	time.Sleep(time.Until(o.start.Add(down)))
+	if got := e.metric(t, ctx, "mountmedic_evictions_total"); got != evictions {
+		t.Errorf("mountmedic_evictions_total went from %v to %v while the driver was down, want no eviction", evictions, got)
+	}
+	tries := e.metric(t, ctx, "mountmedic_repairs_total") - attempts
+	e.figs.Value("driver-down", fmt.Sprintf("repair attempts in %s down", down), "", tries)
+	evs, err := e.agent.Events(ctx, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ev := range evs {
+		if ev.Reason == "Evicting" {
+			t.Errorf("agent evicted while the driver was down: %s", ev.Note)
+		}
+	}
+	if cur := w.current(t, ctx); cur.UID != pod.UID {
+		t.Fatalf("pod replaced while the driver was down")
+	}
+
+	o.back = e.bringBack(t)
+	e.healed(t, ctx, "driver-down", w, pod, o)
+	if after := samePod(t, ctx, w, pod); restarts(after) != restarts(pod) {
+		t.Errorf("container restarts = %d, want %d (live tier once the driver is back)", restarts(after), restarts(pod))
+	}
+}
+
+// dryRunScenario: with --dry-run the agent reports (events, metrics) and
+// changes nothing: the mounts stay dead, the pod and container stay.
+func dryRunScenario(t *testing.T, e *env, ns string) {
+	const watch = 15 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+	planned := e.metric(t, ctx, "mountmedic_repairs_total", `result="dry_run"`)
+
+	o := e.crash(t, ctx, w, pod, pluginDown)
+	e.detected(t, ctx, "dry-run", ns, o)
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		return e.metric(t, ctx, "mountmedic_repairs_total", `result="dry_run"`) > planned, nil
+	})
+	if err != nil {
+		t.Fatalf("mountmedic_repairs_total{result=dry_run} stayed at %v: the dry run reported no plan", planned)
+	}
+	time.Sleep(time.Until(o.back.Add(watch)))
+
+	lines, err := w.Log(pod, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range lines {
+		if l.Text == "ok" && l.Time.After(o.bad) {
+			t.Errorf("the container read its files again at %s: the dry run changed a mount", l.Time)
+		}
+	}
+	if cur := w.current(t, ctx); cur.UID != pod.UID || restarts(cur) != restarts(pod) {
+		t.Errorf("pod %s (restarts %d) is now %s (restarts %d): the dry run changed the pod", pod.UID, restarts(pod), cur.UID, restarts(cur))
+	}
+	evs, err := e.agent.Events(ctx, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ev := range evs {
+		if !strings.HasPrefix(ev.Note, "[dry-run]") {
+			t.Errorf("event %s without the [dry-run] mark: %s", ev.Reason, ev.Note)
+		}
+	}
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(e2e.StagingPath(w.Handle), &st); !errors.Is(err, syscall.ENOTCONN) {
+		t.Errorf("statfs(staging of %s) = %v, want ENOTCONN: the dry run touched the mount", w.Handle, err)
+	}
+}
+
+func ptrTo[T any](v T) *T { return &v }
