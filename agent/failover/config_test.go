@@ -1,0 +1,103 @@
+package failover
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/pflag"
+)
+
+func validConfig() Config {
+	c := DefaultConfig()
+	c.Enabled = true
+	c.NodeName = "node-1"
+	c.Namespace = "mountmedic"
+	c.Identity = "mountmedic-abcde"
+	return c
+}
+
+func TestValidate(t *testing.T) {
+	tests := map[string]struct {
+		edit func(*Config)
+		want string // substring of the error; "" for none
+	}{
+		"defaults":              {edit: func(*Config) {}},
+		"disabled not checked":  {edit: func(c *Config) { c.Enabled = false; c.NodeName = ""; c.MaxNodes = 0 }},
+		"no node":               {edit: func(c *Config) { c.NodeName = "" }, want: "--node-name is empty"},
+		"bad node":              {edit: func(c *Config) { c.NodeName = "Node_1" }, want: "--node-name"},
+		"bad namespace":         {edit: func(c *Config) { c.Namespace = "a/b" }, want: "--failover-namespace"},
+		"no identity":           {edit: func(c *Config) { c.Identity = "" }, want: "--failover-identity"},
+		"bad mode":              {edit: func(c *Config) { c.Mode = "delete" }, want: "--failover-mode"},
+		"zero interval":         {edit: func(c *Config) { c.HeartbeatInterval = 0 }, want: "--failover-heartbeat-interval"},
+		"fence below two beats": {edit: func(c *Config) { c.FenceAfter = 8 * time.Second }, want: "below two --failover-heartbeat-interval"},
+		"fence not whole":       {edit: func(c *Config) { c.FenceAfter = 30500 * time.Millisecond }, want: "whole seconds"},
+		"margin too small":      {edit: func(c *Config) { c.FenceMargin = 6 * time.Second }, want: "--failover-fence-margin"},
+		"renew above lease": {
+			edit: func(c *Config) { c.RenewDeadline = 20 * time.Second }, want: "--failover-leader-renew-deadline",
+		},
+		"retry above renew": {
+			edit: func(c *Config) { c.RetryPeriod = 10 * time.Second }, want: "--failover-leader-retry-period",
+		},
+		"no nodes":      {edit: func(c *Config) { c.MaxNodes = 0 }, want: "--failover-max-nodes"},
+		"bad selector":  {edit: func(c *Config) { c.NodeSelector = "a in (" }, want: "--failover-node-selector"},
+		"ns both lists": {edit: func(c *Config) { c.IncludeNamespaces = []string{"db"}; c.ExcludeNamespaces = []string{"db"} }, want: `"db" is in both`},
+		"bad ns":        {edit: func(c *Config) { c.ExcludeNamespaces = []string{"Bad"} }, want: "namespace \"Bad\""},
+		"sc both lists": {edit: func(c *Config) { c.IncludeStorageClasses = []string{"ssd"}; c.ExcludeStorageClasses = []string{"ssd"} }, want: `"ssd" is in both`},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			c := validConfig()
+			tc.edit(&c)
+			err := c.Validate()
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("Validate() = %v, want nil", err)
+			case tc.want != "" && err == nil:
+				t.Fatalf("Validate() = nil, want an error naming %q", tc.want)
+			case tc.want != "" && !strings.Contains(err.Error(), tc.want):
+				t.Fatalf("Validate() = %v, want it to name %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestAddFlags(t *testing.T) {
+	c := validConfig()
+	fl := pflag.NewFlagSet("agent", pflag.ContinueOnError)
+	c.AddFlags(fl)
+	err := fl.Parse([]string{"--failover", "--failover-mode=force-delete", "--failover-fence-after=40s",
+		"--failover-max-nodes=3", "--failover-exclude-namespaces=kube-system,monitoring", "--failover-dry-run"})
+	if err != nil {
+		t.Fatalf("parse flags: %v", err)
+	}
+	if !c.Enabled || c.Mode != ModeForceDelete || c.FenceAfter != 40*time.Second || c.MaxNodes != 3 || !c.DryRun {
+		t.Errorf("flags bound into %+v", c)
+	}
+	if got := strings.Join(c.ExcludeNamespaces, ","); got != "kube-system,monitoring" {
+		t.Errorf("ExcludeNamespaces = %q, want kube-system,monitoring", got)
+	}
+	if err := c.Validate(); err != nil {
+		t.Errorf("Validate() after flags = %v", err)
+	}
+	if err := fl.Parse([]string{"--failover-mode=evict"}); err == nil || !strings.Contains(err.Error(), "taint or force-delete") {
+		t.Errorf("--failover-mode=evict: err = %v, want one naming the modes", err)
+	}
+}
+
+func TestFenceWindow(t *testing.T) {
+	c := validConfig() // FenceAfter 30s, margin 15s
+	tests := map[string]struct {
+		lease int32
+		want  time.Duration
+	}{
+		"not advertised":     {lease: 0, want: 45 * time.Second},
+		"shorter advertised": {lease: 10, want: 45 * time.Second},
+		"longer advertised":  {lease: 60, want: 75 * time.Second},
+	}
+	for name, tc := range tests {
+		if got := c.FenceWindow(tc.lease); got != tc.want {
+			t.Errorf("%s: FenceWindow(%d) = %s, want %s", name, tc.lease, got, tc.want)
+		}
+	}
+}

@@ -1,0 +1,125 @@
+package failover
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+)
+
+func testNode(ready corev1.ConditionStatus, taints ...corev1.Taint) *corev1.Node {
+	return &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: "node-1"},
+		Spec:       corev1.NodeSpec{Taints: taints},
+		Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{
+			Type: corev1.NodeReady, Status: ready, LastHeartbeatTime: metav1.NewTime(time.Unix(1000, 0)),
+		}}},
+	}
+}
+
+func testLease(holder string, renew time.Time, secs int32) *coordinationv1.Lease {
+	l := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}}
+	l.Spec.RenewTime = &metav1.MicroTime{Time: renew}
+	if holder != "" {
+		l.Spec.HolderIdentity = ptr.To(holder)
+	}
+	if secs > 0 {
+		l.Spec.LeaseDurationSeconds = ptr.To(secs)
+	}
+	return l
+}
+
+// TestJudge drives the observer through time: the leases stop changing at
+// t0 (the observer's first look), and the node is judged at t0+elapsed.
+// The writer's clock (renewTime) is deliberately far off: only changes
+// count.
+func TestJudge(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	skewed := t0.Add(-17 * time.Minute) // the node's clock is way behind
+	oos := corev1.Taint{Key: TaintOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}
+	ours := corev1.Taint{Key: TaintOutOfService, Value: TaintValue, Effect: corev1.TaintEffectNoExecute}
+	shutdown := corev1.Taint{Key: TaintShutdown, Effect: corev1.TaintEffectNoSchedule}
+	tests := map[string]struct {
+		node      *corev1.Node
+		kubelet   *coordinationv1.Lease
+		heartbeat *coordinationv1.Lease
+		elapsed   time.Duration
+		want      verdict
+		because   string
+	}{
+		"ready": {node: testNode(corev1.ConditionTrue), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictAlive},
+		"not ready, kubelet fresh": {node: testNode(corev1.ConditionFalse), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: 39 * time.Second, want: verdictSuspect, because: "it is running"},
+		"partitioned, not fenced yet": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: 44 * time.Second, want: verdictSuspect, because: "not fenced yet"},
+		"dead": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: 45 * time.Second, want: verdictDead, because: "has fenced itself"},
+		"longer advertised fence": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 60), elapsed: 70 * time.Second, want: verdictSuspect, because: "fence window 1m15s"},
+		"no kubelet lease, ready heartbeat silent": {node: testNode(corev1.ConditionUnknown),
+			heartbeat: testLease("agent", skewed, 30), elapsed: 50 * time.Second, want: verdictDead},
+		"no heartbeat": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
+			elapsed: time.Hour, want: verdictSuspect, because: "no mountmedic heartbeat"},
+		"released heartbeat": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("", skewed, 30), elapsed: time.Hour, want: verdictSuspect, because: "released"},
+		"cloud shutdown without heartbeat": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
+			elapsed: 41 * time.Second, want: verdictDead, because: "shut down"},
+		"cloud shutdown, kubelet fresh": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
+			elapsed: 10 * time.Second, want: verdictSuspect},
+		"operator taint": {node: testNode(corev1.ConditionUnknown, oos), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictOperator},
+		"our taint, dead": {node: testNode(corev1.ConditionUnknown, ours), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictDead},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			c := validConfig()
+			o := newObserver()
+			c.gather(o, tc.node, tc.kubelet, tc.heartbeat, t0)
+			ev := c.gather(o, tc.node, tc.kubelet, tc.heartbeat, t0.Add(tc.elapsed))
+			j := c.judge(ev)
+			if j.verdict != tc.want {
+				t.Fatalf("judge(%s) = %s (%s), want %s", ev, j.verdict, j.why, tc.want)
+			}
+			if !strings.Contains(j.why, tc.because) {
+				t.Errorf("judge reason = %q, want it to say %q", j.why, tc.because)
+			}
+		})
+	}
+}
+
+// TestObserverChange: a renewal seen late resets the silence, whatever
+// time the writer put in it.
+func TestObserverChange(t *testing.T) {
+	c := validConfig()
+	o := newObserver()
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	node := testNode(corev1.ConditionUnknown)
+	kl := testLease("node-1", t0, 40)
+	hb := testLease("agent", t0, 30)
+	c.gather(o, node, kl, hb, t0)
+	// 44 s later the agent renews, with a clock 1 h in the past.
+	hb2 := testLease("agent", t0.Add(-time.Hour), 30)
+	ev := c.gather(o, node, kl, hb2, t0.Add(44*time.Second))
+	if ev.HeartbeatSilent != 0 {
+		t.Fatalf("heartbeat silent %s right after a change, want 0", ev.HeartbeatSilent)
+	}
+	ev = c.gather(o, node, kl, hb2, t0.Add(88*time.Second))
+	if j := c.judge(ev); j.verdict != verdictSuspect {
+		t.Errorf("44 s after a renewal: judge = %s (%s), want suspect", j.verdict, j.why)
+	}
+	ev = c.gather(o, node, kl, hb2, t0.Add(89*time.Second))
+	if j := c.judge(ev); j.verdict != verdictDead {
+		t.Errorf("45 s after a renewal: judge = %s (%s), want dead", j.verdict, j.why)
+	}
+	// A new holder is a change too.
+	hb3 := testLease("agent-2", t0.Add(-time.Hour), 30)
+	if ev := c.gather(o, node, kl, hb3, t0.Add(100*time.Second)); ev.HeartbeatSilent != 0 {
+		t.Errorf("heartbeat silent %s after a new holder, want 0", ev.HeartbeatSilent)
+	}
+}

@@ -1,0 +1,542 @@
+package failover
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+)
+
+// fenceTarget is a pod the fence stops, as it was known before the fence
+// (the API server may not answer during one).
+type fenceTarget struct {
+	UID       string
+	Namespace string
+	Name      string
+}
+
+func (t fenceTarget) String() string {
+	if t.Name == "" {
+		return "pod uid " + t.UID
+	}
+	return t.Namespace + "/" + t.Name
+}
+
+// Heartbeat is the node side of the duty: it renews this node's heartbeat
+// Lease every HeartbeatInterval, and when it has not managed to for
+// FenceAfter it fences the node: it stops the containers of every pod the
+// controller could fail over (and those it cannot rule out) and lazily
+// unmounts their volumes, and keeps stopping them while the fence lasts.
+// When a renewal succeeds again it lifts the fence and deletes the fenced
+// pods that are still there (same UID, still on this node) so that their
+// controllers recreate them with fresh mounts: a fenced pod never resumes in
+// place on an unmounted volume.
+//
+// Its Lease advertises FenceAfter as leaseDurationSeconds: the promise the
+// controller relies on. On a clean stop it releases the Lease (clears the
+// holder), which withdraws the promise, so the controller does not fail the
+// node over on the heartbeat's silence alone.
+type Heartbeat struct {
+	cfg        Config
+	client     kubernetes.Interface
+	containers ContainerStopper
+	volumes    VolumeUnmounter
+	metrics    *heartbeatMetrics
+	now        func() time.Time
+	// checkEvery is the fence check period.
+	checkEvery time.Duration
+
+	claims *claimCache
+
+	mu         sync.Mutex
+	lease      *coordinationv1.Lease
+	lastOK     time.Time // start of the last successful renewal
+	everOK     bool
+	plan       []fenceTarget
+	planSynced bool
+	fenced     []fenceTarget
+	isFenced   bool
+	renewed    chan struct{} // a renewal succeeded
+	pods       cache.Indexer
+}
+
+// NewHeartbeat prepares the node side. containers and volumes do the
+// fencing (a *NodeFence does both); reg receives the metrics (nil: none).
+func NewHeartbeat(cfg Config, client kubernetes.Interface, containers ContainerStopper, volumes VolumeUnmounter, reg prometheus.Registerer) (*Heartbeat, error) {
+	if !cfg.Enabled {
+		return nil, errors.New("failover heartbeat: the duty is disabled (--failover=false)")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if client == nil || containers == nil || volumes == nil {
+		return nil, errors.New("failover heartbeat needs a Kubernetes client, a container stopper and a volume unmounter")
+	}
+	m, err := newHeartbeatMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	return &Heartbeat{
+		cfg: cfg, client: client, containers: containers, volumes: volumes, metrics: m,
+		now: time.Now, checkEvery: time.Second,
+		claims:  newClaimCache(claimReader{client: client, timeout: cfg.APITimeout}),
+		renewed: make(chan struct{}, 1),
+	}, nil
+}
+
+// Fenced reports whether the pod with UID podUID is fenced now. The agent's
+// repair loop must leave a fenced pod's volumes alone: re-publishing them
+// would undo the fence.
+func (h *Heartbeat) Fenced(podUID string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.isFenced || h.cfg.DryRun {
+		return false
+	}
+	return slices.ContainsFunc(h.fenced, func(t fenceTarget) bool { return t.UID == podUID })
+}
+
+// Run renews the heartbeat and fences when due, until ctx ends. It returns
+// an error only when it cannot start.
+func (h *Heartbeat) Run(ctx context.Context) error {
+	logger := klog.FromContext(ctx).WithValues("node", h.cfg.NodeName, "lease", klog.KRef(h.cfg.Namespace, h.cfg.NodeName))
+	ctx = klog.NewContext(ctx, logger)
+	logger.Info("Starting failover heartbeat", "interval", h.cfg.HeartbeatInterval, "fenceAfter", h.cfg.FenceAfter,
+		"fenceStopGrace", h.cfg.FenceStopGrace, "dryRun", h.cfg.DryRun)
+
+	factory := informers.NewSharedInformerFactoryWithOptions(h.client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", h.cfg.NodeName).String()
+		}))
+	inf := factory.Core().V1().Pods().Informer()
+	h.pods = inf.GetIndexer()
+	factory.Start(ctx.Done())
+	defer factory.Shutdown()
+
+	// Until its first renewal an agent cannot know how long ago its
+	// predecessor's promise lapsed (a crash, a restart on a partitioned
+	// node): it fences if it cannot renew within two intervals.
+	h.mu.Lock()
+	h.lastOK = h.now().Add(-h.cfg.FenceAfter + 2*h.cfg.HeartbeatInterval)
+	h.mu.Unlock()
+
+	var wg sync.WaitGroup
+	wg.Go(func() { h.renewLoop(ctx, inf.HasSynced) })
+	h.checkLoop(ctx)
+	wg.Wait()
+	h.shutdown(klog.NewContext(context.WithoutCancel(ctx), logger))
+	return nil
+}
+
+func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
+	logger := klog.FromContext(ctx)
+	t := time.NewTicker(h.cfg.HeartbeatInterval)
+	defer t.Stop()
+	failures := 0
+	for {
+		if err := h.renew(ctx); err != nil {
+			h.metrics.renewals.WithLabelValues(resultFailure).Inc()
+			failures++
+			if ctx.Err() == nil {
+				// The first failure in a row is Info; the fence itself
+				// logs at error level.
+				logger.Info("Heartbeat renewal failed", "err", err, "failuresInARow", failures)
+			}
+		} else {
+			h.metrics.renewals.WithLabelValues(resultSuccess).Inc()
+			if failures > 0 {
+				logger.Info("Heartbeat renewed again", "afterFailures", failures)
+			}
+			failures = 0
+			select {
+			case h.renewed <- struct{}{}:
+			default:
+			}
+			if synced() {
+				h.refreshPlan(ctx)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// renew writes the heartbeat Lease once. Success moves lastOK to the time
+// the attempt started: the API server wrote the renewal at that time or
+// later, so the controller, which counts from when it saw the change,
+// always waits at least FenceAfter past the agent's own deadline.
+func (h *Heartbeat) renew(ctx context.Context) error {
+	start := h.now()
+	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.HeartbeatInterval))
+	defer cancel()
+	leases := h.client.CoordinationV1().Leases(h.cfg.Namespace)
+
+	h.mu.Lock()
+	cur := h.lease
+	h.mu.Unlock()
+	var got *coordinationv1.Lease
+	var err error
+	for attempt := 0; attempt < 2; attempt++ {
+		if cur == nil {
+			cur, err = leases.Get(ctx, h.cfg.NodeName, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, start), metav1.CreateOptions{})
+				break
+			}
+			if err != nil {
+				return fmt.Errorf("get heartbeat lease: %w", err)
+			}
+		}
+		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), start), metav1.UpdateOptions{})
+		if apierrors.IsConflict(err) {
+			cur = nil
+			continue
+		}
+		break
+	}
+	if err != nil {
+		h.mu.Lock()
+		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+			h.lease = nil
+		}
+		h.mu.Unlock()
+		return fmt.Errorf("renew heartbeat lease: %w", err)
+	}
+	h.mu.Lock()
+	h.lease = got
+	if start.After(h.lastOK) {
+		h.lastOK = start
+	}
+	h.everOK = true
+	h.mu.Unlock()
+	h.metrics.lastOK.Set(float64(start.UnixNano()) / 1e9)
+	return nil
+}
+
+// leaseSpec fills l as this node's heartbeat, renewed at now.
+func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinationv1.Lease {
+	l.Name, l.Namespace = h.cfg.NodeName, h.cfg.Namespace
+	if l.Labels == nil {
+		l.Labels = map[string]string{}
+	}
+	l.Labels[HeartbeatLabel] = HeartbeatLabelValue
+	l.Labels["app.kubernetes.io/name"] = "mountmedic"
+	if l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != h.cfg.Identity {
+		l.Spec.AcquireTime = &metav1.MicroTime{Time: now}
+		if l.Spec.LeaseTransitions == nil {
+			l.Spec.LeaseTransitions = ptr.To[int32](0)
+		} else {
+			l.Spec.LeaseTransitions = ptr.To(*l.Spec.LeaseTransitions + 1)
+		}
+	}
+	l.Spec.HolderIdentity = ptr.To(h.cfg.Identity)
+	l.Spec.LeaseDurationSeconds = ptr.To(int32(h.cfg.FenceAfter / time.Second))
+	l.Spec.RenewTime = &metav1.MicroTime{Time: now}
+	return l
+}
+
+// refreshPlan recomputes the pods a fence would stop: the pods of this node
+// the controller could fail over, and those it cannot rule out because a
+// claim could not be read.
+func (h *Heartbeat) refreshPlan(ctx context.Context) {
+	var plan []fenceTarget
+	used := make(map[string]bool)
+	for _, obj := range h.pods.List() {
+		pod, ok := obj.(*corev1.Pod)
+		if !ok || pod.Spec.NodeName != h.cfg.NodeName {
+			continue
+		}
+		for _, name := range claimNames(pod) {
+			used[pod.Namespace+"/"+name] = true
+		}
+		d := h.cfg.decide(pod, h.claims.read(ctx, pod))
+		if d.Eligible || d.Uncertain {
+			plan = append(plan, fenceTarget{UID: string(pod.UID), Namespace: pod.Namespace, Name: pod.Name})
+		}
+	}
+	h.claims.keep(used)
+	slices.SortFunc(plan, compareTargets)
+	h.mu.Lock()
+	h.plan, h.planSynced = plan, true
+	h.mu.Unlock()
+}
+
+func compareTargets(a, b fenceTarget) int {
+	switch {
+	case a.Namespace != b.Namespace:
+		return cmpString(a.Namespace, b.Namespace)
+	case a.Name != b.Name:
+		return cmpString(a.Name, b.Name)
+	}
+	return cmpString(a.UID, b.UID)
+}
+
+func cmpString(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+func (h *Heartbeat) checkLoop(ctx context.Context) {
+	t := time.NewTicker(h.checkEvery)
+	defer t.Stop()
+	lastRefence := time.Time{}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-h.renewed:
+		}
+		now := h.now()
+		h.mu.Lock()
+		silent, fenced := now.Sub(h.lastOK), h.isFenced
+		h.mu.Unlock()
+		switch {
+		case !fenced && silent >= h.cfg.FenceAfter:
+			h.fence(ctx, silent)
+			lastRefence = now
+		case fenced && silent < h.cfg.FenceAfter:
+			h.unfence(ctx)
+		case fenced && now.Sub(lastRefence) >= h.cfg.HeartbeatInterval:
+			// kubelet restarts stopped containers (onto the unmounted
+			// directories): keep stopping them while the fence lasts.
+			h.refence(ctx)
+			lastRefence = now
+		}
+	}
+}
+
+// fence stops and unmounts the planned pods.
+func (h *Heartbeat) fence(ctx context.Context, silent time.Duration) {
+	logger := klog.FromContext(ctx)
+	h.mu.Lock()
+	targets, synced := slices.Clone(h.plan), h.planSynced
+	h.mu.Unlock()
+	if !synced {
+		// Never reached the API server: fence every pod with a CSI
+		// volume mounted, since none can be ruled out.
+		uids, err := h.volumes.MountedPods(ctx)
+		if err != nil {
+			logger.Error(err, "Fence: cannot list the pods with CSI volumes; fencing none")
+		}
+		for _, uid := range uids {
+			targets = append(targets, fenceTarget{UID: uid})
+		}
+	}
+	h.mu.Lock()
+	h.fenced, h.isFenced = targets, true
+	h.mu.Unlock()
+	h.metrics.fenced.Set(1)
+	h.metrics.fences.Inc()
+	names := make([]string, 0, len(targets))
+	for _, t := range targets {
+		names = append(names, t.String())
+	}
+	logger.Error(nil, "Heartbeat not renewed: fencing this node's pods with ReadWriteOnce volumes", "silent", silent.Round(time.Second),
+		"fenceAfter", h.cfg.FenceAfter, "pods", names, "planKnown", synced, "dryRun", h.cfg.DryRun)
+	h.stopAll(ctx, targets, true)
+}
+
+func (h *Heartbeat) refence(ctx context.Context) {
+	h.mu.Lock()
+	targets := slices.Clone(h.fenced)
+	h.mu.Unlock()
+	h.stopAll(ctx, targets, true)
+}
+
+// stopAll stops (and unmounts) every target at once: each stop may take
+// the whole grace period, and the fence must end within the controller's
+// margin.
+func (h *Heartbeat) stopAll(ctx context.Context, targets []fenceTarget, unmount bool) {
+	var wg sync.WaitGroup
+	for _, t := range targets {
+		wg.Go(func() { h.stopOne(ctx, t, unmount) })
+	}
+	wg.Wait()
+}
+
+func (h *Heartbeat) stopOne(ctx context.Context, t fenceTarget, unmount bool) {
+	logger := klog.FromContext(ctx)
+	if h.cfg.DryRun {
+		logger.Info("[dry-run] Would stop the containers of the pod and unmount its volumes", "pod", t.String(), "podUID", t.UID)
+		return
+	}
+	n, err := h.containers.StopPodContainers(ctx, t.UID, h.cfg.FenceStopGrace)
+	if err != nil {
+		logger.Error(err, "Fence: stopping containers failed", "pod", t.String(), "podUID", t.UID)
+	} else if n > 0 {
+		logger.Info("Fence: stopped containers", "pod", t.String(), "podUID", t.UID, "containers", n)
+	}
+	if !unmount {
+		return
+	}
+	n, err = h.volumes.UnmountPodVolumes(ctx, t.UID)
+	if err != nil {
+		logger.Error(err, "Fence: unmounting volumes failed", "pod", t.String(), "podUID", t.UID)
+	} else if n > 0 {
+		logger.Info("Fence: unmounted volumes lazily", "pod", t.String(), "podUID", t.UID, "mounts", n)
+	}
+}
+
+// unfence lifts the fence after a successful renewal and deletes the
+// fenced pods still on this node, so that their controllers recreate them
+// with fresh mounts.
+func (h *Heartbeat) unfence(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	h.mu.Lock()
+	targets := slices.Clone(h.fenced)
+	h.fenced, h.isFenced = nil, false
+	h.mu.Unlock()
+	h.metrics.fenced.Set(0)
+	logger.Info("Heartbeat renewed: lifting the fence; fenced pods still here are deleted for their controllers to recreate", "pods", len(targets), "dryRun", h.cfg.DryRun)
+	for _, t := range targets {
+		pod := h.podByUID(ctx, t)
+		if pod == nil {
+			logger.V(2).Info("Fenced pod is gone (failed over or deleted)", "pod", t.String(), "podUID", t.UID)
+			continue
+		}
+		if h.cfg.DryRun {
+			logger.Info("[dry-run] Would delete the fenced pod", "pod", klog.KObj(pod), "podUID", pod.UID)
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, h.cfg.APITimeout)
+		err := h.client.CoreV1().Pods(pod.Namespace).Delete(cctx, pod.Name, metav1.DeleteOptions{
+			Preconditions: &metav1.Preconditions{UID: ptr.To(pod.UID)},
+		})
+		cancel()
+		switch {
+		case err == nil:
+			logger.Info("Deleted fenced pod for its controller to recreate it with fresh mounts", "pod", klog.KObj(pod), "podUID", pod.UID)
+		case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
+			logger.V(2).Info("Fenced pod is gone (failed over or deleted)", "pod", klog.KObj(pod), "podUID", pod.UID)
+		default:
+			logger.Error(err, "Deleting fenced pod failed: delete it by hand, its volumes are unmounted", "pod", klog.KObj(pod), "podUID", pod.UID)
+		}
+	}
+}
+
+// podByUID finds a fenced pod that is still on this node with the same UID.
+func (h *Heartbeat) podByUID(ctx context.Context, t fenceTarget) *corev1.Pod {
+	if t.Name == "" {
+		for _, obj := range h.pods.List() {
+			if p, ok := obj.(*corev1.Pod); ok && string(p.UID) == t.UID {
+				t.Namespace, t.Name = p.Namespace, p.Name
+			}
+		}
+		if t.Name == "" {
+			return nil
+		}
+	}
+	cctx, cancel := context.WithTimeout(ctx, h.cfg.APITimeout)
+	defer cancel()
+	pod, err := h.client.CoreV1().Pods(t.Namespace).Get(cctx, t.Name, metav1.GetOptions{})
+	if err != nil || pod.UID != types.UID(t.UID) || pod.Spec.NodeName != h.cfg.NodeName {
+		return nil
+	}
+	return pod
+}
+
+// shutdown releases the Lease, withdrawing the fence promise. If it cannot
+// (the API server does not answer) and the heartbeat is already silent,
+// the node may be partitioned and the promise cannot be kept after exit:
+// it fences before returning.
+func (h *Heartbeat) shutdown(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	err := h.release(ctx)
+	if err == nil {
+		logger.Info("Released the heartbeat lease")
+		return
+	}
+	h.mu.Lock()
+	silent, fenced := h.now().Sub(h.lastOK), h.isFenced
+	h.mu.Unlock()
+	if fenced || silent < 2*h.cfg.HeartbeatInterval {
+		logger.Error(err, "Could not release the heartbeat lease", "silent", silent.Round(time.Second), "fenced", fenced)
+		return
+	}
+	logger.Error(err, "Could not release the heartbeat lease while it is silent: fencing before exit")
+	fctx, cancel := context.WithTimeout(ctx, h.cfg.FenceStopGrace+10*time.Second)
+	defer cancel()
+	h.fence(fctx, silent)
+}
+
+func (h *Heartbeat) release(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	h.mu.Lock()
+	cur := h.lease
+	h.mu.Unlock()
+	if cur == nil {
+		return errors.New("heartbeat lease never written or lost")
+	}
+	l := cur.DeepCopy()
+	l.Spec.HolderIdentity = nil
+	l.Spec.RenewTime = &metav1.MicroTime{Time: h.now()}
+	_, err := h.client.CoordinationV1().Leases(h.cfg.Namespace).Update(ctx, l, metav1.UpdateOptions{})
+	return err
+}
+
+// claimCache keeps what the policy read of each claim. Access modes and
+// StorageClass do not change once a claim is bound; unbound claims and
+// failed reads are read again.
+type claimCache struct {
+	r  claimReader
+	mu sync.Mutex
+	m  map[string]claimInfo // namespace/name
+}
+
+func newClaimCache(r claimReader) *claimCache {
+	return &claimCache{r: r, m: make(map[string]claimInfo)}
+}
+
+func (c *claimCache) read(ctx context.Context, pod *corev1.Pod) map[string]claimInfo {
+	out := make(map[string]claimInfo)
+	for _, name := range claimNames(pod) {
+		key := pod.Namespace + "/" + name
+		c.mu.Lock()
+		info, ok := c.m[key]
+		c.mu.Unlock()
+		if !ok || info.Err != nil || info.PV == "" {
+			info = c.r.claim(ctx, pod.Namespace, name)
+			c.mu.Lock()
+			c.m[key] = info
+			c.mu.Unlock()
+		}
+		out[name] = info
+	}
+	return out
+}
+
+// keep drops the claims no pod of the node uses any more.
+func (c *claimCache) keep(used map[string]bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for k := range c.m {
+		if !used[k] {
+			delete(c.m, k)
+		}
+	}
+}

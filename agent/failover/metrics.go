@@ -1,0 +1,125 @@
+package failover
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Fail-over results, as mountmedic_failover_failovers_total labels them.
+const (
+	resultSuccess  = "success"
+	resultFailure  = "failure"
+	resultDryRun   = "dry_run"
+	resultDeferred = "deferred"
+)
+
+var failoverResults = []string{resultSuccess, resultFailure, resultDryRun, resultDeferred}
+
+// Renewal results of the heartbeat.
+var renewalResults = []string{resultSuccess, resultFailure}
+
+// controllerMetrics are the cluster side's collectors. No label names a
+// node or a pod.
+type controllerMetrics struct {
+	failovers    *prometheus.CounterVec
+	deathToAct   prometheus.Histogram
+	podDeletions *prometheus.CounterVec
+	inFailover   prometheus.Gauge
+	leader       prometheus.Gauge
+	recovered    prometheus.Counter
+}
+
+func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error) {
+	m := &controllerMetrics{
+		failovers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mountmedic_failover_failovers_total",
+			Help: "Node fail-overs decided by the failover leader, by result (deferred: held back by --failover-max-nodes; counted once per node and outage).",
+		}, []string{"result"}),
+		deathToAct: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "mountmedic_failover_death_to_action_seconds",
+			Help:    "Seconds from a node's last sign of life seen by the leader (kubelet Lease, Ready heartbeat or mountmedic heartbeat) to the fail-over action.",
+			Buckets: []float64{10, 20, 30, 40, 50, 60, 75, 90, 120, 180, 300, 600},
+		}),
+		podDeletions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mountmedic_failover_pod_deletions_total",
+			Help: "Force deletions of pods on dead nodes, by result.",
+		}, []string{"result"}),
+		inFailover: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_nodes_in_failover",
+			Help: "Nodes failed over whose eligible pods are not all gone yet (the leader's view; 0 on standbys).",
+		}),
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_leader",
+			Help: "1 while this instance is the failover leader.",
+		}),
+		recovered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_nodes_recovered_total",
+			Help: "Failed-over nodes that became Ready again and had the duty's taint or mark removed.",
+		}),
+	}
+	for _, r := range failoverResults {
+		m.failovers.WithLabelValues(r)
+	}
+	for _, r := range []string{resultSuccess, resultFailure, resultDryRun} {
+		m.podDeletions.WithLabelValues(r)
+	}
+	if err := register(reg, m.failovers, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// heartbeatMetrics are the node side's collectors.
+type heartbeatMetrics struct {
+	renewals *prometheus.CounterVec
+	fenced   prometheus.Gauge
+	fences   prometheus.Counter
+	lastOK   prometheus.Gauge
+}
+
+func newHeartbeatMetrics(reg prometheus.Registerer) (*heartbeatMetrics, error) {
+	m := &heartbeatMetrics{
+		renewals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mountmedic_failover_heartbeat_renewals_total",
+			Help: "Renewals of this node's heartbeat Lease, by result.",
+		}, []string{"result"}),
+		fenced: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_node_fenced",
+			Help: "1 while this node is fenced (it could not renew its heartbeat for --failover-fence-after); sum it over agents for the nodes fenced.",
+		}),
+		fences: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_fences_total",
+			Help: "Times this node fenced itself.",
+		}),
+		lastOK: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_heartbeat_last_success_timestamp_seconds",
+			Help: "Unix time the last successful heartbeat renewal started.",
+		}),
+	}
+	for _, r := range renewalResults {
+		m.renewals.WithLabelValues(r)
+	}
+	if err := register(reg, m.renewals, m.fenced, m.fences, m.lastOK); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// register registers cs on reg (a nil reg registers nowhere).
+func register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	if reg == nil {
+		return nil
+	}
+	var errs []error
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("register failover metrics: %w", err)
+	}
+	return nil
+}
