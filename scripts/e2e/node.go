@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -80,7 +81,8 @@ type Node struct {
 	initPID    int
 	cgroupRoot string
 	binds      []string
-	createdDir []string
+	// overlays are the directories that got an overlay for a mount point.
+	overlays []string
 }
 
 // DriverSocket is the CSI node plugin's socket, where kubelet's CSI fallback
@@ -195,11 +197,8 @@ func (n *Node) bindPaths() error {
 		if err := os.MkdirAll(src, 0o755); err != nil {
 			return err
 		}
-		if _, err := os.Stat(p); errors.Is(err, os.ErrNotExist) {
-			if err := os.MkdirAll(p, 0o755); err != nil {
-				return fmt.Errorf("create mount point %s: %w", p, err)
-			}
-			n.createdDir = append(n.createdDir, p)
+		if err := n.mountPoint(p); err != nil {
+			return err
 		}
 		if err := unix.Mount(src, p, "", unix.MS_BIND, ""); err != nil {
 			return fmt.Errorf("bind %s over %s: %w", src, p, err)
@@ -208,6 +207,42 @@ func (n *Node) bindPaths() error {
 		if err := unix.Mount("", p, "", unix.MS_SHARED, ""); err != nil {
 			return fmt.Errorf("make %s shared: %w", p, err)
 		}
+	}
+	return nil
+}
+
+// mountPoint makes sure directory p exists in the test's mount namespace
+// without creating anything on the host: when p is missing, its parent gets
+// an overlay (the host's directory below, an upper directory of the node's
+// above), in which p is created.
+func (n *Node) mountPoint(p string) error {
+	if _, err := os.Stat(p); err == nil {
+		return nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	parent := filepath.Dir(p)
+	if _, err := os.Stat(parent); err != nil {
+		if err := n.mountPoint(parent); err != nil {
+			return err
+		}
+	}
+	if !slices.Contains(n.overlays, parent) {
+		base := filepath.Join(n.Dir, "overlay", strings.ReplaceAll(strings.Trim(parent, "/"), "/", "-"))
+		upper, work := filepath.Join(base, "upper"), filepath.Join(base, "work")
+		for _, d := range []string{upper, work} {
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				return err
+			}
+		}
+		opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", parent, upper, work)
+		if err := unix.Mount("overlay", parent, "overlay", 0, opts); err != nil {
+			return fmt.Errorf("overlay %s to create %s in it: %w", parent, p, err)
+		}
+		n.overlays = append(n.overlays, parent)
+	}
+	if err := os.Mkdir(p, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("create mount point %s: %w", p, err)
 	}
 	return nil
 }
@@ -425,8 +460,10 @@ func (n *Node) teardownMounts() {
 		}
 	}
 	n.removeCgroups()
-	for _, d := range n.createdDir {
-		_ = os.Remove(d)
+	for i := len(n.overlays) - 1; i >= 0; i-- {
+		if err := unix.Unmount(n.overlays[i], unix.MNT_DETACH); err != nil {
+			n.t.Errorf("unmount the overlay on %s: %v", n.overlays[i], err)
+		}
 	}
 }
 
@@ -448,8 +485,10 @@ func cgroupHierarchies() []string {
 }
 
 // makeCgroups creates the node's cgroup root (kubelet's cgroupRoot, under
-// which it makes its QoS and pod cgroups) in every hierarchy.
+// which it makes its QoS and pod cgroups) in every hierarchy, after removing
+// the empty ones that a test binary killed before its cleanup left.
 func (n *Node) makeCgroups() error {
+	sweepCgroups()
 	for _, h := range cgroupHierarchies() {
 		dir := filepath.Join(h, n.cgroupRoot)
 		if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
@@ -467,6 +506,35 @@ func (n *Node) makeCgroups() error {
 	return nil
 }
 
+// sweepCgroups removes the cgroup trees of earlier nodes whose test binary
+// is gone (its PID namespace took every process with it, so they are empty).
+func sweepCgroups() {
+	for _, h := range cgroupHierarchies() {
+		dirs, _ := filepath.Glob(filepath.Join(h, "mountmedic-e2e-*"))
+		for _, d := range dirs {
+			pid, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(d), "mountmedic-e2e-"))
+			if err != nil || syscall.Kill(pid, 0) == nil {
+				continue
+			}
+			removeTree(d)
+		}
+	}
+}
+
+// removeTree removes a cgroup directory and its children, deepest first.
+func removeTree(root string) {
+	var dirs []string
+	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() {
+			dirs = append(dirs, p)
+		}
+		return nil
+	})
+	for i := len(dirs) - 1; i >= 0; i-- {
+		_ = os.Remove(dirs[i])
+	}
+}
+
 // removeCgroups removes the node's cgroup tree in every cgroup v1
 // hierarchy (or the unified one), deepest first.
 func (n *Node) removeCgroups() {
@@ -476,16 +544,7 @@ func (n *Node) removeCgroups() {
 			continue
 		}
 		err := wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-			var dirs []string
-			_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
-				if err == nil && d.IsDir() {
-					dirs = append(dirs, p)
-				}
-				return nil
-			})
-			for i := len(dirs) - 1; i >= 0; i-- {
-				_ = os.Remove(dirs[i])
-			}
+			removeTree(root)
 			_, err := os.Stat(root)
 			return errors.Is(err, os.ErrNotExist), nil
 		})
