@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -61,8 +62,11 @@ type Agent struct {
 	decider  *decider
 	events   eventRecorder
 
-	pods   podsByUID
-	synced func() bool
+	// factory and the pod informer are made in New, started by Run, so
+	// that /readyz (served before the informer starts) reads them safely.
+	factory informers.SharedInformerFactory
+	pods    podsByUID
+	synced  func() bool
 
 	scanned  atomic.Bool
 	ready    atomic.Bool
@@ -111,12 +115,16 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		budget:   newBudget(cfg.MaxEvictions, cfg.EvictionWindow, nil),
 		decider:  newDecider(&cfg),
 		events:   deps.Events,
-		synced:   func() bool { return false },
 		driverOK: make(map[string]bool),
 		driverUp: make(chan string, 16),
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
 	a.report = reporter{rec: deps.Events, dryRun: cfg.DryRun}
+	factory, inf, err := podInformer(a.client, cfg.NodeName)
+	if err != nil {
+		return nil, err
+	}
+	a.factory, a.pods, a.synced = factory, podsByUID{idx: inf.GetIndexer()}, inf.HasSynced
 	return a, nil
 }
 
@@ -227,13 +235,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.report.rec = a.events
 	}
 
-	factory, inf, err := podInformer(a.client, a.cfg.NodeName)
-	if err != nil {
-		return err
-	}
-	a.pods = podsByUID{idx: inf.GetIndexer()}
-	a.synced = inf.HasSynced
-	factory.Start(ctx.Done())
+	a.factory.Start(ctx.Done())
 
 	tw, err := watchTable(ctx, a.cfg.HostTable)
 	if err != nil {
@@ -250,7 +252,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.workers.Wait()
 	tw.Close()
 	pw.Close()
-	factory.Shutdown()
+	a.factory.Shutdown()
 	if srv != nil {
 		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer scancel()
