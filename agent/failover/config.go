@@ -62,6 +62,11 @@ type Config struct {
 	Identity string
 	// LeaderLease is the name of the leader election Lease.
 	LeaderLease string
+	// Candidate: this agent runs a Controller and campaigns for the leader
+	// Lease. Every candidate reads the Lease each RetryPeriod, so in large
+	// clusters make only a few agents candidates (one DaemonSet with
+	// --failover-leader-candidate=false and one, on a few nodes, with true).
+	Candidate bool
 
 	// Mode is taint (default) or force-delete.
 	Mode Mode
@@ -154,6 +159,7 @@ func DefaultConfig() Config {
 		Namespace:          ns,
 		Identity:           id,
 		LeaderLease:        DefaultLeaderLease,
+		Candidate:          true,
 		Mode:               ModeTaint,
 		DeletePods:         true,
 		HeartbeatInterval:  5 * time.Second,
@@ -179,6 +185,7 @@ func (c *Config) AddFlags(fl *pflag.FlagSet) {
 	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the heartbeat and leader election Leases (default $POD_NAMESPACE)")
 	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this instance's name in the Leases it holds (default $POD_NAME)")
 	fl.StringVar(&c.LeaderLease, "failover-leader-lease", c.LeaderLease, "name of the leader election Lease")
+	fl.BoolVar(&c.Candidate, "failover-leader-candidate", c.Candidate, "run the cluster side here too: campaign for the leader Lease and, when elected, fail dead nodes over")
 	fl.Var(newModeValue(&c.Mode), "failover-mode", "how to fail a dead node over: taint (node.kubernetes.io/out-of-service) or force-delete (pods and VolumeAttachments)")
 	fl.BoolVar(&c.DeletePods, "failover-delete-pods", c.DeletePods, "in taint mode, force-delete the eligible pods as soon as they are terminating instead of waiting for the pod garbage collector's 20s period")
 	fl.DurationVar(&c.HeartbeatInterval, "failover-heartbeat-interval", c.HeartbeatInterval, "how often each agent renews its node's heartbeat Lease")

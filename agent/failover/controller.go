@@ -509,7 +509,6 @@ func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []elig
 		logger.Info("No longer the failover leader: not acting")
 		return false
 	}
-	logger.Info("Failing the node over", kv...)
 	var err error
 	if c.cfg.Mode == ModeForceDelete {
 		err = c.mark(ctx, cd.node, now)
@@ -520,14 +519,15 @@ func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []elig
 		if apierrors.IsConflict(err) {
 			// The node changed under us (perhaps another leader acted):
 			// judge it again from the informer's fresh copy.
-			logger.Info("Node changed while failing it over; judging it again", "err", err)
+			logger.V(2).Info("Node changed while failing it over; judging it again", "err", err)
 			return false
 		}
 		c.metrics.failovers.WithLabelValues(resultFailure).Inc()
-		logger.Error(err, "Failing the node over failed")
+		logger.Error(err, "Failing the node over failed", kv...)
 		c.event(cd.node, nil, corev1.EventTypeWarning, ReasonFailoverFailed, actionTaint, "Node confirmed dead (%s) but the fail-over failed: %v", cd.why, err)
 		return false
 	}
+	logger.Info("Failed the node over", kv...)
 	c.metrics.failovers.WithLabelValues(resultSuccess).Inc()
 	c.metrics.deathToAct.Observe(sinceLife.Seconds())
 	st.announced = true

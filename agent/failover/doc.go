@@ -1,0 +1,144 @@
+// Package failover is mountmedic's node failover duty: it moves pods with
+// ReadWriteOnce (or ReadWriteOncePod) volumes off nodes that are confirmed
+// dead, in under a minute with Kubernetes' default timings, and never off a
+// node that is only cut off from the API server.
+//
+// Without it, a StatefulSet pod on a dead node stays Running (then
+// Terminating) forever and its replacement is never created; a Deployment's
+// replacement waits on "Multi-Attach error" until someone force-deletes the
+// old pod, and then 6 more minutes until the attach/detach controller
+// force-detaches the volume. KEP-2268's node.kubernetes.io/out-of-service
+// taint ends both at once, but a person has to decide to apply it, and a
+// tool that applies it to a node that is merely partitioned lets two nodes
+// write one RWO volume.
+//
+// # Two halves in one binary
+//
+// Heartbeat (every node, in the agent): renews a Lease named after the node
+// in the agent's namespace (label failover.mountmedic.io/heartbeat=node)
+// every HeartbeatInterval, advertising FenceAfter as leaseDurationSeconds.
+// If it has not renewed for FenceAfter, counted from the start of its last
+// successful renewal, the node fences itself: through the CRI it stops the
+// containers of every pod the controller could fail over (and every pod it
+// cannot rule out because a claim could not be read; every pod with a CSI
+// mount if it never reached the API server), lazily unmounts their CSI
+// publish targets and subPath binds, and keeps stopping what kubelet
+// restarts. When a renewal succeeds again it lifts the fence and deletes the
+// fenced pods still on the node (UID precondition), so their controllers
+// recreate them with fresh mounts rather than let them run on an unmounted
+// directory. Fenced(podUID) tells the agent's repair loop to keep its hands
+// off a fenced pod's volumes. On a clean stop it releases the Lease (clears
+// the holder), which withdraws the promise.
+//
+// Controller (every agent; one leads through the client-go Lease
+// LeaderLease): judges every node in scope each EvalInterval from
+//
+//   - kubelet: the Ready condition must not be True, and neither the kubelet
+//     Lease in kube-node-lease nor the Ready heartbeat may have changed for
+//     KubeletGrace (a kubelet that posts NotReady itself is alive);
+//   - the mountmedic heartbeat: held (not released) and unchanged for
+//     max(FenceAfter, its leaseDurationSeconds) + FenceMargin;
+//   - optional signals: the cloud provider's
+//     node.cloudprovider.kubernetes.io/shutdown taint stands in for the
+//     heartbeat (TrustShutdownTaint); an out-of-service taint someone else
+//     applied makes the controller stand aside (Kubernetes fails the node
+//     over, the operator removes it).
+//
+// "Unchanged" is always measured by the leader's own clock from when it saw
+// the last change, like kubelet's node lifecycle controller does: a
+// Lease's renewTime is the writer's clock and is only compared for change.
+// A leader that just took over has seen no change yet, so it waits a full
+// window before it trusts any silence.
+//
+// A confirmed-dead node with at least one eligible pod (owned by a
+// controller other than a DaemonSet, not a static pod, using a bound
+// ReadWriteOnce/ReadWriteOncePod claim whose PV is not local or hostPath,
+// and selected by the namespace and StorageClass lists and the
+// mountmedic.io/failover annotation) is failed over, at most MaxNodes at
+// once (a node counts until no eligible pod is left on it):
+//
+//   - taint mode (default): the node gets
+//     node.kubernetes.io/out-of-service=mountmedic:NoExecute. The taint
+//     eviction controller deletes its pods, the attach/detach controller
+//     detaches their volumes at once, and the controller force-deletes the
+//     eligible ones as soon as they are terminating (DeletePods; the pod
+//     garbage collector would within 20 s). Not earlier: the taint eviction
+//     controller deletes pods by name, and would delete a StatefulSet's
+//     replacement in place of the pod it meant.
+//   - force-delete mode: the node gets the annotation
+//     failover.mountmedic.io/failed-over-at; the eligible pods are
+//     force-deleted and their VolumeAttachments on the node deleted. Only
+//     those pods move; the attach/detach controller sees the deleted
+//     attachment at its next state sync (1 minute by default), so this mode
+//     is slower.
+//
+// When the node is Ready again, the controller removes its own taint (value
+// "mountmedic") or annotation, never anyone else's. Every mutation of a
+// node is a merge patch conditioned on the resourceVersion it judged, and
+// the leader checks it still leads before each one; a new leader finds the
+// taint or annotation and repeats nothing. Dry run logs and records events
+// ("[dry-run] ...") and the dry_run metric, and changes nothing (no taint,
+// no deletion, no fence).
+//
+// Events (events.k8s.io/v1): FailedOver on the node and each pod,
+// FailoverDeferred (the cap), FailoverHeld (why a NotReady node is not
+// failed over), OutOfServiceByOperator, FailoverEnded. Metrics, on the
+// registry the caller passes: mountmedic_failover_failovers_total{result},
+// mountmedic_failover_death_to_action_seconds,
+// mountmedic_failover_pod_deletions_total{result},
+// mountmedic_failover_nodes_in_failover, mountmedic_failover_leader,
+// mountmedic_failover_nodes_recovered_total (controller);
+// mountmedic_failover_heartbeat_renewals_total{result},
+// mountmedic_failover_node_fenced, mountmedic_failover_fences_total,
+// mountmedic_failover_heartbeat_last_success_timestamp_seconds (heartbeat).
+//
+// # Timeline with the defaults
+//
+// A node dies at t=0. Its agent stops renewing; kubelet's node lifecycle
+// controller marks it NotReady at about 50 s (--node-monitor-grace-period);
+// the heartbeat has then been silent longer than the fence window (30 s +
+// 15 s) and kubelet longer than KubeletGrace (40 s): the leader taints it
+// at once, the pods are force-deleted about a second later, and the
+// replacements attach elsewhere. Measured: see BenchmarkNodeDeathToAttach.
+//
+// # What the fence window does not cover (residual risks)
+//
+//   - The agent is not running on a node that is partitioned (crash loop,
+//     image pull failure, evicted, OOM-killed, SIGKILLed while partitioned):
+//     nobody fences, and the controller fails the node over once the
+//     heartbeat is silent. An agent that starts and cannot renew within two
+//     HeartbeatIntervals fences at once, and one that stops without being
+//     able to release its Lease while already silent fences before it
+//     exits, which narrows this to an agent that stays down longer than
+//     FenceMargin. Cover it with the agent's system-node-critical priority
+//     and alerts on mountmedic_failover_heartbeat_renewals_total failures,
+//     or restrict the duty (NodeSelector) to nodes where the agent is
+//     healthy.
+//   - Fencing needs the container runtime: a running container keeps its
+//     own bind of the volume (private mount propagation) whatever is
+//     unmounted on the host, so only stopping it through the CRI cuts it
+//     off. If the runtime does not answer within FenceMargin, containers
+//     may write past the window.
+//   - Clock rate, not clock skew: both sides measure durations on their own
+//     monotonic clocks, so skew between nodes does not matter; a node
+//     whose clock runs much slower than the leader's (or a VM paused and
+//     resumed) fences later than promised. FenceMargin covers small rate
+//     errors; a paused VM that resumes after the window writes until its
+//     agent notices (within a second of resuming).
+//   - A control-plane outage longer than FenceAfter fences every node's
+//     RWO pods (they cannot tell an unreachable API server from a
+//     partition), and lifting the fence deletes those pods to restart them
+//     with fresh mounts. Choose FenceAfter above your control plane's
+//     longest expected outage; the controller cannot act during such an
+//     outage anyway.
+//   - Storage the pod reaches without its kubelet volume mounts (iSCSI or
+//     NFS mounted inside the container, a database replica talking to the
+//     storage over the network) is not fenced by unmounting; stopping the
+//     containers is all the fence does for it.
+//   - The out-of-service taint evicts every pod of the node that does not
+//     tolerate it, not only the eligible ones (KEP-2268's semantics); use
+//     force-delete mode to move only the eligible pods.
+//
+// failover imports probe and remount (for NodeFence) and client-go; probe
+// and remount must not import it.
+package failover

@@ -1,0 +1,96 @@
+package failover
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// TestNodeFenceUnmount fences one pod of a real kubelet tree (ext4 volumes
+// on loop devices, publish binds, a subPath bind, a memory emptyDir with
+// its own subPath): the pod's CSI publish target and the subPath bind of
+// it go, everything else stays.
+func TestNodeFenceUnmount(t *testing.T) {
+	lab.RequireRoot(t)
+	ctx := context.Background()
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	const drv = "lab.csi.mountmedic.test"
+	stagingA := k.StagingPath(drv, "vol-a")
+	lab.NewExt4(t, stagingA, 16)
+	stagingB := k.StagingPath(drv, "vol-b")
+	lab.NewExt4(t, stagingB, 16)
+	pubA := k.Publish("pod-a", "pv-a", drv, "vol-a", stagingA, false)
+	if err := os.Mkdir(filepath.Join(pubA, "data"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	subA := k.SubPath("pod-a", "pv-a", "app", 0, filepath.Join(pubA, "data"))
+	scratch := k.EmptyDir("pod-a", "scratch", true)
+	subScratch := k.SubPath("pod-a", "scratch", "app", 1, scratch)
+	pubB := k.Publish("pod-b", "pv-b", drv, "vol-b", stagingB, false)
+
+	f := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo"}
+	pods, err := f.MountedPods(ctx)
+	if err != nil {
+		t.Fatalf("MountedPods: %v", err)
+	}
+	slices.Sort(pods)
+	if want := []string{"pod-a", "pod-b"}; !slices.Equal(pods, want) {
+		t.Errorf("MountedPods = %v, want %v", pods, want)
+	}
+
+	dry := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo", DryRun: true}
+	if n, err := dry.UnmountPodVolumes(ctx, "pod-a"); n != 2 || err != nil {
+		t.Errorf("dry-run UnmountPodVolumes(pod-a) = %d, %v; want 2, nil", n, err)
+	}
+	assertMounted(t, map[string]bool{pubA: true, subA: true})
+
+	n, err := f.UnmountPodVolumes(ctx, "pod-a")
+	if n != 2 || err != nil {
+		t.Fatalf("UnmountPodVolumes(pod-a) = %d, %v; want 2, nil", n, err)
+	}
+	assertMounted(t, map[string]bool{pubA: false, subA: false, subScratch: true, pubB: true, stagingA: true, stagingB: true})
+
+	// What a container started now would get: the node's directory, not
+	// the volume.
+	if err := os.WriteFile(filepath.Join(pubA, "after-fence"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(stagingA, "after-fence")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a write to the fenced publish path reached the volume: stat = %v", err)
+	}
+
+	if n, err := f.UnmountPodVolumes(ctx, "pod-a"); n != 0 || err != nil {
+		t.Errorf("second UnmountPodVolumes(pod-a) = %d, %v; want 0, nil", n, err)
+	}
+}
+
+func assertMounted(t *testing.T, want map[string]bool) {
+	t.Helper()
+	for p, w := range want {
+		infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := len(infos) > 0; got != w {
+			t.Errorf("%s mounted = %v, want %v", p, got, w)
+		}
+	}
+}
+
+// TestNodeFenceNoRuntime: a fence without a container runtime says so.
+func TestNodeFenceNoRuntime(t *testing.T) {
+	f := &NodeFence{CRIEndpoint: "unix://" + filepath.Join(t.TempDir(), "containerd.sock"), CRITimeout: time.Second}
+	_, err := f.StopPodContainers(context.Background(), "pod-a", time.Second)
+	if !errors.Is(err, remount.ErrRuntimeUnavailable) {
+		t.Errorf("StopPodContainers without a runtime: err = %v, want ErrRuntimeUnavailable", err)
+	}
+}
