@@ -182,8 +182,8 @@ func DefaultConfig() Config {
 // DefaultConfig.
 func (c *Config) AddFlags(fl *pflag.FlagSet) {
 	fl.BoolVar(&c.Enabled, "failover", c.Enabled, "run the node failover duty: renew this node's heartbeat, fence when it cannot, and (the elected leader) fail pods with ReadWriteOnce volumes over from dead nodes")
-	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the heartbeat and leader election Leases (default $POD_NAMESPACE)")
-	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this instance's name in the Leases it holds (default $POD_NAME)")
+	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the heartbeat and leader election Leases (the default comes from $POD_NAMESPACE)")
+	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this instance's name in the Leases it holds (the default comes from $POD_NAME)")
 	fl.StringVar(&c.LeaderLease, "failover-leader-lease", c.LeaderLease, "name of the leader election Lease")
 	fl.BoolVar(&c.Candidate, "failover-leader-candidate", c.Candidate, "run the cluster side here too: campaign for the leader Lease and, when elected, fail dead nodes over")
 	fl.Var(newModeValue(&c.Mode), "failover-mode", "how to fail a dead node over: taint (node.kubernetes.io/out-of-service) or force-delete (pods and VolumeAttachments)")

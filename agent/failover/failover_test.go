@@ -262,12 +262,13 @@ func testPartitioned(t *testing.T, h *harness) {
 		t.Fatalf("partitioned node not tainted after the window: %v %v", taint, err)
 	}
 	// Safety, not speed: the cluster acted only after the node fenced,
-	// and not before the fence window (less the one heartbeat interval the
-	// last renewal may precede the cut by) since the cut.
+	// and not before the fence window since the cut, less the heartbeat
+	// interval the last renewal may precede the cut by and the second
+	// TimeAdded is truncated to.
 	if !taint.TimeAdded.After(fencedAt) {
 		t.Errorf("tainted at %s, before the node fenced at %s", taint.TimeAdded.Format(time.RFC3339Nano), fencedAt.Format(time.RFC3339Nano))
 	}
-	if min := s.cfg.FenceWindow(0) - s.cfg.HeartbeatInterval; taint.TimeAdded.Sub(cut) < min {
+	if min := s.cfg.FenceWindow(0) - s.cfg.HeartbeatInterval - time.Second; taint.TimeAdded.Sub(cut) < min {
 		t.Errorf("tainted %s after the cut, want at least %s", taint.TimeAdded.Sub(cut), min)
 	}
 	if !victim.hb.Fenced(string(old.UID)) {
@@ -360,7 +361,7 @@ func testCap(t *testing.T, h *harness) {
 	b := s.addNode("cap-b", true)
 	target := s.addNode("cap-c", true)
 	// One StatefulSet per doomed node: the test scheduler places each on
-	// the first living node of the namespace, so kill a's rival first.
+	// the first living node of the namespace.
 	pvA := s.statefulSet("db-a", nil)
 	h.mu.Lock()
 	h.placement[s.ns] = []*simNode{b, a, target}
@@ -382,19 +383,18 @@ func testCap(t *testing.T, h *harness) {
 	if ta == nil || tb == nil {
 		t.Fatalf("taints after both fail-overs: %v, %v", ta, tb)
 	}
-	first, second := a.name, b.name
-	if tb.TimeAdded.Before(ta.TimeAdded) {
-		first, second = b.name, a.name
+	if got := metric(t, reg, "mountmedic_failover_failovers_total", map[string]string{"result": resultSuccess}); got != 2 {
+		t.Errorf("failovers_total{result=success} = %v, want 2", got)
 	}
-	deferred := s.events(ctx, "default", "Node", second, ReasonFailoverDeferred)
-	if len(deferred) == 0 {
-		t.Errorf("no %s event on %s, failed over after %s", ReasonFailoverDeferred, second, first)
+	// One of them waited for the other (taint times have second
+	// resolution: the deferral event says which).
+	deferredA := s.events(ctx, "default", "Node", a.name, ReasonFailoverDeferred)
+	deferredB := s.events(ctx, "default", "Node", b.name, ReasonFailoverDeferred)
+	if (len(deferredA) == 0) == (len(deferredB) == 0) {
+		t.Errorf("%s events: %d on %s, %d on %s; want exactly one node deferred", ReasonFailoverDeferred, len(deferredA), a.name, len(deferredB), b.name)
 	}
 	if got := metric(t, reg, "mountmedic_failover_failovers_total", map[string]string{"result": resultDeferred}); got != 1 {
 		t.Errorf("failovers_total{result=deferred} = %v, want 1", got)
-	}
-	if len(s.events(ctx, "default", "Node", first, ReasonFailoverDeferred)) != 0 {
-		t.Errorf("%s, failed over first, was deferred too", first)
 	}
 }
 
