@@ -237,13 +237,13 @@ func fastConfig(caseName string) Config {
 // scenario is one case's nodes, namespace and controllers.
 type scenario struct {
 	h    *harness
-	t    *testing.T
+	t    testing.TB
 	name string
 	ns   string
 	cfg  Config
 }
 
-func (h *harness) scenario(t *testing.T, name string, cfg Config) *scenario {
+func (h *harness) scenario(t testing.TB, name string, cfg Config) *scenario {
 	ns := "case-" + name
 	h.c.CreateNamespace(t, ns)
 	s := &scenario{h: h, t: t, name: name, ns: ns, cfg: cfg}
