@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -45,6 +46,16 @@ type Deps struct {
 	// Events records events; nil starts an events.k8s.io broadcaster on
 	// Client.
 	Events eventRecorder
+	// Registry is where the agent registers its metrics and that /metrics
+	// serves; nil makes a private one. Pass one to serve other collectors
+	// (the failover duty's) on the same endpoint.
+	Registry *prometheus.Registry
+	// Fenced reports pods the failover heartbeat has fenced (its node lost
+	// the API server: their containers were stopped and their volumes
+	// unmounted). They are never repaired while fenced: a re-stage would
+	// put the volume back under a node that must not write to it. Nil
+	// fences nothing.
+	Fenced func(podUID string) bool
 }
 
 // Agent is the node agent. Make it with New, start it with Run.
@@ -71,6 +82,8 @@ type Agent struct {
 	scanned  atomic.Bool
 	ready    atomic.Bool
 	lastScan atomic.Int64 // unix nanoseconds
+
+	fenced func(podUID string) bool
 
 	driverMu sync.Mutex
 	driverOK map[string]bool
@@ -110,13 +123,14 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		prober:   deps.Prober,
 		kube:     &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout},
 		caps:     newCapsCache(deps.DriverCaps),
-		metrics:  newMetrics(cfg.Version),
+		metrics:  newMetrics(cfg.Version, deps.Registry),
 		notes:    newNoteBook(),
 		budget:   newBudget(cfg.MaxEvictions, cfg.EvictionWindow, nil),
 		decider:  newDecider(&cfg),
 		events:   deps.Events,
 		driverOK: make(map[string]bool),
 		driverUp: make(chan string, 16),
+		fenced:   deps.Fenced,
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
 	a.report = reporter{rec: deps.Events, dryRun: cfg.DryRun}
@@ -413,6 +427,8 @@ func (a *Agent) prepare(bv *brokenVolume) *job {
 		switch {
 		case pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed:
 			j.terminating = append(j.terminating, pod)
+		case a.fenced != nil && a.fenced(string(pod.UID)):
+			j.excluded[pod] = "the pod is fenced: this node lost its failover heartbeat, so its containers were stopped and its volumes unmounted; not repaired until the fence lifts"
 		case !a.cfg.namespaceAllowed(pod.Namespace):
 			j.excluded[pod] = fmt.Sprintf("namespace %s is excluded by --include-namespaces/--exclude-namespaces: not repaired", pod.Namespace)
 		default:

@@ -382,3 +382,22 @@ func TestAgentFreesTerminatingPods(t *testing.T) {
 		t.Errorf("the pod without an owner was force-deleted: %v", err)
 	}
 }
+
+// TestAgentLeavesFencedPodsAlone: a pod the failover heartbeat fenced (its
+// node is cut off from the API server) is reported and never repaired or
+// evicted, even though its volume is dead.
+func TestAgentLeavesFencedPodsAlone(t *testing.T) {
+	e := newEnv(t, nil)
+	labels := map[string]string{"app": "fenced"}
+	v := e.createVolume("fenced", nil)
+	pod := e.createPod("fenced-0", v, podOptions{owner: e.replicaSet("fenced", labels), labels: labels})
+	e.deadVolume(v, pod)
+	cfg := e.config()
+	cfg.Tiers = agent.Tiers{Evict: true}
+	a := e.startAgent(cfg, agent.Deps{Fenced: func(uid string) bool { return uid == string(pod.UID) }})
+	e.waitEvent(pod.UID, agent.ReasonNotRepaired, "fenced")
+	time.Sleep(time.Second)
+	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 0 {
+		t.Errorf("evicted %v fenced pods, want 0", n)
+	}
+}

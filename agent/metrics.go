@@ -56,9 +56,14 @@ type metrics struct {
 	seen map[[2]string]bool
 }
 
-func newMetrics(version string) *metrics {
+// newMetrics registers the agent's collectors on reg (a new private
+// registry when nil).
+func newMetrics(version string, reg *prometheus.Registry) *metrics {
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
 	m := &metrics{
-		reg: prometheus.NewRegistry(),
+		reg: reg,
 		staleMounts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "mountmedic_stale_mounts",
 			Help: "Kubelet volume mounts in a broken state, by CSI driver (or volume plugin), mount kind and state.",

@@ -1,14 +1,19 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 )
@@ -16,12 +21,13 @@ import (
 // agentFlags are the agent command's flags; everything but the tier list
 // binds straight into agent.Config.
 type agentFlags struct {
-	cfg   agent.Config
-	tiers []string
+	cfg      agent.Config
+	tiers    []string
+	failover failover.Config
 }
 
 func newAgentCommand() *cobra.Command {
-	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers}
+	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers, failover: failover.DefaultConfig()}
 	f.cfg.NodeName = os.Getenv("NODE_NAME")
 	cmd := &cobra.Command{
 		Use:   "agent",
@@ -42,13 +48,20 @@ dead ones through the repair ladder (--tiers, least disruptive first):
 It reads pods of this node only (a field selector on spec.nodeName) and gets
 PersistentVolumes, claims, CSIDrivers, VolumeAttachments and Secrets by name
 when a repair needs them. With --dry-run it decides, records events (marked
-[dry-run]) and metrics, and changes nothing.`,
+[dry-run]) and metrics, and changes nothing.
+
+With --failover (off by default) it also renews a heartbeat Lease for its
+node, fences the node's pods with ReadWriteOnce volumes when it loses the
+API server for --failover-fence-after, and takes part in the leader election
+of the cluster failover duty, which moves such pods off nodes confirmed dead
+(see agent/failover and deploy/README.md before enabling it).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runAgent(cmd, f)
 		},
 	}
 	bindAgentFlags(cmd.Flags(), f)
+	f.failover.AddFlags(cmd.Flags())
 	return cmd
 }
 
@@ -102,6 +115,12 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if err != nil {
 		return err
 	}
+	fcfg := f.failover
+	fcfg.NodeName = cfg.NodeName
+	fcfg.DryRun = fcfg.DryRun || cfg.DryRun
+	if err := fcfg.Validate(); err != nil {
+		return err
+	}
 	client, err := agent.NewClient(cfg.Kubeconfig, version)
 	if err != nil {
 		return err
@@ -117,5 +136,49 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		return fmt.Errorf("--kubelet-root: %w", err)
 	}
 	defer repairer.Close()
-	return agent.Run(cmd.Context(), cfg, agent.Deps{Client: client, Repairer: repairer})
+	deps := agent.Deps{Client: client, Repairer: repairer, Registry: prometheus.NewRegistry()}
+
+	ctx, cancel := context.WithCancel(cmd.Context())
+	defer cancel()
+	var (
+		wg      sync.WaitGroup
+		dutyErr error
+		once    sync.Once
+	)
+	defer wg.Wait()
+	if fcfg.Enabled {
+		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
+			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
+		hb, err := failover.NewHeartbeat(fcfg, client, fence, fence, deps.Registry)
+		if err != nil {
+			return err
+		}
+		deps.Fenced = hb.Fenced
+		duties := []func(context.Context) error{hb.Run}
+		if fcfg.Candidate {
+			ctl, err := failover.NewController(fcfg, client, deps.Registry)
+			if err != nil {
+				return err
+			}
+			duties = append(duties, ctl.Run)
+		}
+		for _, run := range duties {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := run(ctx); err != nil && ctx.Err() == nil {
+					klog.FromContext(ctx).Error(err, "Failover duty stopped")
+					once.Do(func() { dutyErr = fmt.Errorf("failover duty: %w", err) })
+					cancel() // a node agent without its heartbeat must not go on as if it had one
+				}
+			}()
+		}
+	}
+	err = agent.Run(ctx, cfg, deps)
+	cancel()
+	wg.Wait()
+	if err != nil {
+		return err
+	}
+	return dutyErr
 }
