@@ -11,6 +11,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
@@ -34,6 +35,7 @@ type env struct {
 // TestE2E brings up the node once, proves it (the harness), deploys the
 // agent as the DaemonSet of deploy/ and runs every scenario against it.
 func TestE2E(t *testing.T) {
+	lab.RequireRoot(t)
 	runs := 1
 	if v := os.Getenv(runsEnv); v != "" {
 		var err error
