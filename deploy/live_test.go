@@ -93,7 +93,17 @@ var labVolumes = []labVolume{
 //   - MountmedicScanStalled: needs two minutes without a finished probe
 //     cycle; it is evaluated 125 s after the last scrape (Prometheus's
 //     query time parameter) instead of waiting, and checked empty now.
-//   - failover queries: see pendingMetrics.
+//   - failover (every agent runs with --failover, liveFailoverFlags): a
+//     second, simulated node (failover_live_test.go) with a StatefulSet pod
+//     on a ReadWriteOnce CSI volume and its own real agent dies with the
+//     faults: its kubelet Lease stops and its agent loses the API server.
+//     That agent fences (MountmedicNodeFenced; its publish mount is
+//     unmounted), the lab agent, elected leader, taints the node
+//     out-of-service and force-deletes the pod once the taint eviction
+//     controller has marked it terminating (MountmedicFailoverActed, the
+//     death-to-action histogram, pod deletions). At the end the node comes
+//     back: the fence is lifted and the leader removes its taint.
+//     MountmedicHeartbeatFailing: the cut-off agent's failed renewals.
 func TestLiveDashboardAndAlerts(t *testing.T) {
 	lab.RequireRoot(t)
 	promBin := tool(t, "prometheus", "apt-get install prometheus (scripts/deps.sh)")
@@ -104,40 +114,51 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	defer cancel()
 
 	// The control plane, with deploy/ applied: the agent runs as its
-	// ServiceAccount, under its RBAC.
-	// kube-controller-manager's disruption controller computes the
-	// PodDisruptionBudget's status, which the eviction API judges by.
-	c := kubetest.Start(t, kubetest.Options{Controllers: kubetest.DefaultControllers})
+	// ServiceAccount, under its RBAC. The controllers: liveControllers.
+	c := kubetest.Start(t, kubetest.Options{Controllers: liveControllers, ControllerManagerArgs: liveKCMArgs})
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
-	agentKubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic")
+	agentKubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic", "")
 	c.CreateNamespace(t, appsNS)
 
 	// Pods in the API and their volumes in a lab kubelet tree.
 	kl := lab.NewKubelet(t, filepath.Join(t.TempDir(), "var", "lib", "kubelet"))
 	faults, unhang := createWorkload(ctx, t, c.Client, kl)
 
-	// The agent: the DaemonSet's own arguments, then what differs in the
-	// lab (later flags win).
+	// The agent: the DaemonSet's own arguments and environment, the
+	// failover duty turned on, then what differs in the lab (later flags
+	// win).
 	ds, _ := daemonSet(t)
 	metricsAddr := freeAddr(t)
-	args := slices.Clone(ds.Spec.Template.Spec.Containers[0].Args)
-	args = append(args, "--kubeconfig="+agentKubeconfig, "--node-name="+labNode, "--kubelet-root="+kl.Root(),
+	dsArgs := append(slices.Clone(ds.Spec.Template.Spec.Containers[0].Args), liveFailoverFlags...)
+	args := append(slices.Clone(dsArgs), "--kubeconfig="+agentKubeconfig, "--node-name="+labNode, "--kubelet-root="+kl.Root(),
 		"--host-table=/proc/self/mountinfo", "--metrics-addr="+metricsAddr, "-v=2")
-	agent := startProcess(t, "agent", bin, args...)
+	agent := startProcess(t, "agent", []string{"POD_NAMESPACE=mountmedic", "POD_NAME=mountmedic-" + labNode}, bin, args...)
 	started := time.Now()
 	// A thread blocked in a FUSE request the daemon has read cannot be
 	// killed: the agent process cannot exit until the hung connection is
 	// aborted. Cleanups run last-in first-out: this one before the agent's.
 	t.Cleanup(unhang)
 
-	// Prometheus scrapes it every second and evaluates the rules.
-	prom := startPrometheus(t, promBin, metricsAddr)
+	// The simulated node that is going to die, and its agent.
+	sim := startSimNode(ctx, t, c, bin, dsArgs)
 
-	// The faults, once the agent has seen the volumes healthy.
+	// Prometheus scrapes both agents every second and evaluates the rules.
+	prom := startPrometheus(t, promBin, scrapeTarget{metricsAddr, labNode}, scrapeTarget{sim.metricsAddr, simNodeName})
+
+	// The faults, once the agent has seen the volumes healthy, the lab
+	// agent leads the failover duty and both heartbeats are renewed.
 	waitQuery(ctx, t, prom, fmt.Sprintf(`sum(mountmedic_kubelet_mounts{node=%q, kind=~"publish|plugin"}) >= %d`, labNode, len(labVolumes)))
+	waitQuery(ctx, t, prom, fmt.Sprintf(`mountmedic_failover_leader{node=%q} == 1`, labNode))
+	for _, n := range []string{labNode, simNodeName} {
+		waitQuery(ctx, t, prom, fmt.Sprintf(`mountmedic_failover_heartbeat_renewals_total{node=%q, result="success"} > 0`, n))
+	}
+	if !sim.publishMounted(t) {
+		t.Fatalf("%s: the simulated node's publish target is not mounted before the partition", sim.publish)
+	}
 	for _, f := range faults {
 		f()
 	}
+	sim.partition()
 	faulted := time.Now()
 
 	// Every query returns data.
@@ -151,11 +172,6 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 				continue
 			}
 			q.result, q.err = prom.query(q.expr, time.Now().Add(q.shift))
-			if q.pending {
-				t.Logf("pending %s: %s = %v (err %v)", q.name, q.expr, q.result, q.err)
-				q.ok = true
-				continue
-			}
 			q.ok = q.err == nil && q.want == hasData(q.result)
 			if !q.ok {
 				failing++
@@ -174,7 +190,8 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 		}
 		time.Sleep(2 * time.Second)
 	}
-	t.Logf("%d queries evaluated against the live agent, all as expected %.0f s after the faults", len(queries), time.Since(faulted).Seconds())
+	t.Logf("%d queries evaluated against the live agents, all as expected %.0f s after the faults", len(queries), time.Since(faulted).Seconds())
+	checkFailover(ctx, t, prom, sim)
 
 	// The dashboard picture (README.md), from this Prometheus; with -update
 	// after a little more history.
@@ -185,7 +202,8 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 
 	// The rule engine evaluated every rule without error, and the alerts
 	// the scenario raises are pending (their "for" has not passed) or firing.
-	checkRules(t, prom, "MountmedicStaleMounts", "MountmedicHungMounts", "MountmedicRepairsFailing")
+	checkRules(t, prom, "MountmedicStaleMounts", "MountmedicHungMounts", "MountmedicRepairsFailing",
+		"MountmedicFailoverActed", "MountmedicNodeFenced", "MountmedicHeartbeatFailing")
 
 	// The agent's own /metrics: promtool's lint, and the capture's shape.
 	body := httpGet(t, "http://"+metricsAddr+"/metrics")
@@ -196,6 +214,10 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	}
 	compareCapture(t, body)
 	logUsage(t, prom)
+
+	// The simulated node comes back: its agent lifts the fence, the leader
+	// removes its taint.
+	healFailover(ctx, t, prom, sim)
 
 	// Agent down: stop it; up turns 0 and the alert expression has data.
 	// The hung FUSE connection is aborted first, as a re-stage would:
@@ -218,14 +240,11 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 type liveQuery struct {
 	name, expr string
 	// shift moves the evaluation time; want is whether data is expected.
-	shift time.Duration
-	want  bool
-	// pending: the query uses a metric of pendingMetrics; its result is
-	// logged, not required.
-	pending bool
-	ok      bool
-	result  model.Vector
-	err     error
+	shift  time.Duration
+	want   bool
+	ok     bool
+	result model.Vector
+	err    error
 }
 
 // liveQueries lists every dashboard query (variables substituted), the
@@ -234,14 +253,6 @@ type liveQuery struct {
 func liveQueries(t *testing.T) []liveQuery {
 	t.Helper()
 	subst := strings.NewReplacer(`$__rate_interval`, rateRange, `$__range`, "1h", `$node`, labNode, `$driver`, ".*", `$job`, labJob)
-	pending := func(expr string) bool {
-		for _, m := range metricName.FindAllString(expr, -1) {
-			if pendingMetrics[m] {
-				return true
-			}
-		}
-		return false
-	}
 	var qs []liveQuery
 	// The scenario itself: each fault seen in its state, each eviction
 	// outcome counted. (A shut-down ext4 shows only in the mount table's
@@ -257,10 +268,22 @@ func liveQueries(t *testing.T) []liveQuery {
 	for _, r := range []string{`result="evicted"} > 0`, `result="blocked_by_pdb"} > 0`, `result="no_controller"} > 0`} {
 		qs = append(qs, liveQuery{name: "scenario: evictions " + r, want: true, expr: `mountmedic_evictions_total{` + r})
 	}
-	add := func(q liveQuery) {
-		q.pending = pending(q.expr)
-		qs = append(qs, q)
+	// The failover: the simulated node fenced itself, the lab agent leads
+	// and failed the node over, its pod was force-deleted.
+	for name, expr := range map[string]string{
+		"lab agent leads":         fmt.Sprintf(`mountmedic_failover_leader{node=%q} == 1`, labNode),
+		"simulated node fenced":   fmt.Sprintf(`mountmedic_failover_node_fenced{node=%q} == 1`, simNodeName),
+		"node failed over":        fmt.Sprintf(`mountmedic_failover_failovers_total{node=%q, result="success"} > 0`, labNode),
+		"its pod force-deleted":   fmt.Sprintf(`mountmedic_failover_pod_deletions_total{node=%q, result="success"} > 0`, labNode),
+		"death to action timed":   fmt.Sprintf(`mountmedic_failover_death_to_action_seconds_count{node=%q} > 0`, labNode),
+		"lab node never fenced":   fmt.Sprintf(`mountmedic_failover_fences_total{node=%q} == 0`, labNode),
+		"no failed fail-over":     fmt.Sprintf(`mountmedic_failover_failovers_total{node=%q, result="failure"} == 0`, labNode),
+		"no failed pod deletion":  fmt.Sprintf(`mountmedic_failover_pod_deletions_total{node=%q, result="failure"} == 0`, labNode),
+		"heartbeat renewals fail": fmt.Sprintf(`mountmedic_failover_heartbeat_renewals_total{node=%q, result="failure"} > 0`, simNodeName),
+	} {
+		qs = append(qs, liveQuery{name: "scenario: failover: " + name, want: true, expr: expr})
 	}
+	add := func(q liveQuery) { qs = append(qs, q) }
 	for _, tg := range dashboardTargets(t) {
 		add(liveQuery{name: fmt.Sprintf("panel %q query %s", tg.panel, tg.ref), expr: subst.Replace(tg.expr), want: true})
 	}
@@ -421,12 +444,16 @@ func createClaim(ctx context.Context, t *testing.T, cs kubernetes.Interface, nam
 }
 
 // writeKubeconfig writes a kubeconfig that authenticates as the
-// ServiceAccount namespace/name with a real token.
-func writeKubeconfig(t *testing.T, c *kubetest.Cluster, namespace, name string) string {
+// ServiceAccount namespace/name with a real token, reaching the API server
+// at server (empty: directly).
+func writeKubeconfig(t *testing.T, c *kubetest.Cluster, namespace, name, server string) string {
 	t.Helper()
 	rc := c.ServiceAccountConfig(t, namespace, name)
+	if server == "" {
+		server = rc.Host
+	}
 	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters["lab"] = &clientcmdapi.Cluster{Server: rc.Host, CertificateAuthorityData: rc.CAData}
+	cfg.Clusters["lab"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: rc.CAData}
 	cfg.AuthInfos[name] = &clientcmdapi.AuthInfo{Token: rc.BearerToken}
 	cfg.Contexts["lab"] = &clientcmdapi.Context{Cluster: "lab", AuthInfo: name}
 	cfg.CurrentContext = "lab"
@@ -456,7 +483,8 @@ type process struct {
 	done chan struct{}
 }
 
-func startProcess(t *testing.T, name, bin string, args ...string) *process {
+// startProcess starts bin with args and the test's environment plus env.
+func startProcess(t *testing.T, name string, env []string, bin string, args ...string) *process {
 	t.Helper()
 	logPath := filepath.Join(t.TempDir(), name+".log")
 	logf, err := os.Create(logPath)
@@ -464,6 +492,7 @@ func startProcess(t *testing.T, name, bin string, args ...string) *process {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -518,11 +547,14 @@ type promServer struct {
 	p   *process
 }
 
+// scrapeTarget is an agent's metrics address and its node.
+type scrapeTarget struct{ addr, node string }
+
 // startPrometheus starts Prometheus on a free loopback port with a fresh
-// data directory, scraping the agent at target every second as job
-// mountmedic with the node and pod labels the PodMonitor gives, and
-// evaluating rules.yaml every second.
-func startPrometheus(t *testing.T, bin, target string) *promServer {
+// data directory, scraping the agents every second as job mountmedic with
+// the node and pod labels the PodMonitor gives, and evaluating rules.yaml
+// every second.
+func startPrometheus(t *testing.T, bin string, targets ...scrapeTarget) *promServer {
 	t.Helper()
 	dir := t.TempDir()
 	rules, err := filepath.Abs(rulesFile)
@@ -538,18 +570,21 @@ rule_files:
 scrape_configs:
   - job_name: %s
     static_configs:
-      - targets: [%q]
+`, rules, labJob)
+	for _, tg := range targets {
+		cfg += fmt.Sprintf(`      - targets: [%q]
         labels:
           node: %q
-          pod: mountmedic-lab
+          pod: mountmedic-%s
           namespace: mountmedic
-`, rules, labJob, target, labNode)
+`, tg.addr, tg.node, tg.node)
+	}
 	cfgPath := filepath.Join(dir, "prometheus.yml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	addr := freeAddr(t)
-	p := startProcess(t, "prometheus", bin, "--config.file="+cfgPath, "--storage.tsdb.path="+filepath.Join(dir, "data"),
+	p := startProcess(t, "prometheus", nil, bin, "--config.file="+cfgPath, "--storage.tsdb.path="+filepath.Join(dir, "data"),
 		"--web.listen-address="+addr, "--log.level=warn")
 	s := &promServer{url: "http://" + addr, p: p}
 	deadline := time.Now().Add(time.Minute)
@@ -701,7 +736,8 @@ func httpGet(t *testing.T, u string) []byte {
 
 // captureHeader opens testdata/metrics.txt.
 const captureHeader = `# CAPTURED from a real mountmedic agent in the fault lab (a dead, a hung and
-# an EIO FUSE volume, a shut-down ext4 volume, evictions) by
+# an EIO FUSE volume, a shut-down ext4 volume, evictions; with --failover,
+# leading, after it failed a simulated dead node over) by
 #   go test ./deploy/ -run TestLiveDashboardAndAlerts -update
 # The live test fails when the agent's metric families (names, types, label
 # names) differ from this file's; TestQueriesUseExportedMetrics checks the
@@ -754,15 +790,15 @@ func compareCapture(t *testing.T, live []byte) {
 	}
 }
 
-// logUsage logs the agent's CPU and memory in the scenario, for the
-// DaemonSet's requests.
+// logUsage logs the lab agent's CPU and memory in the scenario (with the
+// failover duty on and leading), for the DaemonSet's requests.
 func logUsage(t *testing.T, s *promServer) {
 	t.Helper()
 	for _, q := range []string{
-		`rate(process_cpu_seconds_total{job="mountmedic"}[1m])`,
-		`max_over_time(process_resident_memory_bytes{job="mountmedic"}[5m])`,
-		`max_over_time(go_memstats_heap_inuse_bytes{job="mountmedic"}[5m])`,
-		`max_over_time(go_threads{job="mountmedic"}[5m])`,
+		`rate(process_cpu_seconds_total{job="mountmedic", node="` + labNode + `"}[1m])`,
+		`max_over_time(process_resident_memory_bytes{job="mountmedic", node="` + labNode + `"}[5m])`,
+		`max_over_time(go_memstats_heap_inuse_bytes{job="mountmedic", node="` + labNode + `"}[5m])`,
+		`max_over_time(go_threads{job="mountmedic", node="` + labNode + `"}[5m])`,
 	} {
 		if res, err := s.query(q, time.Now()); err == nil && len(res) > 0 {
 			t.Logf("agent %s = %g", q, float64(res[0].Value))

@@ -76,8 +76,8 @@ type previewPanel struct {
 }
 
 // renderPreview draws the dashboard as an SVG from prom's data over
-// [start, end], with the lab's variables ($node the lab node, $driver
-// All) and rate windows of rate.
+// [start, end], with every variable at All (the lab node and the
+// simulated node that dies) and rate windows of rate.
 func renderPreview(t *testing.T, prom *promServer, start, end time.Time, rate string) []byte {
 	t.Helper()
 	var d struct {
@@ -88,7 +88,7 @@ func renderPreview(t *testing.T, prom *promServer, start, end time.Time, rate st
 		t.Fatal(err)
 	}
 	subst := strings.NewReplacer(`$__rate_interval`, rate, `$__range`, fmt.Sprintf("%ds", int(end.Sub(start).Seconds())),
-		`$node`, labNode, `$driver`, ".*", `$job`, labJob)
+		`$node`, ".*", `$driver`, ".*", `$job`, labJob)
 	step := max(end.Sub(start)/120, time.Second)
 	maxY := 0
 	for _, p := range d.Panels {
@@ -98,8 +98,8 @@ func renderPreview(t *testing.T, prom *promServer, start, end time.Time, rate st
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="11">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="#111217"/>`+"\n")
-	fmt.Fprintf(&b, `<text x="8" y="24" fill="#d8d9da" font-size="16">%s — node %s, %s to %s UTC (fault lab, preview drawn from Prometheus data, not by Grafana)</text>`+"\n",
-		html.EscapeString(d.Title), labNode, start.UTC().Format("15:04:05"), end.UTC().Format("15:04:05"))
+	fmt.Fprintf(&b, `<text x="8" y="24" fill="#d8d9da" font-size="16">%s — nodes %s and %s, %s to %s UTC (fault lab, preview drawn from Prometheus data, not by Grafana)</text>`+"\n",
+		html.EscapeString(d.Title), labNode, simNodeName, start.UTC().Format("15:04:05"), end.UTC().Format("15:04:05"))
 	for _, p := range d.Panels {
 		x, y := p.GridPos.X*colWidth, p.GridPos.Y*rowHeight+40
 		w, h := p.GridPos.W*colWidth, p.GridPos.H*rowHeight

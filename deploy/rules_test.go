@@ -252,7 +252,8 @@ func TestDashboardShape(t *testing.T) {
 		all += tg.expr + "\n"
 	}
 	for _, m := range []string{"mountmedic_stale_mounts", "mountmedic_probe_duration_seconds_bucket", "mountmedic_hung_probes",
-		"mountmedic_repairs_total", "mountmedic_repair_duration_seconds_bucket", "mountmedic_evictions_total", "mountmedic_failover_failovers_total"} {
+		"mountmedic_repairs_total", "mountmedic_repair_duration_seconds_bucket", "mountmedic_evictions_total", "mountmedic_failover_failovers_total",
+		"mountmedic_failover_node_fenced", "mountmedic_failover_heartbeat_renewals_total", "mountmedic_failover_leader"} {
 		if !strings.Contains(all, m) {
 			t.Errorf("no dashboard query uses %s", m)
 		}
@@ -308,7 +309,7 @@ func TestQueriesUseExportedMetrics(t *testing.T) {
 	var missing []string
 	for _, e := range exprs {
 		for _, m := range metricName.FindAllString(e, -1) {
-			if !exported[m] && !slices.Contains(missing, m) && !pendingMetrics[m] {
+			if !exported[m] && !slices.Contains(missing, m) {
 				missing = append(missing, m)
 			}
 		}
@@ -316,20 +317,4 @@ func TestQueriesUseExportedMetrics(t *testing.T) {
 	if len(missing) > 0 {
 		t.Errorf("queries use metrics the agent does not export (per %s): %v", metricsCapture, missing)
 	}
-}
-
-// pendingMetrics are metrics that queries use but the agent command does
-// not export yet: those of the failover duty (agent/failover, issue 5),
-// under the names agent/failover/metrics.go gives them. The live test
-// evaluates their queries and logs the result instead of requiring data.
-// Delete each entry once `mountmedic agent` (as the DaemonSet runs it)
-// exports the metric and the live scenario moves it.
-var pendingMetrics = map[string]bool{
-	"mountmedic_failover_failovers_total":                true,
-	"mountmedic_failover_pod_deletions_total":            true,
-	"mountmedic_failover_death_to_action_seconds_bucket": true,
-	"mountmedic_failover_nodes_in_failover":              true,
-	"mountmedic_failover_leader":                         true,
-	"mountmedic_failover_node_fenced":                    true,
-	"mountmedic_failover_heartbeat_renewals_total":       true,
 }
