@@ -10,8 +10,10 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
@@ -380,21 +382,171 @@ func readFile(t *testing.T, path string) []byte {
 	return b
 }
 
-// TestReadmeCoversFlagsAndMetrics: README.md's configuration table names
-// every flag of `mountmedic agent`, and its metrics table every mountmedic
-// metric of the real agent's capture.
+// TestReadmeCoversFlagsAndMetrics: README.md's configuration tables name
+// every flag of `mountmedic agent`, each default written as a literal value
+// is the one the command prints, and the metrics table names every
+// mountmedic metric of the real agent's capture.
 func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
 	readme := string(readFile(t, "README.md"))
 	help := string(run(t, ".", buildMountmedic(t), "agent", "--help"))
 	flags, _, _ := strings.Cut(help, "Global Flags:")
-	for _, m := range regexp.MustCompile(`(?m)^\s+(?:-\w, )?--([a-z0-9-]+)`).FindAllStringSubmatch(flags, -1) {
-		if m[1] != "help" && !strings.Contains(readme, "| `--"+m[1]+"` |") {
-			t.Errorf("README.md's configuration table has no row for --%s", m[1])
+	defaults := helpDefaults(flags)
+	if len(defaults) < 40 {
+		t.Fatalf("found only %d flags in mountmedic agent --help:\n%s", len(defaults), flags)
+	}
+	rows := readmeFlagRows(readme)
+	for name, def := range defaults {
+		if name == "help" {
+			continue
+		}
+		cell, ok := rows[name]
+		if !ok {
+			t.Errorf("README.md's configuration table has no row for --%s", name)
+			continue
+		}
+		lit, ok := strings.CutPrefix(cell, "`")
+		lit, ok2 := strings.CutSuffix(lit, "`")
+		if !ok || !ok2 || strings.ContainsAny(lit, "`$") {
+			continue // a description such as (all) or `$NODE_NAME`, else ...
+		}
+		if !sameDefault(lit, def) {
+			t.Errorf("README.md says --%s defaults to %q; mountmedic agent --help says %q", name, lit, def.value)
 		}
 	}
 	for name := range shape(t, readFile(t, metricsCapture)) {
 		if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
 			t.Errorf("README.md's metrics table has no row for %s", name)
+		}
+	}
+}
+
+// flagDefault is a flag's type and the default --help prints ("" when it
+// prints none: the zero value).
+type flagDefault struct{ typ, value string }
+
+// helpDefaults parses the flag lines of a cobra --help.
+func helpDefaults(flags string) map[string]flagDefault {
+	line := regexp.MustCompile(`^\s+(?:-\w, )?--([a-z0-9-]+)(?: ([a-zA-Z]+))?\s+(.*)$`)
+	out := make(map[string]flagDefault)
+	for _, l := range strings.Split(flags, "\n") {
+		m := line.FindStringSubmatch(l)
+		if m == nil {
+			continue
+		}
+		d := flagDefault{typ: m[2]}
+		if i := strings.LastIndex(m[3], "(default "); i >= 0 && strings.HasSuffix(m[3], ")") {
+			d.value = strings.TrimSuffix(m[3][i+len("(default "):], ")")
+		}
+		out[m[1]] = d
+	}
+	return out
+}
+
+// readmeFlagRows maps each flag of README.md's configuration tables to its
+// default cell.
+func readmeFlagRows(readme string) map[string]string {
+	out := make(map[string]string)
+	for _, m := range regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|").FindAllStringSubmatch(readme, -1) {
+		out[m[1]] = strings.TrimSpace(m[2])
+	}
+	return out
+}
+
+// sameDefault compares a README literal with what --help printed.
+func sameDefault(lit string, d flagDefault) bool {
+	v := d.value
+	if u, err := strconv.Unquote(v); err == nil {
+		v = u
+	}
+	v = strings.TrimSuffix(strings.TrimPrefix(v, "["), "]")
+	switch {
+	case d.value == "" && d.typ == "":
+		return lit == "false" // a bool that is false
+	case d.value == "":
+		return lit == "0" || lit == ""
+	case d.typ == "duration":
+		a, err1 := time.ParseDuration(lit)
+		b, err2 := time.ParseDuration(v)
+		return err1 == nil && err2 == nil && a == b
+	}
+	return lit == v
+}
+
+// readmeBlock returns the fenced code block of README.md whose first line
+// is first.
+func readmeBlock(t *testing.T, first string) string {
+	t.Helper()
+	readme := string(readFile(t, "README.md"))
+	_, after, ok := strings.Cut(readme, "```yaml\n"+first+"\n")
+	if !ok {
+		t.Fatalf("README.md has no yaml block starting with %q", first)
+	}
+	block, _, ok := strings.Cut(after, "```")
+	if !ok {
+		t.Fatalf("README.md: the block starting with %q does not end", first)
+	}
+	return first + "\n" + block
+}
+
+// renderOverlay writes a README overlay as overlays/<name>/kustomization.yaml
+// beside a link to deploy/ (its resources: [../../deploy]) and renders it.
+func renderOverlay(t *testing.T, name, kustomization string) []object {
+	t.Helper()
+	root := t.TempDir()
+	abs, err := filepath.Abs(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(abs, filepath.Join(root, "deploy")); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(root, "overlays", name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(kustomization), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return decodeAll(t, run(t, ".", kubectl(t), "kustomize", dir))
+}
+
+// TestReadmeFailoverOverlays renders the overlays README.md gives for the
+// failover duty: the one that turns it on (then the agent's own validation
+// judges the DaemonSet's arguments, as TestDaemonSetFlagsExist does for the
+// base), and the one that removes its RBAC.
+func TestReadmeFailoverOverlays(t *testing.T) {
+	base := kustomize(t, ".")
+	on := renderOverlay(t, "failover", readmeBlock(t, "# overlays/failover/kustomization.yaml"))
+	var ds appsv1.DaemonSet
+	if err := yaml.Unmarshal(find(t, on, "DaemonSet", "mountmedic").raw, &ds); err != nil {
+		t.Fatal(err)
+	}
+	args := ds.Spec.Template.Spec.Containers[0].Args
+	baseDS, _ := daemonSet(t)
+	if want := append(slices.Clone(baseDS.Spec.Template.Spec.Containers[0].Args), "--failover", "--failover-dry-run"); !slices.Equal(args, want) {
+		t.Errorf("failover overlay DaemonSet args = %q, want %q", args, want)
+	}
+	if len(on) != len(base) {
+		t.Errorf("failover overlay renders %d objects, the base %d", len(on), len(base))
+	}
+	bin := buildMountmedic(t)
+	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
+	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--kubeconfig="+missing)
+	out, err := exec.Command(bin, cmdArgs...).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), missing) || strings.Count(strings.TrimSpace(string(out)), "\n") > 0 {
+		t.Errorf("mountmedic %s: want one error naming the missing kubeconfig, got %v:\n%s", strings.Join(cmdArgs, " "), err, out)
+	}
+
+	off := renderOverlay(t, "no-failover-rbac", readmeBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
+	gone := map[string]bool{"ClusterRoleBinding/mountmedic-failover": true, "RoleBinding/mountmedic": true}
+	kept := make(map[string]bool)
+	for _, o := range off {
+		kept[o.Kind+"/"+o.Metadata.Name] = true
+	}
+	for _, o := range base {
+		key := o.Kind + "/" + o.Metadata.Name
+		if kept[key] == gone[key] {
+			t.Errorf("no-failover-rbac overlay: %s present = %v, want %v", key, kept[key], !gone[key])
 		}
 	}
 }
