@@ -318,6 +318,7 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 		case r := <-a.results:
 			a.running--
 			a.decider.finish(r.key, r.outcome, rungEvict, r.reachedEvict, time.Now())
+			a.decider.setResidual(r.key, r.residual)
 		case <-probeTimer.C:
 			inv = a.cycle(ctx, inv, &dirty, pw)
 			probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
@@ -378,7 +379,12 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 		if a.running >= a.cfg.MaxConcurrentRepairs {
 			break
 		}
-		j := a.prepare(broken[key])
+		var j *job
+		if bv := broken[key]; bv != nil {
+			j = a.prepare(bv)
+		} else if rs := a.decider.residualOf(key); rs != nil {
+			j = a.prepareResidual(ctx, key, rs)
+		}
 		if j == nil {
 			continue
 		}
@@ -392,6 +398,28 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 		}()
 	}
 	return inv
+}
+
+// prepareResidual makes the job that resumes a residual: the volume is
+// re-staged on the host, some running containers still see the dead mount
+// through their own binds. It returns nil, and forgets the residual, when
+// none of them runs any more (restarted onto the fresh mount, or their pods
+// deleted or evicted).
+func (a *Agent) prepareResidual(ctx context.Context, key string, rs *residual) *job {
+	var pods []*corev1.Pod
+	for _, p := range rs.holders(a.pods.get) {
+		if a.fenced == nil || !a.fenced(string(p.UID)) {
+			pods = append(pods, p)
+		}
+	}
+	if len(pods) == 0 {
+		a.decider.setResidual(key, nil)
+		klog.FromContext(ctx).V(2).Info("No running container holds the dead mount any more", "volume", key)
+		a.report.claim(rs.r.pvc, nil, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
+			a.report.message("no running container holds the dead mount any more (restarted onto the fresh mount, or its pod replaced)"))
+		return nil
+	}
+	return &job{key: key, vol: rs.vol, active: pods, excluded: make(map[*corev1.Pod]string), resume: rs}
 }
 
 // hasBlockBackend reports whether a kubelet mount of inv sits on a block

@@ -34,6 +34,11 @@ type volState struct {
 	floor int
 	// inflight: a repair run is under way.
 	inflight bool
+	// residual: the host is healed but running containers still see the
+	// dead mount through their own binds. The volume is kept (the probe no
+	// longer sees it broken) and comes due again until a tier heals the
+	// containers or they are gone.
+	residual *residual
 }
 
 // decider holds the per-volume decisions: strikes, backoff, driver down,
@@ -73,9 +78,17 @@ type sighting struct {
 // within returnWindow of its driver registering again is treated as kicked:
 // the registration came before the probe that found the volume.
 func (d *decider) observe(broken map[string]sighting, now time.Time) []string {
+	var due []string
 	for key, st := range d.vols {
-		if _, ok := broken[key]; !ok && !st.inflight {
+		if _, ok := broken[key]; ok || st.inflight {
+			continue
+		}
+		if st.residual == nil {
 			delete(d.vols, key)
+			continue
+		}
+		if !now.Before(st.next) {
+			due = append(due, key)
 		}
 	}
 	for driver, at := range d.returned {
@@ -83,7 +96,6 @@ func (d *decider) observe(broken map[string]sighting, now time.Time) []string {
 			delete(d.returned, driver)
 		}
 	}
-	var due []string
 	for key, s := range broken {
 		st := d.vols[key]
 		if st == nil {
@@ -176,6 +188,22 @@ func (d *decider) finish(key string, o outcome, evictRung int, reachedEvict bool
 	}
 	st.next = now.Add(st.backoff)
 	st.backoff = min(2*st.backoff, d.backoffMax)
+}
+
+// setResidual records what a run left undone in the containers (nil when
+// nothing).
+func (d *decider) setResidual(key string, r *residual) {
+	if st := d.vols[key]; st != nil {
+		st.residual = r
+	}
+}
+
+// residualOf returns the residual of a volume, nil when it has none.
+func (d *decider) residualOf(key string) *residual {
+	if st := d.vols[key]; st != nil {
+		return st.residual
+	}
+	return nil
 }
 
 // kick marks the volumes of driver ("" for every driver) for an immediate

@@ -12,14 +12,17 @@ import (
 
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
 
 // s3Volume is a volume of the real k8s-csi-s3 driver: its API objects, and
@@ -42,9 +45,9 @@ type driverEnv struct {
 	drv *csilab.Driver
 }
 
-func newDriverEnv(t testing.TB) *driverEnv {
+func newDriverEnv(t testing.TB, controllers ...string) *driverEnv {
 	t.Helper()
-	e := newEnv(t, nil)
+	e := newEnv(t, controllers)
 	d := &driverEnv{env: e, s3: csilab.StartS3(t)}
 	sock := filepath.Join(e.kubelet.Root(), "plugins", csilab.DriverName, "csi.sock")
 	if err := os.MkdirAll(filepath.Dir(sock), 0o750); err != nil {
@@ -66,6 +69,11 @@ func newDriverEnv(t testing.TB) *driverEnv {
 // publishes it through the driver at kubelet's paths, writes data.txt and
 // sub/g.txt, and starts the pod's two lab containers.
 func (d *driverEnv) newVolume(name string) *s3Volume {
+	return d.newOwnedVolume(name, podOptions{})
+}
+
+// newOwnedVolume is newVolume with the pod's owner and labels from o.
+func (d *driverEnv) newOwnedVolume(name string, o podOptions) *s3Volume {
 	t := d.t
 	t.Helper()
 	ctx := context.Background()
@@ -85,7 +93,7 @@ func (d *driverEnv) newVolume(name string) *s3Volume {
 	})
 	h2c := corev1.MountPropagationHostToContainer
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name},
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name, Labels: o.labels},
 		Spec: corev1.PodSpec{
 			NodeName: d.node,
 			Containers: []corev1.Container{
@@ -97,6 +105,9 @@ func (d *driverEnv) newVolume(name string) *s3Volume {
 			Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
 				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: v.pvc.Name}}}},
 		},
+	}
+	if o.owner != nil {
+		pod.OwnerReferences = []metav1.OwnerReference{*o.owner}
 	}
 	pod, err := d.admin.CoreV1().Pods(testNamespace).Create(ctx, pod, metav1.CreateOptions{})
 	if err != nil {
@@ -347,5 +358,83 @@ func TestAgentRollsForwardAfterCrashMidRepair(t *testing.T) {
 	d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by")
 	if err := s.reads("midway"); err != nil {
 		t.Errorf("after the new agent's repair: %v", err)
+	}
+}
+
+// TestAgentEvictsWhenOnlyTheHostHealed runs the ladder restage, evict with
+// a PodDisruptionBudget at its limit: the re-stage heals the host (the
+// probe then sees nothing broken) but not the container's private binds,
+// and the eviction is blocked. The agent keeps the volume as a residual and
+// evicts as soon as the budget allows.
+func TestAgentEvictsWhenOnlyTheHostHealed(t *testing.T) {
+	d := newDriverEnv(t, kubetest.DefaultControllers...)
+	ctx := context.Background()
+	labels := map[string]string{"app": "resid"}
+	s := d.newOwnedVolume("resid", podOptions{owner: d.replicaSet("resid", labels), labels: labels})
+	one := intstr.FromInt32(1)
+	pdb, err := d.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Create(ctx, &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: "resid"},
+		Spec:       policyv1.PodDisruptionBudgetSpec{MinAvailable: &one, Selector: &metav1.LabelSelector{MatchLabels: labels}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.waitFor("the disruption controller to count the pod", func() (bool, error) {
+		p, err := d.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Get(ctx, "resid", metav1.GetOptions{})
+		return err == nil && p.Status.ObservedGeneration == p.Generation && p.Status.CurrentHealthy == 1, err
+	})
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := d.config()
+	cfg.Tiers = agent.Tiers{Restage: true, Evict: true}
+	d.startAgent(cfg, agent.Deps{Repairer: rep})
+
+	d.drv.Kill()
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	d.waitEvent(s.pod.UID, agent.ReasonRepairEscalated, "re-staged on the host")
+	d.waitEvent(s.pod.UID, agent.ReasonEvictionBlocked, "PodDisruptionBudget")
+	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); err == nil {
+		t.Fatal("the private container reads its volume: the scenario needs it still dead")
+	}
+	pdb, err = d.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Get(ctx, pdb.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	zero := intstr.FromInt32(0)
+	pdb.Spec.MinAvailable = &zero
+	if _, err := d.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Update(ctx, pdb, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	d.waitEvent(s.pod.UID, agent.ReasonEvicting, "evicted the pod")
+}
+
+// TestAgentSaysWhenNoTierReachesTheContainers runs the re-stage alone: the
+// host heals, the container's private binds cannot, and the agent says so
+// instead of reporting the volume repaired.
+func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("alone")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := d.config()
+	cfg.Tiers = agent.Tiers{Restage: true}
+	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	d.drv.Kill()
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	d.waitEvent(s.pod.UID, agent.ReasonNotRepaired, "no further tier")
+	for _, ev := range d.eventsOf(s.pod.UID) {
+		if ev.Reason == agent.ReasonVolumeRepaired {
+			t.Errorf("VolumeRepaired reported while the container still sees the dead mount: %s", ev.Note)
+		}
 	}
 }

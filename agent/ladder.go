@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/remount"
@@ -48,6 +50,23 @@ type job struct {
 	floor       int
 	since       time.Time
 	attempt     int
+	// resume, when set, is a residual to finish: the host was re-staged
+	// in an earlier run, running containers still see the dead mount.
+	resume *residual
+}
+
+// residual is what a run leaves when it re-staged the volume on the host
+// but did not heal the running containers that see it through their own
+// binds (a private mount or a subPath): the volume as resolved then (its
+// secrets wiped) and, by pod UID, the runtime IDs of those containers.
+// The probe no longer sees the volume broken (the host's mounts are fresh),
+// so the decider keeps it and the loop resumes the ladder after the
+// re-stage until a tier heals the containers, or they are all gone
+// (restarted, their pod deleted or evicted).
+type residual struct {
+	vol      *brokenVolume
+	r        *resolved
+	ownBinds map[string][]string
 }
 
 // jobResult is how a run ended, for the loop's decider.
@@ -57,6 +76,57 @@ type jobResult struct {
 	reachedEvict bool
 	driverDown   bool
 	driver       string
+	// residual is set when the host was healed and running containers
+	// were not.
+	residual *residual
+}
+
+// forPods is the residual's resolved volume narrowed to pods, the fresh
+// informer copies of the pods that still hold the dead mount. The stored
+// residual is not changed.
+func (rs *residual) forPods(pods []*corev1.Pod) *resolved {
+	r := *rs.r
+	vol := *rs.r.vol
+	keep := make(map[types.UID]bool, len(pods))
+	for _, p := range pods {
+		keep[p.UID] = true
+	}
+	vol.Pods = nil
+	for _, pv := range rs.r.vol.Pods {
+		if keep[pv.Publish.PodUID] {
+			vol.Pods = append(vol.Pods, pv)
+		}
+	}
+	r.vol, r.pods = &vol, pods
+	return &r
+}
+
+// holders returns the pods of the residual that still hold the dead mount:
+// the pod (same UID) is not being deleted and one of the containers that
+// saw the volume through its own bind still runs under the same runtime
+// ID (a restarted container was bound afresh by kubelet). get reads a pod
+// by UID from the informer.
+func (rs *residual) holders(get func(uid string) *corev1.Pod) []*corev1.Pod {
+	var out []*corev1.Pod
+	for uid, ids := range rs.ownBinds {
+		pod := get(uid)
+		if pod == nil || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		running := make(map[string]bool)
+		for _, list := range [][]corev1.ContainerStatus{pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses, pod.Status.EphemeralContainerStatuses} {
+			for _, st := range list {
+				if st.State.Running != nil {
+					running[stripRuntime(st.ContainerID)] = true
+				}
+			}
+		}
+		if slices.ContainsFunc(ids, func(id string) bool { return running[id] }) {
+			out = append(out, pod)
+		}
+	}
+	slices.SortFunc(out, func(a, b *corev1.Pod) int { return strings.Compare(string(a.UID), string(b.UID)) })
+	return out
 }
 
 // rungs lists the ladder rungs a run may take, from floor.
@@ -105,10 +175,10 @@ func describe(v *brokenVolume) string {
 }
 
 // run carries out one repair run. It never panics and always returns.
-func (a *Agent) run(ctx context.Context, j *job) jobResult {
+func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	logger := klog.FromContext(ctx).WithValues("volume", j.key, "driver", j.vol.driver, "attempt", j.attempt)
 	ctx = klog.NewContext(ctx, logger)
-	res := jobResult{key: j.key, outcome: outcomeIgnored, driver: j.vol.driver}
+	res = jobResult{key: j.key, outcome: outcomeIgnored, driver: j.vol.driver}
 
 	allPods := append(append([]*corev1.Pod{}, j.active...), j.terminating...)
 	for pod := range j.excluded {
@@ -138,10 +208,22 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 	}
 
 	restageable := j.vol.csi
-	rungs := a.rungs(restageable, j.floor)
-	needRequests := len(rungs) > 0 && rungs[0] != rungEvict
-	r, err := a.resolve(ctx, j, needRequests)
-	defer r.wipe()
+	floor := j.floor
+	if j.resume != nil {
+		floor = max(floor, rungLiveSwap) // the host is re-staged already
+	}
+	rungs := a.rungs(restageable, floor)
+	needRequests := len(rungs) > 0 && rungs[0] != rungEvict && j.resume == nil
+	var (
+		r   *resolved
+		err error
+	)
+	if j.resume != nil {
+		r = j.resume.forPods(j.active)
+	} else {
+		r, err = a.resolve(ctx, j, needRequests)
+		defer r.wipe()
+	}
 	if r != nil && r.pvc != nil && a.notes.once(j.key, ReasonVolumeBroken+"/claim") {
 		// The pods heard of it above; the claim is known only now.
 		a.report.claim(r.pvc, r.pods, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
@@ -216,6 +298,15 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 		return res
 	}
 
+	// hostHealed: this run (or the one it resumes) re-staged the host and
+	// containers still hold the dead mount; unless a later tier heals
+	// them, the run leaves a residual.
+	hostHealed := j.resume != nil
+	defer func() {
+		if hostHealed && res.outcome != outcomeHealed && res.outcome != outcomeDriverDown {
+			res.residual = &residual{vol: j.vol, r: r, ownBinds: r.ownBinds}
+		}
+	}()
 	for i, rung := range rungs {
 		next := ""
 		if i+1 < len(rungs) {
@@ -261,9 +352,17 @@ func (a *Agent) run(ctx context.Context, j *job) jobResult {
 		}
 		switch {
 		case out.Healed && rung == rungRestage && r.needSwap && next != "":
+			hostHealed = true
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonRepairEscalated, actionRepair,
 				a.report.message("re-staged on the host in %.2fs; running containers hold their own bind of the dead mount: trying %s", out.Took.Seconds(), next))
 			continue
+		case out.Healed && rung == rungRestage && r.needSwap:
+			// Nothing after the re-stage can reach the containers' own
+			// binds: say so, never "repaired".
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair,
+				a.report.message("re-staged on the host in %.2fs, but running containers hold their own bind of the dead mount and no further tier (liveswap, restart, evict) is enabled: restart the pods", out.Took.Seconds()))
+			res.outcome = outcomeIgnored
+			return res
 		case out.Healed:
 			a.notes.clear(j.key, "")
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -99,10 +100,10 @@ func optedOut(annotations map[string]string) (bool, string) {
 }
 
 // containerMounts lists where the pod's running containers see the volume,
-// and whether any of them needs the fresh mount put into its own mount
-// namespace (a subPath, or propagation other than HostToContainer and
+// and the runtime IDs of those that need the fresh mount put into their own
+// mount namespace (a subPath, or propagation other than HostToContainer and
 // Bidirectional: a re-stage on the host never reaches those).
-func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, bool) {
+func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, []string) {
 	running := make(map[string]string) // name -> container ID
 	for _, list := range [][]corev1.ContainerStatus{pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses, pod.Status.EphemeralContainerStatuses} {
 		for _, st := range list {
@@ -127,7 +128,7 @@ func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, 
 		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts})
 	}
 	var out []remount.ContainerMount
-	swap := false
+	var own []string
 	for _, c := range ctrs {
 		id, ok := running[c.name]
 		if !ok {
@@ -149,12 +150,13 @@ func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, 
 				MountPath: vm.MountPath, SubPath: sub, ReadOnly: vm.ReadOnly,
 			})
 			p := vm.MountPropagation
-			if sub != "" || p == nil || (*p != corev1.MountPropagationHostToContainer && *p != corev1.MountPropagationBidirectional) {
-				swap = true
+			if (sub != "" || p == nil || (*p != corev1.MountPropagationHostToContainer && *p != corev1.MountPropagationBidirectional)) &&
+				!slices.Contains(own, stripRuntime(id)) {
+				own = append(own, stripRuntime(id))
 			}
 		}
 	}
-	return out, swap
+	return out, own
 }
 
 // stripRuntime turns a status containerID ("containerd://abc") into the
@@ -260,6 +262,10 @@ type resolved struct {
 	restageable bool
 	// needSwap: a container sees the volume through its own bind.
 	needSwap bool
+	// ownBinds are, by pod UID, the runtime IDs of the running containers
+	// that see the volume through their own bind, which a re-stage on the
+	// host does not reach.
+	ownBinds map[string][]string
 	// why is the reason restageable is false.
 	why string
 }
@@ -404,8 +410,14 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		if len(r.vol.Pods) == 0 {
 			r.vol.Stage = vr
 		}
-		cms, swap := containerMounts(pv.pod, pv.vol.Name)
-		r.needSwap = r.needSwap || swap
+		cms, own := containerMounts(pv.pod, pv.vol.Name)
+		if len(own) > 0 {
+			r.needSwap = true
+			if r.ownBinds == nil {
+				r.ownBinds = make(map[string][]string)
+			}
+			r.ownBinds[string(pv.pod.UID)] = own
+		}
 		r.vol.Pods = append(r.vol.Pods, remount.PodVolume{Publish: vr, Dead: pv.use.dead, Containers: cms})
 	}
 	clear(secrets)

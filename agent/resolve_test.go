@@ -77,7 +77,7 @@ func TestContainerMounts(t *testing.T) {
 			{Name: "stopped", ContainerID: "containerd://ccc"},
 		}},
 	}
-	got, swap := containerMounts(pod, "data")
+	got, own := containerMounts(pod, "data")
 	want := []remount.ContainerMount{
 		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/data"},
 		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/cfg", SubPath: "conf", ReadOnly: true},
@@ -89,13 +89,13 @@ func TestContainerMounts(t *testing.T) {
 	}) {
 		t.Errorf("containerMounts = %+v\nwant %+v", got, want)
 	}
-	if !swap {
-		t.Error("containerMounts: swap = false, want true (a private mount and a subPath need the live swap)")
+	if !slices.Equal(own, []string{"aaa"}) {
+		t.Errorf("containerMounts: own binds = %v, want [aaa] (app's private mount and subPath; not the HostToContainer sidecar)", own)
 	}
 	// Only HostToContainer mounts: the re-stage reaches them, no swap.
 	pod.Spec.Containers = pod.Spec.Containers[1:2]
-	if _, swap := containerMounts(pod, "data"); swap {
-		t.Error("containerMounts: swap = true for a HostToContainer mount only, want false")
+	if _, own := containerMounts(pod, "data"); len(own) != 0 {
+		t.Errorf("containerMounts: own binds %v for a HostToContainer mount only, want none", own)
 	}
 }
 
