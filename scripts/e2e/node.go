@@ -43,11 +43,15 @@ const (
 )
 
 // Controllers are the kube-controller-manager controllers a node with
-// workloads needs: the defaults of kubetest, plus Deployments and
-// ReplicaSets, the PV binder that binds a static PV to its claim, and the
-// publisher of kube-root-ca.crt that service account volumes read.
+// workloads needs: the defaults of kubetest, plus Deployments, ReplicaSets
+// and DaemonSets, the PV binder that binds a static PV to its claim, the
+// publisher of kube-root-ca.crt that service account volumes read, and the
+// taint eviction and pod garbage collection controllers that act on
+// KEP-2268's out-of-service taint.
 var Controllers = append(slices.Clone(kubetest.DefaultControllers),
-	"deployment", "replicaset", "daemonset", "persistentvolume-binder", "root-ca-cert-publisher")
+	"deployment", "replicaset", "daemonset", "persistentvolume-binder", "root-ca-cert-publisher",
+	// The failover scenario: the out-of-service taint's evictions.
+	"taint-eviction-controller", "pod-garbage-collector-controller")
 
 // NodeOptions configure StartNode.
 type NodeOptions struct {

@@ -41,6 +41,9 @@ var scenarios = []scenario{
 	// The naive way runs while the agent only watches (dry run).
 	{name: "naive", args: []string{"--dry-run"}, run: naiveScenario},
 	{name: "steady", run: steadyScenario},
+	// A second, simulated node dies; the duty's defaults (fence window 30 s
+	// + 15 s, kubelet grace 40 s) set the pace.
+	{name: "failover", args: []string{"--failover"}, run: failoverScenario},
 }
 
 // pluginDown is how long the node plugin stays down in a plugin-crash

@@ -86,9 +86,28 @@ func (n *Node) EnsureCSIDriver(ctx context.Context) error {
 	return nil
 }
 
+// WorkloadOptions change the workload's pod.
+type WorkloadOptions struct {
+	// Tolerations replace the default (tolerate every taint).
+	Tolerations []corev1.Toleration
+	// Affinity is the pod's affinity (none by default).
+	Affinity *corev1.Affinity
+	// NoWait returns once the objects exist, without waiting for the pod.
+	NoWait bool
+}
+
 // DeployWorkload creates the workload of namespace ns and waits until its
 // pod runs and has written its files.
 func (n *Node) DeployWorkload(ctx context.Context, ns string) (*Workload, error) {
+	return n.DeployWorkloadWith(ctx, ns, WorkloadOptions{})
+}
+
+// DeployWorkloadWith is DeployWorkload with options.
+func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadOptions) (*Workload, error) {
+	tolerations := opts.Tolerations
+	if tolerations == nil {
+		tolerations = []corev1.Toleration{{Operator: corev1.TolerationOpExists}}
+	}
 	w := &Workload{Namespace: ns, Name: "reader", PV: ns + "-data", Handle: csilab.Bucket + "/" + ns, node: n}
 	c := n.Cluster.Client
 	if err := n.EnsureCSIDriver(ctx); err != nil {
@@ -159,7 +178,8 @@ func (n *Node) DeployWorkload(ctx context.Context, ns string) (*Workload, error)
 					EnableServiceLinks:            ptr.To(false),
 					AutomountServiceAccountToken:  ptr.To(false),
 					TerminationGracePeriodSeconds: ptr.To[int64](5),
-					Tolerations:                   []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
+					Tolerations:                   tolerations,
+					Affinity:                      opts.Affinity,
 					Containers: []corev1.Container{{
 						Name:            container,
 						Image:           BusyboxImage,
@@ -180,6 +200,9 @@ func (n *Node) DeployWorkload(ctx context.Context, ns string) (*Workload, error)
 	}
 	if _, err := c.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
 		return nil, fmt.Errorf("create deployment: %w", err)
+	}
+	if opts.NoWait {
+		return w, nil
 	}
 	pod, err := w.WaitRunning(ctx, "")
 	if err != nil {
