@@ -15,6 +15,11 @@
 # scripts/deps.sh, the binaries of scripts/tools.sh); it installs and builds
 # what is missing.
 set -euo pipefail
+case ${1:-} in
+-h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+"") ;;
+*) echo "bench.sh: no arguments (settings are RUNS, RUN, OUT; see --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 if [ "$(id -u)" != 0 ]; then
 	echo "bench.sh: run as root: the node mounts, runs containers and a CSI driver" >&2

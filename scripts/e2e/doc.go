@@ -1,17 +1,35 @@
 // Package e2e runs mountmedic end to end on a real single-node Kubernetes
-// cluster built on this machine, and measures it against the naive way.
+// cluster built on this machine, and measures it against the naive way
+// (scripts/e2e/bench.sh writes the figures of BENCHMARKS.md).
 //
 // The node: etcd, kube-apiserver, kube-controller-manager and kube-scheduler
 // (scripts/kubetest), Debian's containerd and runc, and kubelet, with the
 // real k8s-csi-s3 node plugin (scripts/csilab: s3driver and s3fs against
 // versitygw on loopback) registered with kubelet through a registration
-// socket in plugins_registry. containerd and kubelet run in a PID namespace
-// of their own whose init is a copy of the test binary (Main), inside the
-// private mount namespace of the fault lab (probe/lab), with /var/lib/kubelet,
-// /var/lib/containerd, /run/containerd and /var/log/pods bound from
-// temporary directories: nothing reaches the host's paths, and the teardown
-// (killing the node's init kills every process of the node) leaves no
-// mounts, processes or cgroups behind.
+// socket in plugins_registry (registrar.go plays node-driver-registrar).
+// Images are packed here (image.go: a static pause program, Debian's
+// busybox-static) and imported with ctr; mountmedic runs as the DaemonSet of
+// deploy/, its image built by scripts/image.sh, through the overlay in
+// scripts/e2e/deploy.
+//
+// Isolation: containerd and kubelet run in a PID namespace of their own whose
+// init is a copy of the test binary (Main, init.go), in a mount namespace
+// copied from the fault lab's private one (probe/lab), where every mount is
+// made shared as on a systemd host. /var/lib/kubelet, /var/lib/containerd,
+// /run/containerd, /var/log/pods and /var/log/containers are shared binds
+// of temporary directories (a missing mount point is created in an overlay
+// of its parent, never on the host), so the node's mounts and the CSI
+// driver's (which runs in the test's namespace) reach both namespaces and
+// nothing reaches the host's paths. Pods get cgroups under
+// /mountmedic-e2e-<pid> in every hierarchy. The teardown kills the node's
+// init, and with it, by the kernel's rule for a PID namespace, every process
+// of the node (shims and containers included); it then unmounts what is
+// left and removes the cgroups. A test binary killed before its cleanups
+// leaves only empty cgroups, which the next run removes.
+//
+// SimNode adds a second node with no machine behind it, for the failover
+// scenario: the test beats its kubelet's status and Lease and its agent's
+// heartbeat, and makes it die by falling silent.
 //
 // This package is test support plus the e2e tests; it is imported from
 // _test.go files only.
