@@ -186,7 +186,7 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 					t.Errorf("%s: %s\n  want data: %v, got %v (err %v)", q.name, q.expr, q.want, q.result, q.err)
 				}
 			}
-			t.Fatalf("%d of %d queries never gave what they should; agent log:\n%s", failing, len(queries), agent.tail(40))
+			t.Fatalf("%d of %d queries never gave what they should; agent log:\n%s", failing, len(queries), agent.Tail(40))
 		}
 		time.Sleep(2 * time.Second)
 	}
@@ -475,70 +475,34 @@ func freeAddr(t *testing.T) string {
 	return ln.Addr().String()
 }
 
-// process is a program the test started; it is stopped at cleanup.
-type process struct {
-	name string
-	cmd  *exec.Cmd
-	log  string
-	done chan struct{}
-}
+// process is a program the live test runs, killed with the test binary.
+type process struct{ *lab.Process }
 
 // startProcess starts bin with args and the test's environment plus env.
 func startProcess(t *testing.T, name string, env []string, bin string, args ...string) *process {
 	t.Helper()
-	logPath := filepath.Join(t.TempDir(), name+".log")
-	logf, err := os.Create(logPath)
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
+	lp, err := lab.RunProcess(name, cmd, filepath.Join(t.TempDir(), name+".log"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, args...)
-	cmd.Env = append(os.Environ(), env...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		t.Fatalf("start %s: %v", name, err)
-	}
-	p := &process{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		logf.Close()
-		close(p.done)
-	}()
+	p := &process{lp}
 	t.Cleanup(func() {
 		p.stop(t)
 		if t.Failed() {
-			t.Logf("last lines of %s:\n%s", name, p.tail(30))
+			t.Logf("last lines of %s:\n%s", name, p.Tail(30))
 		}
 	})
 	return p
 }
 
 // stop sends SIGTERM, and SIGKILL when the process has not exited 10 s
-// later.
+// later, which fails the test: the agent must stop on SIGTERM.
 func (p *process) stop(t *testing.T) {
-	select {
-	case <-p.done:
-		return
-	default:
+	if p.Stop(10 * time.Second) {
+		t.Errorf("%s did not stop within 10 s of SIGTERM; killed it", p.Name)
 	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(10 * time.Second):
-		t.Errorf("%s did not stop within 10 s of SIGTERM; killing it", p.name)
-		_ = p.cmd.Process.Kill()
-		<-p.done
-	}
-}
-
-func (p *process) tail(n int) string {
-	b, _ := os.ReadFile(p.log)
-	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }
 
 // promServer is a running Prometheus.
@@ -596,13 +560,11 @@ scrape_configs:
 				return s
 			}
 		}
-		select {
-		case <-p.done:
-			t.Fatalf("prometheus exited:\n%s", p.tail(20))
-		default:
+		if p.Exited() {
+			t.Fatalf("prometheus exited:\n%s", p.Tail(20))
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("prometheus not ready after a minute:\n%s", p.tail(20))
+			t.Fatalf("prometheus not ready after a minute:\n%s", p.Tail(20))
 		}
 		time.Sleep(200 * time.Millisecond)
 	}

@@ -21,30 +21,19 @@ import (
 	"os/exec"
 	"path/filepath"
 	"testing"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // RequireEnv is the variable that turns every skip of this package into a failure.
 const RequireEnv = "MOUNTMEDIC_REQUIRE_ROOT"
 
-// BinDir returns the directory holding the test binaries: $MOUNTMEDIC_BIN, else
-// $MOUNTMEDIC_CACHE/bin/current (default /var/cache/mountmedic/bin/current).
-func BinDir() string {
-	if dir := os.Getenv("MOUNTMEDIC_BIN"); dir != "" {
-		return dir
-	}
-	cache := os.Getenv("MOUNTMEDIC_CACHE")
-	if cache == "" {
-		cache = "/var/cache/mountmedic"
-	}
-	return filepath.Join(cache, "bin", "current")
-}
-
 // binary returns the path of a binary that scripts/tools.sh builds.
 func binary(t testing.TB, name string) string {
 	t.Helper()
-	p := filepath.Join(BinDir(), name)
+	p := filepath.Join(lab.BinDir(), name)
 	if fi, err := os.Stat(p); err != nil || fi.IsDir() || fi.Mode()&0o111 == 0 {
-		skipOrFail(t, "missing %s in %s: build it with scripts/tools.sh s3 (or set MOUNTMEDIC_BIN)", name, BinDir())
+		skipOrFail(t, "missing %s in %s: build it with scripts/tools.sh s3 (or set MOUNTMEDIC_BIN)", name, lab.BinDir())
 	}
 	return p
 }

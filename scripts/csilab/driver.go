@@ -14,6 +14,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // DriverName is the name the s3driver reports in GetPluginInfo.
@@ -29,7 +31,7 @@ type Driver struct {
 	env    []string
 
 	mu   sync.Mutex
-	proc *process
+	proc *lab.Process
 }
 
 // StartDriver starts s3driver serving CSI on the unix socket socketPath as node
@@ -56,9 +58,9 @@ func StartDriver(t testing.TB, socketPath, nodeID string) *Driver {
 			return
 		}
 		if t.Failed() {
-			t.Logf("last lines of s3driver (%s):\n%s", p.log, p.tail(20))
+			t.Logf("last lines of s3driver (%s):\n%s", p.Log, p.Tail(20))
 		}
-		p.kill()
+		p.Kill()
 	})
 	if err := d.start(); err != nil {
 		t.Fatal(err)
@@ -100,8 +102,8 @@ func (d *Driver) start() error {
 	d.mu.Lock()
 	d.proc = p
 	d.mu.Unlock()
-	if err := p.waitDial("unix", d.socket, 30*time.Second); err != nil {
-		p.kill()
+	if err := p.WaitDial("unix", d.socket, 30*time.Second); err != nil {
+		p.Kill()
 		return err
 	}
 	return nil
@@ -115,7 +117,7 @@ func (d *Driver) Kill() {
 	p := d.proc
 	d.mu.Unlock()
 	if p != nil {
-		p.kill()
+		p.Kill()
 	}
 }
 
@@ -133,7 +135,7 @@ func (d *Driver) Restart() error {
 func (d *Driver) Running() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.proc != nil && !d.proc.exited()
+	return d.proc != nil && !d.proc.Exited()
 }
 
 // Socket is the path of the driver's CSI socket.
@@ -146,7 +148,7 @@ func (d *Driver) Pid() int {
 	if d.proc == nil {
 		return 0
 	}
-	return d.proc.cmd.Process.Pid
+	return d.proc.Pid()
 }
 
 // Log is the path of the driver's log (its output across restarts).

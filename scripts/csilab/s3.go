@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // Credentials of the lab's S3 server. They protect nothing: the server listens on
@@ -36,7 +38,7 @@ type S3 struct {
 	// Root is the posix backend directory: one subdirectory a bucket (with its
 	// ACL in extended attributes, so a bucket must be made through the API).
 	Root string
-	proc *process
+	proc *lab.Process
 }
 
 // StartS3 starts versitygw on a free loopback port, creates Bucket and stops the
@@ -63,11 +65,11 @@ func StartS3(t testing.TB) *S3 {
 	s := &S3{Endpoint: "http://" + addr, Root: root, proc: p}
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("last lines of versitygw:\n%s", p.tail(15))
+			t.Logf("last lines of versitygw:\n%s", p.Tail(15))
 		}
-		p.kill()
+		p.Kill()
 	})
-	if err := p.waitDial("tcp", addr, 30*time.Second); err != nil {
+	if err := p.WaitDial("tcp", addr, 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.CreateBucket(Bucket); err != nil {

@@ -34,6 +34,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // DefaultControllers are the kube-controller-manager controllers most tests need:
@@ -75,31 +77,18 @@ type Cluster struct {
 
 	t     testing.TB
 	pki   *pki
-	procs []*process // in start order
+	procs []*lab.Process // in start order
 }
 
 // RequireEnv is the variable that turns every skip of this package into a failure.
 const RequireEnv = "MOUNTMEDIC_REQUIRE_ROOT"
-
-// BinDir returns the directory holding the test binaries: $MOUNTMEDIC_BIN, else
-// $MOUNTMEDIC_CACHE/bin/current (default /var/cache/mountmedic/bin/current).
-func BinDir() string {
-	if dir := os.Getenv("MOUNTMEDIC_BIN"); dir != "" {
-		return dir
-	}
-	cache := os.Getenv("MOUNTMEDIC_CACHE")
-	if cache == "" {
-		cache = "/var/cache/mountmedic"
-	}
-	return filepath.Join(cache, "bin", "current")
-}
 
 // FindBinaries returns the paths of the named binaries in BinDir. When one is
 // missing it skips the test with the command that builds them, or fails it when
 // MOUNTMEDIC_REQUIRE_ROOT=1.
 func FindBinaries(t testing.TB, buildArgs string, names ...string) map[string]string {
 	t.Helper()
-	dir := BinDir()
+	dir := lab.BinDir()
 	paths := make(map[string]string, len(names))
 	var missing []string
 	for _, name := range names {
@@ -139,7 +128,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 	}
 
 	dir := t.TempDir() // created before the cleanup below, so removed after it
-	c := &Cluster{Dir: dir, BinDir: BinDir(), t: t}
+	c := &Cluster{Dir: dir, BinDir: lab.BinDir(), t: t}
 	t.Cleanup(c.stop)
 	if err := c.start(bins, opts); err != nil {
 		t.Fatalf("start control plane: %v", err)
@@ -156,7 +145,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	if c.pki, err = newPKI(c.Dir); err != nil {
 		return err
 	}
-	ports, err := freePorts(5)
+	ports, err := lab.FreePorts(5)
 	if err != nil {
 		return err
 	}
@@ -274,7 +263,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	return waitHTTP(ctx, kcm, insecure, fmt.Sprintf("https://127.0.0.1:%d/healthz", kcmPort))
 }
 
-func (c *Cluster) run(name, bin string, args []string, logDir string) (*process, error) {
+func (c *Cluster) run(name, bin string, args []string, logDir string) (*lab.Process, error) {
 	p, err := startProcess(name, bin, args, logDir)
 	if err != nil {
 		return nil, err
@@ -284,11 +273,11 @@ func (c *Cluster) run(name, bin string, args []string, logDir string) (*process,
 }
 
 // waitHTTP polls url until it answers 200, p exits, or ctx ends.
-func waitHTTP(ctx context.Context, p *process, client *http.Client, url string) error {
+func waitHTTP(ctx context.Context, p *lab.Process, client *http.Client, url string) error {
 	var last error
 	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		if p.exited() {
-			return false, p.exitError()
+		if p.Exited() {
+			return false, p.ExitError()
 		}
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 		if err != nil {
@@ -306,11 +295,11 @@ func waitHTTP(ctx context.Context, p *process, client *http.Client, url string) 
 		}
 		return true, nil
 	})
-	if err != nil && p.exited() {
-		return p.exitError()
+	if err != nil && p.Exited() {
+		return p.ExitError()
 	}
 	if err != nil {
-		return fmt.Errorf("wait for %s (%s): %w (last: %v)\n%s", p.name, url, err, last, p.tail(20))
+		return fmt.Errorf("wait for %s (%s): %w (last: %v)\n%s", p.Name, url, err, last, p.Tail(20))
 	}
 	return nil
 }
@@ -332,11 +321,11 @@ func (c *Cluster) writeKubeconfig() (string, error) {
 func (c *Cluster) stop() {
 	if c.t.Failed() {
 		for _, p := range c.procs {
-			c.t.Logf("last lines of %s (%s):\n%s", p.name, p.log, p.tail(15))
+			c.t.Logf("last lines of %s (%s):\n%s", p.Name, p.Log, p.Tail(15))
 		}
 	}
 	for i := len(c.procs) - 1; i >= 0; i-- {
-		c.procs[i].stop(10 * time.Second)
+		c.procs[i].Stop(10 * time.Second)
 	}
 }
 
