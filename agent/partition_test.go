@@ -2,10 +2,7 @@ package agent_test
 
 import (
 	"context"
-	"io"
-	"net"
 	"net/url"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,76 +14,6 @@ import (
 	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
-
-// tcpProxy forwards TCP connections to a backend until it is cut: then it
-// closes every connection and refuses new ones, as a network partition
-// between a node and the API server does.
-type tcpProxy struct {
-	ln      net.Listener
-	backend string
-
-	mu    sync.Mutex
-	cut   bool
-	conns map[net.Conn]bool
-}
-
-func newTCPProxy(t testing.TB, backend string) *tcpProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &tcpProxy{ln: ln, backend: backend, conns: make(map[net.Conn]bool)}
-	go p.serve()
-	t.Cleanup(func() {
-		ln.Close()
-		p.setCut(true)
-	})
-	return p
-}
-
-func (p *tcpProxy) serve() {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		go p.handle(c)
-	}
-}
-
-func (p *tcpProxy) handle(c net.Conn) {
-	p.mu.Lock()
-	if p.cut {
-		p.mu.Unlock()
-		c.Close()
-		return
-	}
-	p.mu.Unlock()
-	b, err := net.Dial("tcp", p.backend)
-	if err != nil {
-		c.Close()
-		return
-	}
-	p.mu.Lock()
-	p.conns[c], p.conns[b] = true, true
-	p.mu.Unlock()
-	go func() { io.Copy(b, c); b.Close() }()
-	io.Copy(c, b)
-	c.Close()
-}
-
-func (p *tcpProxy) setCut(cut bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.cut = cut
-	if cut {
-		for c := range p.conns {
-			c.Close()
-		}
-		clear(p.conns)
-	}
-}
 
 // TestAgentKeepsWorkingWithoutAPIServer cuts the agent off from the API
 // server: detection, metrics and /healthz go on, the eviction waits (the
@@ -105,9 +32,9 @@ func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	proxy := newTCPProxy(t, u.Host)
+	proxy := lab.StartTCPProxy(t, u.Host)
 	cfgREST := rest.CopyConfig(e.agentConfig)
-	cfgREST.Host = "https://" + proxy.ln.Addr().String()
+	cfgREST.Host = "https://" + proxy.Addr()
 	cfgREST.Timeout = 2 * time.Second
 	client, err := kubernetes.NewForConfig(cfgREST)
 	if err != nil {
@@ -118,7 +45,7 @@ func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
 	cfg.APITimeout = time.Second
 	a := e.startAgent(cfg, agent.Deps{Client: client})
 
-	proxy.setCut(true)
+	proxy.Cut()
 	fs.Kill()
 	e.waitFor("the dead volume in the metrics while the API server is cut off", func() (bool, error) {
 		n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Disconnected"}`)
@@ -135,7 +62,7 @@ func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
 		t.Fatalf("pod evicted while the agent was cut off (err %v)", err)
 	}
 
-	proxy.setCut(false)
+	proxy.Restore()
 	e.waitFor("the eviction once the API server is back", func() (bool, error) {
 		p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
 		if err != nil {

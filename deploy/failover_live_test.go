@@ -4,8 +4,6 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"io"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -68,7 +66,7 @@ const simNodeName = "lab-node-b"
 // simNode is the simulated node of the live test.
 type simNode struct {
 	cs          kubernetes.Interface
-	proxy       *tcpProxy
+	proxy       *lab.TCPProxy
 	agent       *process
 	metricsAddr string
 	pod         *corev1.Pod
@@ -161,9 +159,9 @@ func startSimNode(ctx context.Context, t *testing.T, c *kubetest.Cluster, bin st
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.proxy = startProxy(t, u.Host)
+	n.proxy = lab.StartTCPProxy(t, u.Host)
 	n.metricsAddr = freeAddr(t)
-	kubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic", "https://"+n.proxy.addr())
+	kubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic", "https://"+n.proxy.Addr())
 	args = append(args, "--kubeconfig="+kubeconfig, "--node-name="+simNodeName, "--kubelet-root="+kl.Root(),
 		"--host-table=/proc/self/mountinfo", "--metrics-addr="+n.metricsAddr, "-v=2",
 		// The leader runs on the lab node; a partitioned node must not be
@@ -212,14 +210,14 @@ func (n *simNode) partition() {
 	n.kubeletOn = false
 	n.cutAt = time.Now()
 	n.mu.Unlock()
-	n.proxy.cut()
+	n.proxy.Cut()
 }
 
 // heal brings it back: the agent reaches the API server again, and the
 // kubelet posts Ready and renews its Lease.
 func (n *simNode) heal(ctx context.Context, t *testing.T) {
 	t.Helper()
-	n.proxy.restore()
+	n.proxy.Restore()
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		node, err := n.cs.CoreV1().Nodes().Get(ctx, simNodeName, metav1.GetOptions{})
 		if err != nil {
@@ -351,94 +349,4 @@ func healFailover(ctx context.Context, t *testing.T, prom *promServer, n *simNod
 		t.Errorf("the lab node's agent fenced its own node (fences %v, err %v)", res, err)
 	}
 	t.Logf("%s back: fence lifted and taint removed, seen by Prometheus %.0f s after the partition healed", simNodeName, time.Since(start).Seconds())
-}
-
-// tcpProxy forwards loopback connections to the API server until cut: the
-// simulated node's network link to the control plane.
-type tcpProxy struct {
-	ln     net.Listener
-	target string
-
-	mu    sync.Mutex
-	down  bool
-	conns map[net.Conn]bool
-}
-
-func startProxy(t *testing.T, target string) *tcpProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("proxy listen: %v", err)
-	}
-	p := &tcpProxy{ln: ln, target: target, conns: map[net.Conn]bool{}}
-	var wg sync.WaitGroup
-	wg.Go(func() { p.serve(&wg) })
-	t.Cleanup(func() {
-		ln.Close()
-		p.cut()
-		wg.Wait()
-	})
-	return p
-}
-
-func (p *tcpProxy) addr() string { return p.ln.Addr().String() }
-
-func (p *tcpProxy) serve(wg *sync.WaitGroup) {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		wg.Go(func() { p.forward(c) })
-	}
-}
-
-func (p *tcpProxy) forward(c net.Conn) {
-	defer c.Close()
-	p.mu.Lock()
-	down := p.down
-	p.mu.Unlock()
-	if down {
-		return
-	}
-	up, err := net.DialTimeout("tcp", p.target, 5*time.Second)
-	if err != nil {
-		return
-	}
-	defer up.Close()
-	p.mu.Lock()
-	if p.down {
-		p.mu.Unlock()
-		return
-	}
-	p.conns[c], p.conns[up] = true, true
-	p.mu.Unlock()
-	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(up, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, up); done <- struct{}{} }()
-	<-done
-	c.Close()
-	up.Close()
-	<-done
-	p.mu.Lock()
-	delete(p.conns, c)
-	delete(p.conns, up)
-	p.mu.Unlock()
-}
-
-// cut drops every connection and refuses new ones.
-func (p *tcpProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.down = true
-	for c := range p.conns {
-		c.Close()
-		delete(p.conns, c)
-	}
-}
-
-func (p *tcpProxy) restore() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.down = false
 }

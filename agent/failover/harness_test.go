@@ -3,8 +3,6 @@ package failover
 import (
 	"context"
 	"fmt"
-	"io"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -34,6 +32,8 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // The simulated cluster: real etcd, kube-apiserver and
@@ -297,7 +297,7 @@ func (s *scenario) dump() {
 type simNode struct {
 	h     *harness
 	name  string
-	proxy *tcpProxy
+	proxy *lab.TCPProxy
 	fence *recordingFence
 	hb    *Heartbeat
 
@@ -369,12 +369,12 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 		t.Fatal(err)
 	}
 	if n.proxy == nil {
-		n.proxy = startProxy(t, u.Host)
+		n.proxy = lab.StartTCPProxy(t, u.Host)
 		n.fence = &recordingFence{}
 	}
 	cfg.NodeName = n.name
 	cfg.Identity = "agent-" + n.name
-	hb, err := NewHeartbeat(cfg, n.h.saClient(t, "https://"+n.proxy.addr()), n.fence, n.fence, prometheus.NewRegistry())
+	hb, err := NewHeartbeat(cfg, n.h.saClient(t, "https://"+n.proxy.Addr()), n.fence, n.fence, prometheus.NewRegistry())
 	if err != nil {
 		t.Fatalf("NewHeartbeat: %v", err)
 	}
@@ -408,7 +408,7 @@ func (n *simNode) kill() {
 	n.kubeletOn = false
 	n.mu.Unlock()
 	if n.proxy != nil {
-		n.proxy.cut()
+		n.proxy.Cut()
 	}
 	n.stopAgent()
 }
@@ -420,7 +420,7 @@ func (n *simNode) partition() {
 	n.kubeletOn = false
 	n.mu.Unlock()
 	if n.proxy != nil {
-		n.proxy.cut()
+		n.proxy.Cut()
 	}
 }
 
@@ -435,7 +435,7 @@ func (n *simNode) stopKubelet() {
 // the agent's network returns.
 func (n *simNode) revive(t testing.TB) {
 	if n.proxy != nil {
-		n.proxy.restore()
+		n.proxy.Restore()
 	}
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		node, err := n.h.admin.CoreV1().Nodes().Get(n.h.ctx, n.name, metav1.GetOptions{})
@@ -795,89 +795,4 @@ func (f *recordingFence) stoppedPods() []string {
 	}
 	slices.Sort(out)
 	return out
-}
-
-// tcpProxy forwards loopback connections to the API server until cut: a
-// node's network link to the control plane.
-type tcpProxy struct {
-	ln     net.Listener
-	target string
-
-	mu    sync.Mutex
-	down  bool
-	conns map[net.Conn]bool
-}
-
-func startProxy(t testing.TB, target string) *tcpProxy {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("proxy listen: %v", err)
-	}
-	p := &tcpProxy{ln: ln, target: target, conns: map[net.Conn]bool{}}
-	t.Cleanup(func() { ln.Close(); p.cut() })
-	go p.serve()
-	return p
-}
-
-func (p *tcpProxy) addr() string { return p.ln.Addr().String() }
-
-func (p *tcpProxy) serve() {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		p.mu.Lock()
-		if p.down {
-			p.mu.Unlock()
-			c.Close()
-			continue
-		}
-		p.mu.Unlock()
-		go p.forward(c)
-	}
-}
-
-func (p *tcpProxy) forward(c net.Conn) {
-	up, err := net.DialTimeout("tcp", p.target, 5*time.Second)
-	if err != nil {
-		c.Close()
-		return
-	}
-	p.mu.Lock()
-	if p.down {
-		p.mu.Unlock()
-		c.Close()
-		up.Close()
-		return
-	}
-	p.conns[c], p.conns[up] = true, true
-	p.mu.Unlock()
-	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(up, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, up); done <- struct{}{} }()
-	<-done
-	c.Close()
-	up.Close()
-	p.mu.Lock()
-	delete(p.conns, c)
-	delete(p.conns, up)
-	p.mu.Unlock()
-}
-
-// cut drops every connection and refuses new ones.
-func (p *tcpProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.down = true
-	for c := range p.conns {
-		c.Close()
-		delete(p.conns, c)
-	}
-}
-
-func (p *tcpProxy) restore() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.down = false
 }
