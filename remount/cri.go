@@ -5,9 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -60,19 +57,12 @@ type CRIClient struct {
 // socket is ErrRuntimeUnavailable; anything but a unix socket is refused. No
 // connection is made until the first call.
 func DialCRI(ctx context.Context, endpoint string, opts CRIOptions) (*CRIClient, error) {
-	p := strings.TrimPrefix(strings.TrimPrefix(endpoint, "unix://"), "unix:")
-	if !filepath.IsAbs(p) {
-		return nil, fmt.Errorf("cri endpoint %q is not a unix socket path: give an absolute path or unix:///path", endpoint)
+	p, err := socketPath("cri", endpoint)
+	if err != nil {
+		return nil, err
 	}
-	p = filepath.Clean(p)
-	fi, err := os.Stat(p)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return nil, fmt.Errorf("cri socket %s: %w: %w", p, ErrRuntimeUnavailable, err)
-	case err != nil:
-		return nil, fmt.Errorf("cri socket %s: %w", p, err)
-	case fi.Mode().Type() != fs.ModeSocket:
-		return nil, fmt.Errorf("cri endpoint %s is not a unix socket (mode %v)", p, fi.Mode().Type())
+	if err := checkSocket("cri", p, ErrRuntimeUnavailable); err != nil {
+		return nil, err
 	}
 	if opts.Timeout <= 0 {
 		opts.Timeout = DefaultCRITimeout

@@ -164,11 +164,11 @@ type CSIClient struct {
 // not exist, and refuses anything that is not a unix socket. No connection is
 // made until the first call.
 func DialCSI(ctx context.Context, endpoint string, opts CSIOptions) (*CSIClient, error) {
-	path, err := socketPath(endpoint)
+	path, err := socketPath("csi", endpoint)
 	if err != nil {
 		return nil, err
 	}
-	if err := checkSocket(path); err != nil {
+	if err := checkSocket("csi", path, ErrDriverUnavailable); err != nil {
 		return nil, err
 	}
 	opts = opts.withDefaults()
@@ -259,7 +259,7 @@ func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (NodeCapabilities, 
 // was down is re-dialled at once instead of after gRPC's backoff, so a
 // driver that has just come back answers the first call.
 func (c *CSIClient) CheckNode(ctx context.Context) (NodeCapabilities, error) {
-	if err := checkSocket(c.path); err != nil {
+	if err := checkSocket("csi", c.path, ErrDriverUnavailable); err != nil {
 		return NodeCapabilities{}, err
 	}
 	c.redial(ctx)
@@ -399,9 +399,9 @@ func (c *CSIClient) NodeUnstageVolume(ctx context.Context, volumeID, stagingPath
 	})
 }
 
-// socketPath turns an endpoint (an absolute path, unix:///path or
-// unix:/path) into a socket path, refusing any other scheme.
-func socketPath(endpoint string) (string, error) {
+// socketPath turns a kind ("csi", "cri") endpoint (an absolute path,
+// unix:///path or unix:/path) into a socket path, refusing any other scheme.
+func socketPath(kind, endpoint string) (string, error) {
 	p := endpoint
 	switch {
 	case strings.HasPrefix(p, "unix://"):
@@ -410,23 +410,23 @@ func socketPath(endpoint string) (string, error) {
 		p = strings.TrimPrefix(p, "unix:")
 	}
 	if !filepath.IsAbs(p) {
-		return "", fmt.Errorf("csi endpoint %q is not a unix socket path: give an absolute path or unix:///path", endpoint)
+		return "", fmt.Errorf("%s endpoint %q is not a unix socket path: give an absolute path or unix:///path", kind, endpoint)
 	}
 	return filepath.Clean(p), nil
 }
 
-// checkSocket reports a missing path as ErrDriverUnavailable and refuses a
-// path that exists but is not a socket.
-func checkSocket(path string) error {
+// checkSocket reports a missing path as down (ErrDriverUnavailable,
+// ErrRuntimeUnavailable) and refuses a path that exists but is not a socket.
+func checkSocket(kind, path string, down error) error {
 	fi, err := os.Stat(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("csi socket %s: %w: %w", path, ErrDriverUnavailable, err)
+		return fmt.Errorf("%s socket %s: %w: %w", kind, path, down, err)
 	}
 	if err != nil {
-		return fmt.Errorf("csi socket %s: %w", path, err)
+		return fmt.Errorf("%s socket %s: %w", kind, path, err)
 	}
 	if fi.Mode().Type() != fs.ModeSocket {
-		return fmt.Errorf("csi endpoint %s is not a unix socket (mode %v)", path, fi.Mode().Type())
+		return fmt.Errorf("%s endpoint %s is not a unix socket (mode %v)", kind, path, fi.Mode().Type())
 	}
 	return nil
 }

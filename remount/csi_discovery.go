@@ -74,7 +74,7 @@ func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, erro
 		return Endpoint{}, err
 	}
 	if ep, ok := sc.found[driver]; ok {
-		if err := checkSocket(ep.Path); err != nil {
+		if err := checkSocket("csi", ep.Path, ErrDriverUnavailable); err != nil {
 			return Endpoint{}, fmt.Errorf("csi driver %q registered by %s: %w", driver, ep.Registration, err)
 		}
 		return ep, nil
@@ -83,7 +83,7 @@ func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, erro
 		return Endpoint{}, fmt.Errorf("csi driver %q: %w", driver, err)
 	}
 	conventional := filepath.Join(kubeletRoot, "plugins", driver, "csi.sock")
-	switch err := checkSocket(conventional); {
+	switch err := checkSocket("csi", conventional, ErrDriverUnavailable); {
 	case err == nil:
 		return Endpoint{Driver: driver, Path: conventional}, nil
 	case !errors.Is(err, ErrDriverUnavailable):
@@ -220,7 +220,7 @@ func getInfo(ctx context.Context, sock string) (*registration, error) {
 	if endpoint == "" {
 		endpoint = sock // kubelet's rule: the registration socket is the endpoint
 	}
-	path, err := socketPath(endpoint)
+	path, err := socketPath("csi", endpoint)
 	if err != nil {
 		logger.V(4).Info("CSI registration names an endpoint that is not a unix socket, refused", "path", sock, "driver", info.GetName(), "err", err)
 		return &registration{Endpoint: Endpoint{Driver: info.GetName(), Registration: sock}, refused: fmt.Errorf("registered by %s: %w", sock, err)}, nil
