@@ -33,8 +33,11 @@ func TestGroupBrokenSharedVolume(t *testing.T) {
 	if len(got) != 1 {
 		t.Fatalf("groupBroken: %d volumes, want 1 (staging, two publish targets and two subPaths of one s3fs volume)", len(got))
 	}
-	var v *brokenVolume
-	for _, v = range got {
+	// Offline, the volume is named by its staging path's handle hash.
+	const key = "csi/ru.yandex.s3.csi/3c1322b59623fa39fb5812635250c05175816f4d79b00c35196efc3f601eeeb9"
+	v := got[key]
+	if v == nil {
+		t.Fatalf("groupBroken: no volume %s in %v", key, got)
 	}
 	if !v.csi || v.driver != "ru.yandex.s3.csi" || v.block {
 		t.Errorf("volume: csi %v driver %q block %v, want a CSI volume of ru.yandex.s3.csi", v.csi, v.driver, v.block)
