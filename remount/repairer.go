@@ -233,6 +233,19 @@ func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, 
 	return c, caps, err
 }
 
+// Capabilities returns the node capabilities of the CSI driver named
+// driver, asked every time through the endpoint and client the Repairer
+// keeps for the driver (the endpoint is found again when the driver does not
+// answer there). Errors match ErrDriverUnavailable when the driver is down
+// or not registered: retry later.
+func (r *Repairer) Capabilities(ctx context.Context, driver string) (NodeCapabilities, error) {
+	_, caps, err := r.checkDriver(ctx, driver)
+	if err != nil {
+		return NodeCapabilities{}, fmt.Errorf("node capabilities of csi driver %q: %w", driver, err)
+	}
+	return caps, nil
+}
+
 // criClient dials the runtime once.
 func (r *Repairer) criClient(ctx context.Context) (*CRIClient, error) {
 	r.mu.Lock()

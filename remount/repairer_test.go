@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
 	"google.golang.org/grpc"
 	"k8s.io/apimachinery/pkg/types"
@@ -330,5 +331,45 @@ func TestDriverBackAnswersAtOnce(t *testing.T) {
 	serveUnix(t, path, func(s *grpc.Server) { registerDriver(s, f) })
 	if _, err := c.CheckNode(ctx); err != nil {
 		t.Errorf("first CheckNode with the driver back = %v, want an answer", err)
+	}
+}
+
+// TestCapabilities: the driver is asked through the Repairer's endpoint
+// every time (a restarted driver may advertise otherwise), and a driver that
+// is not registered, or whose socket stopped answering, is unavailable.
+func TestCapabilities(t *testing.T) {
+	const name = "caps.csi.example.com"
+	root := socketDir(t)
+	sock := filepath.Join(root, "plugins", name, "csi.sock")
+	if err := os.MkdirAll(filepath.Dir(sock), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f := &fakeDriver{caps: []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP,
+	}}
+	srv := serveUnix(t, sock, func(s *grpc.Server) { registerDriver(s, f) })
+	r, err := New(Config{KubeletRoot: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ctx := t.Context()
+	want := NodeCapabilities{StageUnstage: true, VolumeMountGroup: true}
+	for i := range 2 {
+		if got, err := r.Capabilities(ctx, name); err != nil || got != want {
+			t.Fatalf("Capabilities(%s) call %d = %+v, %v; want %+v", name, i, got, err, want)
+		}
+	}
+	if n := f.capsCalls.Load(); n != 2 {
+		t.Errorf("driver asked %d times over two calls, want 2 (never from a cache)", n)
+	}
+	if _, err := r.Capabilities(ctx, "missing.csi.example.com"); !errors.Is(err, ErrDriverUnavailable) {
+		t.Errorf("Capabilities of a driver nobody registered = %v, want ErrDriverUnavailable", err)
+	}
+	srv.Stop()
+	deadSocket(t, sock)
+	if got, err := r.Capabilities(ctx, name); !errors.Is(err, ErrDriverUnavailable) || got != (NodeCapabilities{}) {
+		t.Errorf("Capabilities with the driver down = %+v, %v; want none and ErrDriverUnavailable", got, err)
 	}
 }
