@@ -27,7 +27,8 @@ var (
 	// or ran out of time before a connection was up. Retry later.
 	ErrDriverUnavailable = errors.New("csi driver unavailable")
 	// ErrDriverNotFound marks a driver that no registration socket names and
-	// that has no socket at the conventional path.
+	// that has no socket at the conventional path. Such an error matches
+	// ErrDriverUnavailable too: the driver may be restarting.
 	ErrDriverNotFound = errors.New("csi driver not found")
 )
 

@@ -60,11 +60,11 @@ type scan struct {
 // FindDriver never calls NotifyRegistrationStatus: that is kubelet's, and
 // node-driver-registrar exits when told that registration failed.
 //
-// A driver named by no answer and with no conventional socket gives
-// ErrDriverNotFound; when some registration sockets did not answer, the
-// error also matches ErrDriverUnavailable (the driver may be restarting).
-// A registered driver whose socket is missing gives ErrDriverUnavailable;
-// an endpoint that is not a unix socket is refused.
+// A driver named by no answer and with no conventional socket gives an
+// error matching both ErrDriverNotFound and ErrDriverUnavailable: a driver
+// that is not registered counts as down, since it may be restarting. A
+// registered driver whose socket is missing gives ErrDriverUnavailable; an
+// endpoint that is not a unix socket is refused.
 func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, error) {
 	if err := checkName("csi driver name", driver); err != nil {
 		return Endpoint{}, err
@@ -89,12 +89,12 @@ func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, erro
 	case !errors.Is(err, ErrDriverUnavailable):
 		return Endpoint{}, fmt.Errorf("csi driver %q: %w", driver, err)
 	}
+	var silent string
 	if len(sc.silent) > 0 {
-		return Endpoint{}, fmt.Errorf("csi driver %q is not registered in %s and %s does not exist; %d registration sockets did not answer (%s): %w: %w",
-			driver, registryDir(kubeletRoot), conventional, len(sc.silent), strings.Join(sc.silent, ", "), ErrDriverNotFound, ErrDriverUnavailable)
+		silent = fmt.Sprintf("; %d registration sockets did not answer (%s)", len(sc.silent), strings.Join(sc.silent, ", "))
 	}
-	return Endpoint{}, fmt.Errorf("csi driver %q is not registered in %s and %s does not exist: %w",
-		driver, registryDir(kubeletRoot), conventional, ErrDriverNotFound)
+	return Endpoint{}, fmt.Errorf("csi driver %q is not registered in %s and %s does not exist%s: %w: %w",
+		driver, registryDir(kubeletRoot), conventional, silent, ErrDriverNotFound, ErrDriverUnavailable)
 }
 
 // ListDrivers returns the CSI drivers registered under

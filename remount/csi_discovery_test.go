@@ -108,17 +108,17 @@ func TestFindDriver(t *testing.T) {
 			setup: func(t *testing.T, root, registry, pluginDir string) {
 				serveRegistration(t, filepath.Join(registry, ".hidden.sock"), registerapi.CSIPlugin, testDriver, "", "1.0.0")
 			},
-			want: want{notFound: true},
+			want: want{notFound: true, unavailable: true},
 		},
 		"only CSI 2.x offered": {
 			setup: func(t *testing.T, root, registry, pluginDir string) {
 				serveRegistration(t, filepath.Join(registry, "reg.sock"), registerapi.CSIPlugin, testDriver, "", "2.0.0")
 			},
-			want: want{notFound: true},
+			want: want{notFound: true, unavailable: true},
 		},
 		"nothing at all": {
 			setup: func(t *testing.T, root, registry, pluginDir string) {},
-			want:  want{notFound: true},
+			want:  want{notFound: true, unavailable: true},
 		},
 		"registration socket left behind": {
 			setup: func(t *testing.T, root, registry, pluginDir string) {

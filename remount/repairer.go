@@ -213,22 +213,19 @@ func (r *Repairer) csiClient(ctx context.Context, driver string, refind bool) (*
 // checkDriver asks the driver for its node capabilities through the cached
 // endpoint; when that fails as if the driver were down, it finds the
 // endpoint again (the driver may have registered elsewhere) and asks once
-// more. A driver that is not registered counts as unavailable: it may be
-// restarting.
+// more. A driver that is not registered is unavailable (FindDriver): it may
+// be restarting.
 func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, NodeCapabilities, error) {
 	c, err := r.csiClient(ctx, driver, false)
 	var caps NodeCapabilities
 	if err == nil {
 		caps, err = c.CheckNode(ctx)
 	}
-	if err != nil && (errors.Is(err, ErrDriverUnavailable) || errors.Is(err, ErrDriverNotFound)) {
+	if errors.Is(err, ErrDriverUnavailable) {
 		c, err = r.csiClient(ctx, driver, true)
 		if err == nil {
 			caps, err = c.CheckNode(ctx)
 		}
-	}
-	if errors.Is(err, ErrDriverNotFound) && !errors.Is(err, ErrDriverUnavailable) {
-		err = fmt.Errorf("%w: %w", ErrDriverUnavailable, err)
 	}
 	return c, caps, err
 }
