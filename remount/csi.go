@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -45,12 +44,11 @@ const (
 
 // CSIOptions configures a CSIClient. Zero fields take the defaults.
 type CSIOptions struct {
-	// StageTimeout bounds NodeStageVolume and NodeUnstageVolume.
+	// StageTimeout bounds NodeStageVolume.
 	StageTimeout time.Duration
-	// PublishTimeout bounds NodePublishVolume and NodeUnpublishVolume.
+	// PublishTimeout bounds NodePublishVolume.
 	PublishTimeout time.Duration
-	// ProbeTimeout bounds NodeGetCapabilities, NodeGetInfo, Probe and
-	// GetPluginInfo.
+	// ProbeTimeout bounds NodeGetCapabilities and each connection attempt.
 	ProbeTimeout time.Duration
 	// ReconnectMaxDelay caps the backoff between connection attempts.
 	ReconnectMaxDelay time.Duration
@@ -72,12 +70,10 @@ func (o CSIOptions) withDefaults() CSIOptions {
 	return o
 }
 
-// NodeCapabilities is what a driver's NodeGetCapabilities advertised.
+// NodeCapabilities is what a driver's NodeGetCapabilities advertised, as far
+// as the requests kubelet builds depend on it.
 type NodeCapabilities struct {
 	StageUnstage          bool // STAGE_UNSTAGE_VOLUME
-	GetVolumeStats        bool // GET_VOLUME_STATS
-	ExpandVolume          bool // EXPAND_VOLUME
-	VolumeCondition       bool // VOLUME_CONDITION
 	SingleNodeMultiWriter bool // SINGLE_NODE_MULTI_WRITER
 	VolumeMountGroup      bool // VOLUME_MOUNT_GROUP
 }
@@ -88,12 +84,6 @@ func nodeCapabilities(caps []*csi.NodeServiceCapability) NodeCapabilities {
 		switch c.GetRpc().GetType() {
 		case csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME:
 			nc.StageUnstage = true
-		case csi.NodeServiceCapability_RPC_GET_VOLUME_STATS:
-			nc.GetVolumeStats = true
-		case csi.NodeServiceCapability_RPC_EXPAND_VOLUME:
-			nc.ExpandVolume = true
-		case csi.NodeServiceCapability_RPC_VOLUME_CONDITION:
-			nc.VolumeCondition = true
 		case csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER:
 			nc.SingleNodeMultiWriter = true
 		case csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP:
@@ -133,19 +123,6 @@ func (e *RPCError) GRPCStatus() *status.Status {
 	return st
 }
 
-// Final reports whether the operation is known to be over: false when the
-// driver may still be working on it (Canceled, DeadlineExceeded,
-// Unavailable, ResourceExhausted, Aborted), as kubelet's isFinalError
-// decides before it trusts a failed NodeStage/NodePublish to have done
-// nothing.
-func (e *RPCError) Final() bool {
-	switch e.Code {
-	case codes.Canceled, codes.DeadlineExceeded, codes.Unavailable, codes.ResourceExhausted, codes.Aborted:
-		return false
-	}
-	return true
-}
-
 // CSIClient talks to one CSI node plugin over its unix socket. It is safe
 // for concurrent use. The gRPC connection is made lazily and re-made after a
 // driver restart.
@@ -154,10 +131,6 @@ type CSIClient struct {
 	opts CSIOptions
 	conn *grpc.ClientConn
 	node csi.NodeClient
-	id   csi.IdentityClient
-
-	mu   sync.Mutex
-	caps *NodeCapabilities
 }
 
 // DialCSI prepares a client for the CSI socket at endpoint (an absolute path
@@ -191,7 +164,6 @@ func DialCSI(ctx context.Context, endpoint string, opts CSIOptions) (*CSIClient,
 		opts: opts,
 		conn: conn,
 		node: csi.NewNodeClient(conn),
-		id:   csi.NewIdentityClient(conn),
 	}, nil
 }
 
@@ -231,35 +203,13 @@ func (c *CSIClient) classify(method string, err error) error {
 	return e
 }
 
-// NodeGetCapabilities returns the driver's node capabilities, asking the
-// driver once and then answering from a cache that lives as long as the
-// client.
+// NodeGetCapabilities asks the driver for its node capabilities, every time:
+// it is also the check that the driver answers before anything is
+// unmounted, and a restarted driver may advertise otherwise. A connection
+// that failed while the driver was down is re-dialled at once instead of
+// after gRPC's backoff, so a driver that has just come back answers the
+// first call.
 func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (NodeCapabilities, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.caps != nil {
-		return *c.caps, nil
-	}
-	var resp *csi.NodeGetCapabilitiesResponse
-	err := c.call(ctx, "NodeGetCapabilities", c.opts.ProbeTimeout, func(ctx context.Context) error {
-		var err error
-		resp, err = c.node.NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
-		return err
-	})
-	if err != nil {
-		return NodeCapabilities{}, err
-	}
-	caps := nodeCapabilities(resp.GetCapabilities())
-	c.caps = &caps
-	return caps, nil
-}
-
-// CheckNode asks the driver for its node capabilities every time (never
-// from the cache, which it refreshes): the check that the driver answers
-// before anything is unmounted. A connection that failed while the driver
-// was down is re-dialled at once instead of after gRPC's backoff, so a
-// driver that has just come back answers the first call.
-func (c *CSIClient) CheckNode(ctx context.Context) (NodeCapabilities, error) {
 	if err := checkSocket("csi", c.path, ErrDriverUnavailable); err != nil {
 		return NodeCapabilities{}, err
 	}
@@ -273,11 +223,7 @@ func (c *CSIClient) CheckNode(ctx context.Context) (NodeCapabilities, error) {
 	if err != nil {
 		return NodeCapabilities{}, err
 	}
-	caps := nodeCapabilities(resp.GetCapabilities())
-	c.mu.Lock()
-	c.caps = &caps
-	c.mu.Unlock()
-	return caps, nil
+	return nodeCapabilities(resp.GetCapabilities()), nil
 }
 
 // redialWait bounds how long redial waits for a fresh connection attempt to
@@ -296,46 +242,6 @@ func (c *CSIClient) redial(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, redialWait)
 	defer cancel()
 	c.conn.WaitForStateChange(ctx, connectivity.TransientFailure)
-}
-
-// NodeGetInfo asks the driver for its node ID, volume limit and topology.
-func (c *CSIClient) NodeGetInfo(ctx context.Context) (*csi.NodeGetInfoResponse, error) {
-	var resp *csi.NodeGetInfoResponse
-	err := c.call(ctx, "NodeGetInfo", c.opts.ProbeTimeout, func(ctx context.Context) error {
-		var err error
-		resp, err = c.node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
-		return err
-	})
-	return resp, err
-}
-
-// Probe asks the driver whether it is ready. A driver that leaves the answer
-// unset is ready, as the CSI spec says.
-func (c *CSIClient) Probe(ctx context.Context) (bool, error) {
-	var resp *csi.ProbeResponse
-	err := c.call(ctx, "Probe", c.opts.ProbeTimeout, func(ctx context.Context) error {
-		var err error
-		resp, err = c.id.Probe(ctx, &csi.ProbeRequest{})
-		return err
-	})
-	if err != nil {
-		return false, err
-	}
-	if resp.GetReady() == nil {
-		return true, nil
-	}
-	return resp.GetReady().GetValue(), nil
-}
-
-// GetPluginInfo returns the driver's name and version.
-func (c *CSIClient) GetPluginInfo(ctx context.Context) (*csi.GetPluginInfoResponse, error) {
-	var resp *csi.GetPluginInfoResponse
-	err := c.call(ctx, "GetPluginInfo", c.opts.ProbeTimeout, func(ctx context.Context) error {
-		var err error
-		resp, err = c.id.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
-		return err
-	})
-	return resp, err
 }
 
 // NodeStageVolume sends req (see StageRequest).
@@ -370,32 +276,6 @@ func (c *CSIClient) NodePublishVolume(ctx context.Context, req *csi.NodePublishV
 		"volumeID", req.GetVolumeId(), "stagingPath", req.GetStagingTargetPath(), "targetPath", req.GetTargetPath())
 	return c.call(ctx, "NodePublishVolume", c.opts.PublishTimeout, func(ctx context.Context) error {
 		_, err := c.node.NodePublishVolume(ctx, req)
-		return err
-	})
-}
-
-// NodeUnpublishVolume asks the driver to unpublish volumeID from targetPath.
-func (c *CSIClient) NodeUnpublishVolume(ctx context.Context, volumeID, targetPath string) error {
-	if volumeID == "" || targetPath == "" {
-		return errors.New("csi NodeUnpublishVolume: missing volume id or target path")
-	}
-	klog.FromContext(ctx).V(4).Info("Calling NodeUnpublishVolume", "endpoint", c.path,
-		"volumeID", volumeID, "targetPath", targetPath)
-	return c.call(ctx, "NodeUnpublishVolume", c.opts.PublishTimeout, func(ctx context.Context) error {
-		_, err := c.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: volumeID, TargetPath: targetPath})
-		return err
-	})
-}
-
-// NodeUnstageVolume asks the driver to unstage volumeID from stagingPath.
-func (c *CSIClient) NodeUnstageVolume(ctx context.Context, volumeID, stagingPath string) error {
-	if volumeID == "" || stagingPath == "" {
-		return errors.New("csi NodeUnstageVolume: missing volume id or staging path")
-	}
-	klog.FromContext(ctx).V(4).Info("Calling NodeUnstageVolume", "endpoint", c.path,
-		"volumeID", volumeID, "stagingPath", stagingPath)
-	return c.call(ctx, "NodeUnstageVolume", c.opts.StageTimeout, func(ctx context.Context) error {
-		_, err := c.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volumeID, StagingTargetPath: stagingPath})
 		return err
 	})
 }

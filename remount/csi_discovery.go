@@ -97,14 +97,6 @@ func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, erro
 		driver, registryDir(kubeletRoot), conventional, silent, ErrDriverNotFound, ErrDriverUnavailable)
 }
 
-// ListDrivers returns the CSI drivers registered under
-// <kubeletRoot>/plugins_registry by name. Sockets that do not answer are
-// left out.
-func ListDrivers(ctx context.Context, kubeletRoot string) (map[string]Endpoint, error) {
-	sc, err := scanRegistry(ctx, kubeletRoot)
-	return sc.found, err
-}
-
 func registryDir(kubeletRoot string) string {
 	return filepath.Join(kubeletRoot, "plugins_registry")
 }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"slices"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -220,26 +219,5 @@ func TestFindDriverRefusesBadNames(t *testing.T) {
 		if _, err := FindDriver(t.Context(), root, name); err == nil || errors.Is(err, ErrDriverNotFound) {
 			t.Errorf("FindDriver(%q) = %v, want a bad-name error", name, err)
 		}
-	}
-}
-
-func TestListDrivers(t *testing.T) {
-	root, registry, pluginDir := kubeletDirs(t)
-	serveDriver2(t, filepath.Join(pluginDir, "csi.sock"))
-	serveRegistration(t, filepath.Join(registry, "a.sock"), registerapi.CSIPlugin, testDriver, filepath.Join(pluginDir, "csi.sock"), "1.0.0")
-	serveRegistration(t, filepath.Join(registry, "b.sock"), registerapi.CSIPlugin, "b.csi.example.com", "", "1.0.0")
-	serveRegistration(t, filepath.Join(registry, "c.sock"), registerapi.DRAPlugin, "dra.example.com", "", "v1")
-	deadSocket(t, filepath.Join(registry, "d.sock"))
-	got, err := ListDrivers(t.Context(), root)
-	if err != nil {
-		t.Fatalf("ListDrivers() = %v", err)
-	}
-	var names []string
-	for n := range got {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	if want := []string{"b.csi.example.com", testDriver}; !slices.Equal(names, want) {
-		t.Errorf("ListDrivers() names = %v, want %v", names, want)
 	}
 }

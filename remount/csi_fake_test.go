@@ -12,7 +12,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/wrapperspb"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 )
 
@@ -108,15 +107,13 @@ func serveRegistration(t *testing.T, path, typ, name, endpoint string, versions 
 	return f
 }
 
-// fakeDriver is a CSI identity and node service that records what it got.
+// fakeDriver is a CSI node service that records what it got.
 // It is a unit-test fake of the wire protocol; real drivers are tested
 // elsewhere.
 type fakeDriver struct {
-	csi.UnimplementedIdentityServer
 	csi.UnimplementedNodeServer
 
-	caps  []csi.NodeServiceCapability_RPC_Type
-	ready *bool
+	caps []csi.NodeServiceCapability_RPC_Type
 	// err, when set, is returned by every node call.
 	err error
 	// block, when set, makes every node call wait for the caller's deadline.
@@ -148,17 +145,6 @@ func (f *fakeDriver) answer(ctx context.Context) error {
 	return f.err
 }
 
-func (f *fakeDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
-	return &csi.GetPluginInfoResponse{Name: "fake.csi.example.com", VendorVersion: "v0.0.1"}, nil
-}
-
-func (f *fakeDriver) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
-	if f.ready == nil {
-		return &csi.ProbeResponse{}, nil
-	}
-	return &csi.ProbeResponse{Ready: wrapperspb.Bool(*f.ready)}, nil
-}
-
 func (f *fakeDriver) NodeGetCapabilities(ctx context.Context, _ *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
 	f.capsCalls.Add(1)
 	if err := f.answer(ctx); err != nil {
@@ -173,27 +159,12 @@ func (f *fakeDriver) NodeGetCapabilities(ctx context.Context, _ *csi.NodeGetCapa
 	return resp, nil
 }
 
-func (f *fakeDriver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
-	if err := f.answer(ctx); err != nil {
-		return nil, err
-	}
-	return &csi.NodeGetInfoResponse{NodeId: "node-1", MaxVolumesPerNode: 7}, nil
-}
-
 func (f *fakeDriver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
 	f.record(req)
 	if err := f.answer(ctx); err != nil {
 		return nil, err
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
-}
-
-func (f *fakeDriver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
-	f.record(req)
-	if err := f.answer(ctx); err != nil {
-		return nil, err
-	}
-	return &csi.NodeUnstageVolumeResponse{}, nil
 }
 
 func (f *fakeDriver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
@@ -204,16 +175,7 @@ func (f *fakeDriver) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
-func (f *fakeDriver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
-	f.record(req)
-	if err := f.answer(ctx); err != nil {
-		return nil, err
-	}
-	return &csi.NodeUnpublishVolumeResponse{}, nil
-}
-
 func registerDriver(s *grpc.Server, f *fakeDriver) {
-	csi.RegisterIdentityServer(s, f)
 	csi.RegisterNodeServer(s, f)
 }
 

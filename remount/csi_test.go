@@ -79,14 +79,13 @@ func TestDialCSIRefuses(t *testing.T) {
 }
 
 func TestCSIClientCalls(t *testing.T) {
-	notReady := false
 	f := &fakeDriver{
 		caps: []csi.NodeServiceCapability_RPC_Type{
 			csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 			csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP,
 			csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+			csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		},
-		ready: &notReady,
 	}
 	path, _ := serveDriver(t, f)
 	ctx := t.Context()
@@ -102,20 +101,8 @@ func TestCSIClientCalls(t *testing.T) {
 			t.Fatalf("NodeGetCapabilities() call %d = %+v, %v; want %+v, nil", i, got, err, want)
 		}
 	}
-	if n := f.capsCalls.Load(); n != 1 {
-		t.Errorf("driver got %d NodeGetCapabilities calls, want 1 (cached)", n)
-	}
-
-	info, err := c.NodeGetInfo(ctx)
-	if err != nil || info.GetNodeId() != "node-1" || info.GetMaxVolumesPerNode() != 7 {
-		t.Errorf("NodeGetInfo() = %v, %v; want node-1, 7", info, err)
-	}
-	pi, err := c.GetPluginInfo(ctx)
-	if err != nil || pi.GetName() != "fake.csi.example.com" {
-		t.Errorf("GetPluginInfo() = %v, %v; want fake.csi.example.com", pi, err)
-	}
-	if ready, err := c.Probe(ctx); err != nil || ready {
-		t.Errorf("Probe() = %v, %v; want false, nil", ready, err)
+	if n := f.capsCalls.Load(); n != 3 {
+		t.Errorf("driver got %d NodeGetCapabilities calls, want 3 (asked every time)", n)
 	}
 
 	vr := VolumeRequest{
@@ -130,17 +117,7 @@ func TestCSIClientCalls(t *testing.T) {
 	if err := c.NodePublishVolume(ctx, publish); err != nil {
 		t.Fatalf("NodePublishVolume() = %v", err)
 	}
-	if err := c.NodeUnpublishVolume(ctx, vr.VolumeHandle, vr.TargetPath); err != nil {
-		t.Fatalf("NodeUnpublishVolume() = %v", err)
-	}
-	if err := c.NodeUnstageVolume(ctx, vr.VolumeHandle, vr.StagingPath); err != nil {
-		t.Fatalf("NodeUnstageVolume() = %v", err)
-	}
-	wantGot := []proto.Message{
-		stage, publish,
-		&csi.NodeUnpublishVolumeRequest{VolumeId: vr.VolumeHandle, TargetPath: vr.TargetPath},
-		&csi.NodeUnstageVolumeRequest{VolumeId: vr.VolumeHandle, StagingTargetPath: vr.StagingPath},
-	}
+	wantGot := []proto.Message{stage, publish}
 	got := f.received()
 	if len(got) != len(wantGot) {
 		t.Fatalf("driver received %d requests, want %d", len(got), len(wantGot))
@@ -163,8 +140,7 @@ func TestCSIClientRejectsIncompleteRequests(t *testing.T) {
 		"stage without staging path":  c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", VolumeCapability: capab}),
 		"stage without capability":    c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s"}),
 		"publish without target path": c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "v", VolumeCapability: capab}),
-		"unpublish without target":    c.NodeUnpublishVolume(ctx, "v", ""),
-		"unstage without volume id":   c.NodeUnstageVolume(ctx, "", "/s"),
+		"publish without volume id":   c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{TargetPath: "/t", VolumeCapability: capab}),
 	}
 	for name, err := range errs {
 		if err == nil {
@@ -180,11 +156,10 @@ func TestCSIClientErrorCodes(t *testing.T) {
 	tests := map[string]struct {
 		code            codes.Code
 		wantUnavailable bool
-		wantFinal       bool
 	}{
-		"not found":          {code: codes.NotFound, wantFinal: true},
-		"invalid argument":   {code: codes.InvalidArgument, wantFinal: true},
-		"internal":           {code: codes.Internal, wantFinal: true},
+		"not found":          {code: codes.NotFound},
+		"invalid argument":   {code: codes.InvalidArgument},
+		"internal":           {code: codes.Internal},
 		"aborted":            {code: codes.Aborted},
 		"resource exhausted": {code: codes.ResourceExhausted},
 		"unavailable":        {code: codes.Unavailable, wantUnavailable: true},
@@ -208,9 +183,6 @@ func TestCSIClientErrorCodes(t *testing.T) {
 			if got := errors.Is(err, ErrDriverUnavailable); got != tc.wantUnavailable {
 				t.Errorf("errors.Is(%v, ErrDriverUnavailable) = %v, want %v", err, got, tc.wantUnavailable)
 			}
-			if got := rpcErr.Final(); got != tc.wantFinal {
-				t.Errorf("Final() = %v, want %v", got, tc.wantFinal)
-			}
 		})
 	}
 }
@@ -219,13 +191,13 @@ func TestCSIClientDriverDown(t *testing.T) {
 	t.Run("server stopped", func(t *testing.T) {
 		path, srv := serveDriver(t, &fakeDriver{})
 		c := dial(t, path, shortTimeouts)
-		if _, err := c.NodeGetInfo(t.Context()); err != nil {
-			t.Fatalf("NodeGetInfo() before stop = %v", err)
+		if _, err := c.NodeGetCapabilities(t.Context()); err != nil {
+			t.Fatalf("NodeGetCapabilities() before stop = %v", err)
 		}
 		srv.Stop()
-		_, err := c.NodeGetInfo(t.Context())
+		_, err := c.NodeGetCapabilities(t.Context())
 		if !errors.Is(err, ErrDriverUnavailable) {
-			t.Errorf("NodeGetInfo() after stop = %v, want ErrDriverUnavailable", err)
+			t.Errorf("NodeGetCapabilities() after stop = %v, want ErrDriverUnavailable", err)
 		}
 		// Dialing afresh finds no socket.
 		if _, err := DialCSI(t.Context(), path, shortTimeouts); !errors.Is(err, ErrDriverUnavailable) {
@@ -248,22 +220,22 @@ func TestCSIClientDriverDown(t *testing.T) {
 		path := filepath.Join(socketDir(t), "csi.sock")
 		silentSocket(t, path)
 		c := dial(t, path, shortTimeouts)
-		err := watchdog(t, func() error { _, err := c.NodeGetInfo(t.Context()); return err })
+		err := watchdog(t, func() error { _, err := c.NodeGetCapabilities(t.Context()); return err })
 		if !errors.Is(err, ErrDriverUnavailable) {
-			t.Errorf("NodeGetInfo() on a socket that never answers = %v, want ErrDriverUnavailable", err)
+			t.Errorf("NodeGetCapabilities() on a socket that never answers = %v, want ErrDriverUnavailable", err)
 		}
 	})
 	t.Run("driver comes back", func(t *testing.T) {
 		path, srv := serveDriver(t, &fakeDriver{})
 		c := dial(t, path, shortTimeouts)
 		srv.Stop()
-		if _, err := c.NodeGetInfo(t.Context()); !errors.Is(err, ErrDriverUnavailable) {
-			t.Fatalf("NodeGetInfo() while down = %v, want ErrDriverUnavailable", err)
+		if _, err := c.NodeGetCapabilities(t.Context()); !errors.Is(err, ErrDriverUnavailable) {
+			t.Fatalf("NodeGetCapabilities() while down = %v, want ErrDriverUnavailable", err)
 		}
 		serveUnix(t, path, func(s *grpc.Server) { registerDriver(s, &fakeDriver{}) })
 		err := watchdog(t, func() error {
 			for {
-				_, err := c.NodeGetInfo(t.Context())
+				_, err := c.NodeGetCapabilities(t.Context())
 				if !errors.Is(err, ErrDriverUnavailable) {
 					return err
 				}
@@ -271,7 +243,7 @@ func TestCSIClientDriverDown(t *testing.T) {
 			}
 		})
 		if err != nil {
-			t.Errorf("NodeGetInfo() after the driver came back = %v, want nil", err)
+			t.Errorf("NodeGetCapabilities() after the driver came back = %v, want nil", err)
 		}
 	})
 }
@@ -285,10 +257,7 @@ func TestCSIClientTimeouts(t *testing.T) {
 	calls := map[string]func() error{
 		"NodeStageVolume":     func() error { return c.NodeStageVolume(ctx, StageRequest(vr)) },
 		"NodePublishVolume":   func() error { return c.NodePublishVolume(ctx, PublishRequest(vr)) },
-		"NodeUnpublishVolume": func() error { return c.NodeUnpublishVolume(ctx, "v", "/t") },
-		"NodeUnstageVolume":   func() error { return c.NodeUnstageVolume(ctx, "v", "/s") },
 		"NodeGetCapabilities": func() error { _, err := c.NodeGetCapabilities(ctx); return err },
-		"NodeGetInfo":         func() error { _, err := c.NodeGetInfo(ctx); return err },
 	}
 	for name, call := range calls {
 		t.Run(name, func(t *testing.T) {
@@ -300,12 +269,6 @@ func TestCSIClientTimeouts(t *testing.T) {
 			if errors.Is(err, ErrDriverUnavailable) {
 				t.Errorf("%s() = %v matches ErrDriverUnavailable; a connected driver that is slow is not down", name, err)
 			}
-			if rpcErr.Final() {
-				t.Errorf("%s(): Final() = true, want false (the driver may still be working)", name)
-			}
 		})
-	}
-	if _, err := c.NodeGetCapabilities(ctx); err == nil {
-		t.Error("NodeGetCapabilities() cached a failed answer")
 	}
 }

@@ -5,10 +5,10 @@
 //
 //   - the CSI client side: finding a driver's node socket the way kubelet
 //     does (registration sockets under <kubeletRoot>/plugins_registry, then
-//     <kubeletRoot>/plugins/<driver>/csi.sock), and a CSIClient for the node
-//     and identity services with per-call timeouts, a cached capability set
-//     and a distinct, retryable ErrDriverUnavailable for a driver that is
-//     down;
+//     <kubeletRoot>/plugins/<driver>/csi.sock), and a CSIClient for the
+//     node service calls a repair makes (NodeGetCapabilities,
+//     NodeStageVolume, NodePublishVolume) with per-call timeouts and a
+//     distinct, retryable ErrDriverUnavailable for a driver that is down;
 //   - the requests kubelet would send: VolumeRequest, built from plain
 //     Kubernetes objects by BuildVolumeRequest, turned into
 //     NodeStageVolumeRequest and NodePublishVolumeRequest by StageRequest and

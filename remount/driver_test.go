@@ -147,7 +147,7 @@ func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *real
 	sv := d.s3.Volume(csilab.Bucket, prefix)
 	rv := &realVolume{handle: sv.Handle, pv: "pv-" + prefix}
 	rv.staging = d.k.StagingPath(csilab.DriverName, sv.Handle)
-	caps, err := d.csi.CheckNode(ctx)
+	caps, err := d.csi.NodeGetCapabilities(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

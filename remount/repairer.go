@@ -219,12 +219,12 @@ func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, 
 	c, err := r.csiClient(ctx, driver, false)
 	var caps NodeCapabilities
 	if err == nil {
-		caps, err = c.CheckNode(ctx)
+		caps, err = c.NodeGetCapabilities(ctx)
 	}
 	if errors.Is(err, ErrDriverUnavailable) {
 		c, err = r.csiClient(ctx, driver, true)
 		if err == nil {
-			caps, err = c.CheckNode(ctx)
+			caps, err = c.NodeGetCapabilities(ctx)
 		}
 	}
 	return c, caps, err

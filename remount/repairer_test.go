@@ -315,22 +315,22 @@ func TestDriverBackAnswersAtOnce(t *testing.T) {
 	}
 	defer c.Close()
 	ctx := context.Background()
-	if _, err := c.CheckNode(ctx); err != nil {
+	if _, err := c.NodeGetCapabilities(ctx); err != nil {
 		t.Fatal(err)
 	}
 	srv.Stop()
 	deadSocket(t, path)
 	for range 3 { // grow the backoff
-		if _, err := c.CheckNode(ctx); !errors.Is(err, ErrDriverUnavailable) {
-			t.Fatalf("CheckNode with the driver down = %v, want ErrDriverUnavailable", err)
+		if _, err := c.NodeGetCapabilities(ctx); !errors.Is(err, ErrDriverUnavailable) {
+			t.Fatalf("NodeGetCapabilities with the driver down = %v, want ErrDriverUnavailable", err)
 		}
 	}
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
 	serveUnix(t, path, func(s *grpc.Server) { registerDriver(s, f) })
-	if _, err := c.CheckNode(ctx); err != nil {
-		t.Errorf("first CheckNode with the driver back = %v, want an answer", err)
+	if _, err := c.NodeGetCapabilities(ctx); err != nil {
+		t.Errorf("first NodeGetCapabilities with the driver back = %v, want an answer", err)
 	}
 }
 
