@@ -89,15 +89,16 @@ func HostSyscalls() Syscalls {
 	return Syscalls{Statfs: statfs, StatxSync: statxSync, ReadDevice: readDevice, ReadFile: os.ReadFile}
 }
 
-// Prober checks backends without ever wedging its caller: a probe runs on
-// its own goroutine, at most one per backend at a time; the caller waits at
-// most Timeout for it.
+// Prober checks backends and paths without ever wedging its caller: a probe
+// runs on its own goroutine, at most one per backend (or per path, for
+// CheckPath) at a time; the caller waits at most Timeout for it.
 type Prober struct {
 	cfg Config
 	sys Syscalls
 
-	mu       sync.Mutex
-	inflight map[Dev]*flight
+	mu sync.Mutex
+	// inflight is keyed by a backend's Dev or by a CheckPath path.
+	inflight map[any]*flight
 	errCount map[string]uint64
 }
 
@@ -127,7 +128,7 @@ func NewProberWith(cfg Config, sys Syscalls) *Prober {
 	if cfg.DevDir == "" {
 		cfg.DevDir = "/dev"
 	}
-	return &Prober{cfg: cfg, sys: sys, inflight: make(map[Dev]*flight), errCount: make(map[string]uint64)}
+	return &Prober{cfg: cfg, sys: sys, inflight: make(map[any]*flight), errCount: make(map[string]uint64)}
 }
 
 // InFlight counts probes still running, each pinning an OS thread.
@@ -218,12 +219,39 @@ func (p *Prober) probeBackend(ctx context.Context, b *Backend) Result {
 		st, err := TableState(b)
 		return Result{Backend: b, State: st, Err: err}
 	}
+	r := p.once(ctx, b.Dev, path, func() Result { return p.check(b, path) })
+	r.Backend = b
+	return r
+}
+
+// CheckPath probes one path with statfs, then statx(AT_STATX_FORCE_SYNC),
+// under the same rules as a backend: at most one probe of the path in flight,
+// Hung (ErrHung) past Timeout and while an earlier probe of it has not
+// returned. It gives the path's state and, when broken, the error behind it;
+// Unknown with the context's error when ctx ends first. It reads no mount
+// table: for a caller that knows which path to check, such as a container's
+// view of a volume through /proc/<pid>/root.
+func (p *Prober) CheckPath(ctx context.Context, path string) (State, error) {
+	r := p.once(ctx, path, path, func() Result {
+		var r Result
+		r.State, r.Err = p.syscalls(path)
+		return r
+	})
+	return r.State, r.Err
+}
+
+// once runs check on its own goroutine unless a probe under key is still in
+// flight, and waits at most Timeout for it. check may block for good in a
+// syscall: it then pins one thread, and every later call for key is Hung at
+// once until it returns.
+func (p *Prober) once(ctx context.Context, key any, path string, check func() Result) Result {
+	logger := klog.FromContext(ctx)
 	p.mu.Lock()
-	f := p.inflight[b.Dev]
+	f := p.inflight[key]
 	if f != nil {
 		select {
 		case <-f.done:
-			delete(p.inflight, b.Dev)
+			delete(p.inflight, key)
 			f = nil
 		default:
 		}
@@ -231,14 +259,14 @@ func (p *Prober) probeBackend(ctx context.Context, b *Backend) Result {
 	if f != nil {
 		// The last probe has not returned: do not start another one.
 		p.mu.Unlock()
-		return Result{Backend: b, State: Hung, Err: ErrHung, Took: time.Since(f.start)}
+		return Result{State: Hung, Err: fmt.Errorf("an earlier probe of %s has not returned: %w", path, ErrHung), Took: time.Since(f.start)}
 	}
 	f = &flight{start: time.Now(), done: make(chan struct{})}
-	p.inflight[b.Dev] = f
+	p.inflight[key] = f
 	p.mu.Unlock()
 
 	go func() {
-		f.res = p.check(b, path)
+		f.res = check()
 		f.res.Took = time.Since(f.start)
 		close(f.done)
 	}()
@@ -248,31 +276,37 @@ func (p *Prober) probeBackend(ctx context.Context, b *Backend) Result {
 	select {
 	case <-f.done:
 		p.mu.Lock()
-		if p.inflight[b.Dev] == f {
-			delete(p.inflight, b.Dev)
+		if p.inflight[key] == f {
+			delete(p.inflight, key)
 		}
 		p.mu.Unlock()
-		r := f.res
-		r.Backend = b
-		klog.FromContext(ctx).V(4).Info("probed", "path", path, "dev", b.Dev, "state", r.State, "took", r.Took, "err", r.Err)
-		return r
+		logger.V(4).Info("probed", "path", path, "key", key, "state", f.res.State, "took", f.res.Took, "err", f.res.Err)
+		return f.res
 	case <-timer.C:
 	case <-ctx.Done():
-		return Result{Backend: b, State: Unknown, Err: ctx.Err(), Took: time.Since(f.start)}
+		return Result{State: Unknown, Err: ctx.Err(), Took: time.Since(f.start)}
 	}
-	klog.FromContext(ctx).V(4).Info("probe hung", "path", path, "dev", b.Dev, "timeout", p.cfg.Timeout)
-	return Result{Backend: b, State: Hung, Err: ErrHung, Took: time.Since(f.start)}
+	logger.V(4).Info("probe hung", "path", path, "key", key, "timeout", p.cfg.Timeout)
+	return Result{State: Hung, Err: fmt.Errorf("%s: no answer within %s: %w", path, p.cfg.Timeout, ErrHung), Took: time.Since(f.start)}
+}
+
+// syscalls runs statfs, then statx(AT_STATX_FORCE_SYNC), on path: Healthy,
+// or the state of the first error and the error.
+func (p *Prober) syscalls(path string) (State, error) {
+	if err := p.sys.Statfs(path); err != nil {
+		return StateOf(err), fmt.Errorf("statfs %s: %w", path, err)
+	}
+	if err := p.sys.StatxSync(path); err != nil {
+		return StateOf(err), fmt.Errorf("statx %s: %w", path, err)
+	}
+	return Healthy, nil
 }
 
 // check runs on its own goroutine; it may block for good in a syscall.
 func (p *Prober) check(b *Backend, path string) Result {
 	r := Result{Backend: b}
-	if err := p.sys.Statfs(path); err != nil {
-		r.State, r.Err = StateOf(err), fmt.Errorf("statfs %s: %w", path, err)
-		return r
-	}
-	if err := p.sys.StatxSync(path); err != nil {
-		r.State, r.Err = StateOf(err), fmt.Errorf("statx %s: %w", path, err)
+	if st, err := p.syscalls(path); err != nil {
+		r.State, r.Err = st, err
 		return r
 	}
 	if st, err := TableState(b); st != Unknown {

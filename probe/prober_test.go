@@ -204,3 +204,39 @@ func TestReadDeviceErrorIsIOError(t *testing.T) {
 		t.Errorf("device read EIO: %v %v, want IOError wrapping EIO", r.State, r.Err)
 	}
 }
+
+// TestCheckPath: a path is probed under a backend's rules: its errno
+// classified, Hung past the deadline, and never a second probe while the
+// first has not returned.
+func TestCheckPath(t *testing.T) {
+	fs := newFakeFS()
+	fs.hang["/hung"] = true
+	fs.errs["/dead"] = unix.ENOTCONN
+	p := NewProberWith(Config{Timeout: 20 * time.Millisecond}, fs.syscalls())
+	ctx := context.Background()
+	for i := range 3 {
+		if st, err := p.CheckPath(ctx, "/hung"); st != Hung || !errors.Is(err, ErrHung) {
+			t.Errorf("CheckPath(/hung) call %d = %v, %v; want Hung, ErrHung", i, st, err)
+		}
+	}
+	if n := fs.count("/hung"); n != 1 {
+		t.Errorf("/hung probed %d times while the first probe was blocked, want 1", n)
+	}
+	if st, err := p.CheckPath(ctx, "/dead"); st != Disconnected || !errors.Is(err, unix.ENOTCONN) {
+		t.Errorf("CheckPath(/dead) = %v, %v; want Disconnected, ENOTCONN", st, err)
+	}
+	if st, err := p.CheckPath(ctx, "/fine"); st != Healthy || err != nil {
+		t.Errorf("CheckPath(/fine) = %v, %v; want Healthy", st, err)
+	}
+	close(fs.release)
+	deadline := time.Now().Add(10 * time.Second)
+	for p.InFlight() != 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if st, err := p.CheckPath(ctx, "/hung"); st != Healthy || err != nil {
+		t.Errorf("CheckPath(/hung) once it answers = %v, %v; want Healthy", st, err)
+	}
+	if n := fs.count("/hung"); n != 2 {
+		t.Errorf("/hung probed %d times in all, want 2", n)
+	}
+}

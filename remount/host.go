@@ -99,8 +99,8 @@ func (h *hostRun) fresh(ctx context.Context, p *podPlan) error {
 	if h.r.cfg.DryRun {
 		return nil
 	}
-	if err := h.r.prober.check(ctx, p.target); err != nil {
-		return fmt.Errorf("pod %s: its publish target %s is not healthy (%s: %w): nothing fresh to give its containers", p.uid, p.target, probe.StateOf(err), err)
+	if st, err := h.r.check(ctx, p.target); err != nil {
+		return fmt.Errorf("pod %s: its publish target %s is not healthy (%s: %w): nothing fresh to give its containers", p.uid, p.target, st, err)
 	}
 	return nil
 }
@@ -199,7 +199,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 		case h.dead[top.Dev]:
 			return true
 		}
-		if err := r.prober.check(ctx, path); err != nil {
+		if _, err := r.check(ctx, path); err != nil {
 			h.logger.V(2).Info("Mount on top is broken too", "path", path, "dev", top.Dev, "err", err)
 			h.dead[top.Dev] = true
 			return true

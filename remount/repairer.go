@@ -82,7 +82,7 @@ type Repairer struct {
 	procDir    string
 	fusectlDir string
 	sem        chan struct{}
-	prober     *prober
+	prober     *probe.Prober
 	procs      procCache
 
 	mu        sync.Mutex
@@ -140,7 +140,7 @@ func New(cfg Config) (*Repairer, error) {
 		procDir:    cfg.ProcDir,
 		fusectlDir: cfg.FusectlDir,
 		sem:        make(chan struct{}, cfg.Parallel),
-		prober:     &prober{sys: cfg.ProbeSys, timeout: cfg.Probe.Timeout, inflight: map[string]*flight{}},
+		prober:     probe.NewProberWith(cfg.Probe, cfg.ProbeSys),
 		endpoints:  map[string]Endpoint{},
 		clients:    map[string]*CSIClient{},
 	}, nil

@@ -160,46 +160,6 @@ func TestNewChecksKubeletRoot(t *testing.T) {
 	}
 }
 
-// TestProbeOneInFlight: a probe past its deadline reports Hung, and no
-// second probe of the path starts while the first is blocked.
-func TestProbeOneInFlight(t *testing.T) {
-	release := make(chan struct{})
-	var calls atomic.Int32
-	p := &prober{timeout: 10 * time.Millisecond, inflight: map[string]*flight{}, sys: probe.Syscalls{
-		Statfs: func(path string) error {
-			calls.Add(1)
-			if path == "/hung" {
-				<-release
-			}
-			return nil
-		},
-		StatxSync: func(string) error { return nil },
-	}}
-	ctx := context.Background()
-	for i := range 3 {
-		if err := p.check(ctx, "/hung"); !errors.Is(err, probe.ErrHung) {
-			t.Fatalf("probe %d of a blocked path = %v, want ErrHung", i, err)
-		}
-	}
-	if n := calls.Load(); n != 1 {
-		t.Errorf("statfs called %d times while the first call was blocked, want 1", n)
-	}
-	if err := p.check(ctx, "/fine"); err != nil {
-		t.Errorf("probe of another path = %v, want nil", err)
-	}
-	close(release)
-	var err error
-	for range 1000 { // until the blocked call has returned
-		if err = p.check(ctx, "/hung"); err == nil {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
-	if err != nil {
-		t.Errorf("probe after the path answered again = %v, want nil", err)
-	}
-}
-
 // recordingSys counts the calls that would change a mount.
 func recordingSys(n *atomic.Int32) Syscalls {
 	count := func() error { n.Add(1); return errors.New("must not be called") }

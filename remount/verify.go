@@ -18,11 +18,11 @@ import (
 // staging path and publish targets on the host, and each container's own
 // view of the volume through /proc/<pid>/root/<mountPath> (the walk through
 // the magic link resolves the path in the container's mount namespace and
-// root). A probe is statfs followed by statx(AT_STATX_FORCE_SYNC), never a
-// plain stat, which a dead FUSE mount answers from its attribute cache. Each
-// probe runs on its own goroutine under the probe deadline; at most one
-// probe per path is in flight, so a path that hangs costs one parked thread,
-// never a pile of them (see package probe).
+// root). A probe is probe.Prober.CheckPath: statfs followed by
+// statx(AT_STATX_FORCE_SYNC), never a plain stat, which a dead FUSE mount
+// answers from its attribute cache, on its own goroutine under the probe
+// deadline, at most one per path in flight, so a path that hangs costs one
+// parked thread, never a pile of them.
 
 // place is somewhere a tier verifies.
 type place struct {
@@ -53,66 +53,18 @@ func cleanAbs(p string) string {
 	return p
 }
 
-// prober runs verification probes.
-type prober struct {
-	sys     probe.Syscalls
-	timeout time.Duration
-
-	mu       sync.Mutex
-	inflight map[string]*flight
-}
-
-type flight struct {
-	done chan struct{}
-	err  error
-}
-
-// check probes path: nil when the filesystem answered, else an error for
-// which probe.StateOf gives the state (probe.ErrHung past the deadline).
-func (p *prober) check(ctx context.Context, path string) error {
-	p.mu.Lock()
-	f := p.inflight[path]
-	if f != nil {
-		select {
-		case <-f.done:
-			delete(p.inflight, path)
-			f = nil
-		default:
-		}
+// check probes path (probe.Prober.CheckPath): nil when the filesystem
+// answered, else an error naming the state (probe.ErrHung past the
+// deadline, or while an earlier probe of the path has not returned).
+func (r *Repairer) check(ctx context.Context, path string) (probe.State, error) {
+	st, err := r.prober.CheckPath(ctx, path)
+	switch {
+	case st == probe.Healthy:
+		return st, nil
+	case err == nil:
+		err = fmt.Errorf("probe of %s: %s", path, st)
 	}
-	if f != nil {
-		p.mu.Unlock()
-		return fmt.Errorf("an earlier probe of %s has not returned: %w", path, probe.ErrHung)
-	}
-	f = &flight{done: make(chan struct{})}
-	p.inflight[path] = f
-	p.mu.Unlock()
-
-	go func() {
-		err := p.sys.Statfs(path)
-		if err != nil {
-			err = fmt.Errorf("statfs: %w", err)
-		} else if err = p.sys.StatxSync(path); err != nil {
-			err = fmt.Errorf("statx: %w", err)
-		}
-		f.err = err
-		close(f.done)
-	}()
-	timer := time.NewTimer(p.timeout)
-	defer timer.Stop()
-	select {
-	case <-f.done:
-		p.mu.Lock()
-		if p.inflight[path] == f {
-			delete(p.inflight, path)
-		}
-		p.mu.Unlock()
-		return f.err
-	case <-timer.C:
-		return fmt.Errorf("no answer within %s: %w", p.timeout, probe.ErrHung)
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return st, err
 }
 
 // verify probes the places at once and returns one action per place and
@@ -134,10 +86,8 @@ func (r *Repairer) verify(ctx context.Context, places []place) ([]Action, error)
 	for i, pl := range places {
 		wg.Go(func() {
 			start := time.Now()
-			err := r.prober.check(ctx, pl.path)
-			a := Action{Op: OpVerify, Path: pl.label, Took: time.Since(start)}
-			st := probe.StateOf(err)
-			a.Detail = st.String()
+			st, err := r.check(ctx, pl.path)
+			a := Action{Op: OpVerify, Path: pl.label, Took: time.Since(start), Detail: st.String()}
 			if err != nil {
 				a.Err = fmt.Errorf("verify %s: %s: %w", pl.label, st, err)
 			}
