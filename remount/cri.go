@@ -171,7 +171,7 @@ func (c *CRIClient) StopContainer(ctx context.Context, id string, grace time.Dur
 // ContainerPID returns the host PID of a running container's init process,
 // from the runtime's verbose status (containerd and CRI-O put it in the
 // "info" JSON as "pid"). Use it where pods have no cgroup of their own for
-// PodPIDs to find.
+// the cgroup scan (PodPIDs) to find.
 func (c *CRIClient) ContainerPID(ctx context.Context, id string) (int, error) {
 	var resp *runtimeapi.ContainerStatusResponse
 	err := c.call(ctx, "ContainerStatus", c.opts.Timeout, func(ctx context.Context) error {

@@ -175,6 +175,41 @@ func podOfSegment(seg string) (string, bool) {
 	return uid, len(uid) >= 32 && validUID(uid)
 }
 
+// PodPIDs lists, sorted, the processes whose cgroup names the pod podUID
+// (its metadata.uid), from one pass over <procDir>/<pid>/cgroup ("/proc"
+// when procDir is empty): the cgroupfs driver names the pod's cgroup
+// "pod<uid>", the systemd driver "...-pod<uid with _ for ->.slice". Paths
+// outside the reader's cgroup namespace show with ".." segments and still
+// match. The sandbox (pause) process is included; PlanSwap skips it because
+// its namespace lacks the volume.
+func PodPIDs(procDir, podUID string) ([]int, error) {
+	if procDir == "" {
+		procDir = "/proc"
+	}
+	if !validUID(podUID) {
+		return nil, fmt.Errorf("pod UID %q: want the pod's metadata.uid (hex digits and dashes)", podUID)
+	}
+	s, err := takeSnapshot(procDir)
+	if err != nil {
+		return nil, err
+	}
+	pids := slices.Clone(s.byPod[podUID])
+	slices.Sort(pids)
+	return pids, nil
+}
+
+func validUID(uid string) bool {
+	if uid == "" {
+		return false
+	}
+	for _, c := range uid {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') && (c < 'A' || c > 'F') && c != '-' {
+			return false
+		}
+	}
+	return true
+}
+
 // podProcs returns the processes of the pods in uids from a snapshot, and
 // per pod the process of each of its containers that a cgroup names.
 func (s *procSnapshot) podProcs(uids map[types.UID][]string) map[types.UID]*podProcs {
@@ -199,7 +234,8 @@ func (s *procSnapshot) podProcs(uids map[types.UID][]string) map[types.UID]*podP
 }
 
 // segmentsName reports whether one of a process's cgroup segments names
-// container id (see cgroupHasContainer).
+// container id: the segment is the ID, or ends in "-<id>" (systemd
+// scopes such as cri-containerd-<id>.scope).
 func segmentsName(segs []string, id string) bool {
 	if len(id) < minContainerID {
 		return false

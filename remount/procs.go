@@ -1,14 +1,12 @@
 package remount
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -166,73 +164,6 @@ func hasOption(opts, name string) bool {
 	for _, o := range strings.Split(opts, ",") {
 		if o == name {
 			return true
-		}
-	}
-	return false
-}
-
-// PodPIDs lists the processes whose cgroup names the pod podUID, scanning
-// <procDir>/<pid>/cgroup: the cgroupfs driver names the pod's cgroup
-// "pod<uid>", the systemd driver "...-pod<uid with _ for ->.slice". Paths
-// outside the reader's cgroup namespace show with ".." segments and still
-// match. The sandbox (pause) process is included; PlanSwap skips it because
-// its namespace lacks the volume.
-func PodPIDs(procDir, podUID string) ([]int, error) {
-	if procDir == "" {
-		procDir = "/proc"
-	}
-	if !validUID(podUID) {
-		return nil, fmt.Errorf("pod UID %q: want the pod's metadata.uid (hex digits and dashes)", podUID)
-	}
-	entries, err := os.ReadDir(procDir)
-	if err != nil {
-		return nil, fmt.Errorf("list processes: %w", err)
-	}
-	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid <= 0 {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join(procDir, e.Name(), "cgroup"))
-		if err != nil {
-			continue // exited, or a kernel thread
-		}
-		if cgroupHasPod(data, podUID) {
-			pids = append(pids, pid)
-		}
-	}
-	slices.Sort(pids)
-	return pids, nil
-}
-
-func validUID(uid string) bool {
-	if uid == "" {
-		return false
-	}
-	for _, c := range uid {
-		if (c < '0' || c > '9') && (c < 'a' || c > 'f') && (c < 'A' || c > 'F') && c != '-' {
-			return false
-		}
-	}
-	return true
-}
-
-// cgroupHasPod reports whether a /proc/<pid>/cgroup file names the pod.
-func cgroupHasPod(data []byte, uid string) bool {
-	cgroupfs := "pod" + uid
-	systemd := "pod" + strings.ReplaceAll(uid, "-", "_") + ".slice"
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		// hierarchy-ID:controllers:path; the path may hold colons.
-		parts := strings.SplitN(sc.Text(), ":", 3)
-		if len(parts) != 3 {
-			continue
-		}
-		for _, seg := range strings.Split(parts[2], "/") {
-			if seg == cgroupfs || seg == systemd || strings.HasSuffix(seg, "-"+systemd) {
-				return true
-			}
 		}
 	}
 	return false

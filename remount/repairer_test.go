@@ -116,6 +116,12 @@ func TestSnapshotFindsPodContainers(t *testing.T) {
 	if other := got["11111111-2222-3333-4444-555555555555"]; len(other.byContainer) != 0 || !slices.Equal(other.pids, []int{103}) {
 		t.Errorf("other pod: %+v; want pid 103 and no container (its cgroup is %s0, not %s)", other, id3, id3)
 	}
+	if pids, err := PodPIDs(proc, uid); err != nil || !slices.Equal(pids, []int{100, 101, 102}) {
+		t.Errorf("PodPIDs(%s) = %v, %v; want [100 101 102]", uid, pids, err)
+	}
+	if _, err := PodPIDs(proc, "../pod"); err == nil {
+		t.Errorf("PodPIDs of a malformed UID: want an error")
+	}
 	for _, seg := range []string{"kubepods", "kubepods.slice", "kubepods-besteffort.slice", "podman.service", "pod", "poda-b"} {
 		if uid, ok := podOfSegment(seg); ok {
 			t.Errorf("podOfSegment(%q) = %q, want no pod", seg, uid)

@@ -65,14 +65,16 @@ import (
 //   - Files open and working directories on the dead mount stay dead; only
 //     new lookups see the fresh mount.
 //
-// Finding the processes: PodPIDs scans /proc/*/cgroup for the pod UID, and
-// PlanSwap reads each process's mountinfo and matches the dead mount by
-// device number and mountinfo root, one process per mount namespace. This
-// needs no runtime socket, works with any runtime, and finds every container
-// of the pod (and skips the sandbox, whose namespace lacks the volume). It
-// needs hostPID, which setns needs anyway. Where pods have no cgroup of
-// their own (kubelet with cgroupsPerQOS: false), CRIClient.PodContainers
-// and CRIClient.ContainerPID give the PIDs instead.
+// Finding the processes: the Repairer takes a pod's processes from a
+// snapshot of /proc/*/cgroup that the repairs of the moment share (see
+// pids.go; PodPIDs is the same scan for one pod), and PlanSwap reads each
+// process's mountinfo and matches the dead mount by device number and
+// mountinfo root, one process per mount namespace. This needs no runtime
+// socket, works with any runtime, and finds every container of the pod (and
+// skips the sandbox, whose namespace lacks the volume). It needs hostPID,
+// which setns needs anyway. Where pods have no cgroup of their own (kubelet
+// with cgroupsPerQOS: false), CRIClient.PodContainers and
+// CRIClient.ContainerPID give the PIDs instead.
 
 // Propagation is the mount propagation of a volumeMount.
 type Propagation int
