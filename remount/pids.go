@@ -254,10 +254,10 @@ func segmentsName(segs []string, id string) bool {
 const minContainerID = 12
 
 // findProcs finds the processes of the containers of each pod (see the
-// comment above): the cgroups first, the CRI for what they leave out. A
-// ContainerMount.Pid the caller set is taken as given. Errors are reported
-// in the actions, not returned: a pod without processes is one whose
-// containers cannot be reached, which the tiers say in their own terms.
+// comment above): the cgroups first, the CRI for what they leave out.
+// Errors are reported in the actions, not returned: a pod without processes
+// is one whose containers cannot be reached, which the tiers say in their
+// own terms.
 func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 	uids := make(map[types.UID][]string)
 	for _, p := range pods {
@@ -284,14 +284,6 @@ func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 		pp := found[p.uid]
 		if pp == nil {
 			pp = &podProcs{byContainer: map[string]int{}}
-		}
-		for _, c := range p.pv.Containers {
-			if c.Pid > 0 && c.ContainerID != "" {
-				pp.byContainer[c.ContainerID] = c.Pid
-			}
-			if c.Pid > 0 && !slices.Contains(pp.pids, c.Pid) {
-				pp.pids = append(pp.pids, c.Pid)
-			}
 		}
 		a := Action{Op: OpFindProcesses, Path: "pod " + string(p.uid)}
 		var missing []string

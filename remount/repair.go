@@ -73,9 +73,6 @@ type ContainerMount struct {
 	PodUID      types.UID
 	Container   string
 	ContainerID string
-	// Pid is a process of the container (its init), to enter its mount
-	// namespace.
-	Pid int
 	// MountPath is the volumeMount's mountPath inside the container.
 	MountPath string
 	// SubPath is the volumeMount's subPath ("" for the whole volume).
