@@ -24,9 +24,11 @@
 // mount if it never reached the API server), lazily unmounts their CSI
 // publish targets and subPath binds, and keeps stopping what kubelet
 // restarts. When a renewal succeeds again it lifts the fence and deletes the
-// fenced pods still on the node (UID precondition), so their controllers
-// recreate them with fresh mounts rather than let them run on an unmounted
-// directory. Fenced(podUID) tells the agent's repair loop to keep its hands
+// fenced pods still on the node that the policy fails over (UID
+// precondition), so their controllers recreate them with fresh mounts rather
+// than let them run on an unmounted directory; a fenced pod no controller
+// owns (fenced only because the plan was not known) is never deleted: an
+// error log asks the operator to restart it. Fenced(podUID) tells the agent's repair loop to keep its hands
 // off a fenced pod's volumes. On a clean stop it releases the Lease (clears
 // the holder), which withdraws the promise.
 //

@@ -2,6 +2,7 @@ package failover
 
 import (
 	"context"
+	"net/url"
 	"slices"
 	"strings"
 	"testing"
@@ -36,6 +37,7 @@ func TestFailover(t *testing.T) {
 		t.Run("heartbeat alive", func(t *testing.T) { t.Parallel(); testHeartbeatAlive(t, h) })
 		t.Run("partitioned node fences first", func(t *testing.T) { t.Parallel(); testPartitioned(t, h) })
 		t.Run("fence lifted before the window", func(t *testing.T) { t.Parallel(); testFenceLifted(t, h) })
+		t.Run("fence before the first renewal", func(t *testing.T) { t.Parallel(); testFenceWithoutPlan(t, h) })
 		t.Run("two nodes die, cap 1", func(t *testing.T) { t.Parallel(); testCap(t, h) })
 		t.Run("leader changes mid-failover", func(t *testing.T) { t.Parallel(); testLeaderChange(t, h) })
 		t.Run("dry run and operator taint", func(t *testing.T) { t.Parallel(); testDryRunAndOperator(t, h) })
@@ -352,6 +354,56 @@ func testFenceLifted(t *testing.T, h *harness) {
 	}
 	if got := metric(t, reg, "mountmedic_failover_failovers_total", map[string]string{"result": resultSuccess}); got != 0 {
 		t.Errorf("failovers_total{result=success} = %v, want 0", got)
+	}
+}
+
+// testFenceWithoutPlan starts an agent that never reaches the API server:
+// it cannot know which pods the controller would fail over, so it fences
+// every pod with a CSI mount, a bare pod too. When the API server answers,
+// lifting the fence deletes the StatefulSet's pod for its controller to
+// recreate, never the bare pod, which no controller would bring back.
+func testFenceWithoutPlan(t *testing.T, h *harness) {
+	s := h.scenario(t, "noplan", fastConfig("noplan"))
+	victim := s.addNode("noplan-a", false)
+	s.statefulSet("db", nil)
+	ctx := h.ctx
+	old := s.podOf(ctx, "db")
+	bare := s.barePod("bare", victim.name)
+
+	u, err := url.Parse(h.sa.Host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	victim.proxy = lab.StartTCPProxy(t, u.Host)
+	// The bare pod first: unfence handles the targets in order, so once the
+	// StatefulSet's pod is replaced the bare pod's fate is settled.
+	victim.fence = &recordingFence{mounted: []string{string(bare.UID), string(old.UID)}}
+	victim.proxy.Cut()
+	victim.startAgent(t, s.cfg)
+	t.Cleanup(victim.stopAgent) // before the proxy closes
+	s.waitFor("the agent to fence both pods", 20*time.Second, func(context.Context) (bool, error) {
+		_, okBare := victim.fence.stoppedAt(string(bare.UID))
+		_, okOld := victim.fence.stoppedAt(string(old.UID))
+		return okBare && okOld, nil
+	})
+	if !victim.hb.Fenced(string(bare.UID)) {
+		t.Errorf("Fenced(%s) = false for the bare pod during the fence", bare.UID)
+	}
+
+	victim.proxy.Restore()
+	s.waitFor("the StatefulSet's fenced pod recreated", 30*time.Second, func(ctx context.Context) (bool, error) {
+		p := s.podOf(ctx, "db")
+		return p != nil && p.UID != old.UID, nil
+	})
+	p, err := h.admin.CoreV1().Pods(s.ns).Get(ctx, bare.Name, metav1.GetOptions{})
+	switch {
+	case err != nil:
+		t.Errorf("bare pod after the fence lifted: %v, want it kept", err)
+	case p.UID != bare.UID || p.DeletionTimestamp != nil:
+		t.Errorf("bare pod after the fence lifted: uid %s (was %s), deleting %v; want it untouched", p.UID, bare.UID, p.DeletionTimestamp != nil)
+	}
+	if victim.hb.Fenced(string(bare.UID)) {
+		t.Errorf("Fenced(%s) = true after the heartbeat came back", bare.UID)
 	}
 }
 

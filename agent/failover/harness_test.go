@@ -753,6 +753,9 @@ type recordingFence struct {
 	mu       sync.Mutex
 	stopped  map[string]time.Time // pod UID -> first stop
 	unmounts map[string]int
+	// mounted are the pod UIDs MountedPods reports: the pods with CSI
+	// mounts on the node.
+	mounted []string
 }
 
 func (f *recordingFence) StopPodContainers(_ context.Context, podUID string, _ time.Duration) (int, error) {
@@ -777,7 +780,11 @@ func (f *recordingFence) UnmountPodVolumes(_ context.Context, podUID string) (in
 	return 1, nil
 }
 
-func (f *recordingFence) MountedPods(context.Context) ([]string, error) { return nil, nil }
+func (f *recordingFence) MountedPods(context.Context) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.mounted), nil
+}
 
 func (f *recordingFence) stoppedAt(uid string) (time.Time, bool) {
 	f.mu.Lock()

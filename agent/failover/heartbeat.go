@@ -43,9 +43,11 @@ func (t fenceTarget) String() string {
 // controller could fail over (and those it cannot rule out) and lazily
 // unmounts their volumes, and keeps stopping them while the fence lasts.
 // When a renewal succeeds again it lifts the fence and deletes the fenced
-// pods that are still there (same UID, still on this node) so that their
-// controllers recreate them with fresh mounts: a fenced pod never resumes in
-// place on an unmounted volume.
+// pods that are still there (same UID, still on this node) and that the
+// policy fails over, so that their controllers recreate them with fresh
+// mounts: such a pod never resumes in place on an unmounted volume. A pod
+// fenced without a controller (the plan was not known) is left to the
+// operator, with an error log.
 //
 // Its Lease advertises FenceAfter as leaseDurationSeconds: the promise the
 // controller relies on. On a clean stop it releases the Lease (clears the
@@ -402,8 +404,11 @@ func (h *Heartbeat) stopOne(ctx context.Context, t fenceTarget, unmount bool) {
 }
 
 // unfence lifts the fence after a successful renewal and deletes the
-// fenced pods still on this node, so that their controllers recreate them
-// with fresh mounts.
+// fenced pods still on this node that the policy fails over (a controller
+// owns them and recreates them with fresh mounts). A fenced pod the policy
+// would not fail over (no controller, a DaemonSet's, a static pod...) was
+// fenced only because the plan was not known; it is never deleted: the
+// operator is told to restart it.
 func (h *Heartbeat) unfence(ctx context.Context) {
 	logger := klog.FromContext(ctx)
 	h.mu.Lock()
@@ -411,11 +416,16 @@ func (h *Heartbeat) unfence(ctx context.Context) {
 	h.fenced, h.isFenced = nil, false
 	h.mu.Unlock()
 	h.metrics.fenced.Set(0)
-	logger.Info("Heartbeat renewed: lifting the fence; fenced pods still here are deleted for their controllers to recreate", "pods", len(targets), "dryRun", h.cfg.DryRun)
-	for _, t := range targets {
+	logger.Info("Heartbeat renewed: lifting the fence; fenced pods still here that a controller owns are deleted for it to recreate them", "pods", len(targets), "dryRun", h.cfg.DryRun)
+	for _, t := range h.named(ctx, targets) {
 		pod := h.podByUID(ctx, t)
 		if pod == nil {
 			logger.V(2).Info("Fenced pod is gone (failed over or deleted)", "pod", t.String(), "podUID", t.UID)
+			continue
+		}
+		if d := h.cfg.decide(pod, h.claims.read(ctx, pod)); !d.Eligible && !d.Uncertain {
+			logger.Error(nil, "Fenced pod not deleted, as mountmedic never fails it over: its containers were stopped and its volumes unmounted; restart it by hand (delete the pod) so that it gets fresh mounts",
+				"pod", klog.KObj(pod), "podUID", pod.UID, "reason", d.Reason)
 			continue
 		}
 		if h.cfg.DryRun {
@@ -438,17 +448,44 @@ func (h *Heartbeat) unfence(ctx context.Context) {
 	}
 }
 
+// named fills in the names of targets fenced by UID alone (the API server
+// was never reached, so the pod informer may not have synced yet): from one
+// list of the node's pods, which the API server answers now that a renewal
+// succeeded, else from the informer.
+func (h *Heartbeat) named(ctx context.Context, targets []fenceTarget) []fenceTarget {
+	if !slices.ContainsFunc(targets, func(t fenceTarget) bool { return t.Name == "" }) {
+		return targets
+	}
+	byUID := make(map[string]*corev1.Pod)
+	cctx, cancel := context.WithTimeout(ctx, h.cfg.APITimeout)
+	list, err := h.client.CoreV1().Pods(metav1.NamespaceAll).List(cctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", h.cfg.NodeName).String()})
+	cancel()
+	if err == nil {
+		for i := range list.Items {
+			byUID[string(list.Items[i].UID)] = &list.Items[i]
+		}
+	} else {
+		klog.FromContext(ctx).Info("Cannot list this node's pods to name the fenced ones; using the pod informer", "err", err)
+		for _, obj := range h.pods.List() {
+			if p, ok := obj.(*corev1.Pod); ok {
+				byUID[string(p.UID)] = p
+			}
+		}
+	}
+	out := slices.Clone(targets)
+	for i, t := range out {
+		if p := byUID[t.UID]; t.Name == "" && p != nil {
+			out[i].Namespace, out[i].Name = p.Namespace, p.Name
+		}
+	}
+	return out
+}
+
 // podByUID finds a fenced pod that is still on this node with the same UID.
 func (h *Heartbeat) podByUID(ctx context.Context, t fenceTarget) *corev1.Pod {
 	if t.Name == "" {
-		for _, obj := range h.pods.List() {
-			if p, ok := obj.(*corev1.Pod); ok && string(p.UID) == t.UID {
-				t.Namespace, t.Name = p.Namespace, p.Name
-			}
-		}
-		if t.Name == "" {
-			return nil
-		}
+		return nil
 	}
 	cctx, cancel := context.WithTimeout(ctx, h.cfg.APITimeout)
 	defer cancel()
