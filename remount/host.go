@@ -449,20 +449,8 @@ func (h *hostRun) unmountDead(ctx context.Context) error {
 	slices.SortStableFunc(jobs, func(a, b job) int { return depth(b.path) - depth(a.path) })
 	u := h.r.unmounter()
 	for _, j := range jobs {
-		var errs []error
-		for i, m := range h.table.deadTop(j.path, h.dead) {
-			if i > 0 && h.r.cfg.DryRun {
-				h.add(Action{Op: OpUnmount, Path: j.path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
-				continue
-			}
-			acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: m.Path, ID: m.ID}}, false)
-			h.add(acts...)
-			if err != nil {
-				errs = append(errs, err)
-				break
-			}
-		}
-		err := errors.Join(errs...)
+		acts, err := h.table.unmountDead(ctx, u, j.path, h.dead)
+		h.add(acts...)
 		switch {
 		case err == nil:
 		case j.pod == nil:
@@ -472,6 +460,26 @@ func (h *hostRun) unmountDead(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// unmountDead lazily unmounts the dead mounts on top of path, from the top
+// down, each only while it is the mount on top there (UnmountMounts); it
+// stops at the first that fails. In dry-run the top is checked and planned,
+// and the dead mounts below it are planned as such.
+func (t *hostTable) unmountDead(ctx context.Context, u *Unmounter, path string, dead devSet) ([]Action, error) {
+	var out []Action
+	for i, m := range t.deadTop(path, dead) {
+		if i > 0 && u.DryRun {
+			out = append(out, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
+			continue
+		}
+		acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}}, false)
+		out = append(out, acts...)
+		if err != nil {
+			return out, err
+		}
+	}
+	return out, nil
 }
 
 func (h *hostRun) stageVolume(ctx context.Context) error {

@@ -595,17 +595,8 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			return strings.Compare(a, b)
 		})
 		for _, path := range paths {
-			for i, m := range table.deadTop(path, dead) {
-				if i > 0 && r.cfg.DryRun {
-					o.Actions = append(o.Actions, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: fmt.Sprintf("mount %d, below the one above", m.ID)})
-					continue
-				}
-				acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}}, false)
-				o.Actions = append(o.Actions, acts...)
-				if err != nil {
-					break
-				}
-			}
+			acts, _ := table.unmountDead(ctx, u, path, dead)
+			o.Actions = append(o.Actions, acts...)
 		}
 		o.Err = actionsErr(o.Actions)
 		if r.cfg.DryRun || o.Err != nil {
