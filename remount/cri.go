@@ -223,9 +223,12 @@ type Restarter struct {
 }
 
 // Restart stops the running containers of pod podUID, only those named in
-// names when any are given. A container that is gone by the time it is
-// stopped counts as done.
-func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string) ([]Action, error) {
+// names when any are given, listing them once. It returns the containers it
+// stopped (in dry-run: would stop), for the caller to wait for them to run
+// again: a container that is gone by the time it is stopped counts as
+// stopped (kubelet starts it again all the same); one whose stop failed does
+// not. A name given that no running container has is an OpSkip action.
+func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string) ([]Container, []Action, error) {
 	logger := klog.FromContext(ctx).WithValues("podUID", podUID)
 	grace := r.Grace
 	if grace <= 0 {
@@ -234,9 +237,15 @@ func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string)
 	ctrs, err := r.CRI.PodContainers(ctx, podUID)
 	if err != nil {
 		a := Action{Op: OpStopContainer, Path: "pod " + podUID, DryRun: r.DryRun, Err: err}
-		return []Action{a}, err
+		return nil, []Action{a}, err
 	}
+	var stopped []Container
 	var actions []Action
+	for _, name := range names {
+		if !slices.ContainsFunc(ctrs, func(c Container) bool { return c.Name == name }) {
+			actions = append(actions, Action{Op: OpSkip, Path: "pod " + podUID, Detail: "container " + name + " is not running: nothing to stop"})
+		}
+	}
 	for _, ct := range ctrs {
 		if len(names) > 0 && !slices.Contains(names, ct.Name) {
 			continue
@@ -246,6 +255,7 @@ func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string)
 		if r.DryRun {
 			logger.V(2).Info("Would stop container", "container", ct.Name, "containerID", ct.ID)
 			actions = append(actions, a)
+			stopped = append(stopped, ct)
 			continue
 		}
 		start := time.Now()
@@ -254,13 +264,15 @@ func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string)
 		switch {
 		case status.Code(err) == codes.NotFound:
 			a.Detail += ": already gone"
+			stopped = append(stopped, ct)
 		case err != nil:
 			a.Err = fmt.Errorf("stop container %s (%s): %w", ct.Name, ct.ID, err)
 			logger.Error(err, "Stopping container failed", "container", ct.Name, "containerID", ct.ID)
 		default:
 			logger.V(2).Info("Stopped container for kubelet to restart", "container", ct.Name, "containerID", ct.ID)
+			stopped = append(stopped, ct)
 		}
 		actions = append(actions, a)
 	}
-	return actions, actionsErr(actions)
+	return stopped, actions, actionsErr(actions)
 }

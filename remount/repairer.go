@@ -450,9 +450,9 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		rs := &Restarter{CRI: cri, Grace: r.cfg.StopGrace, DryRun: r.cfg.DryRun}
+		// A wait is a container stopped, until the runtime runs it again.
 		type wait struct {
 			p      *podPlan
-			name   string
 			before Container
 		}
 		var waits []wait
@@ -471,20 +471,10 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 					names = append(names, c.Container)
 				}
 			}
-			before, err := cri.PodContainers(ctx, string(p.uid))
-			if err != nil {
-				errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
-				continue
-			}
-			acts, _ := rs.Restart(ctx, string(p.uid), names...)
+			stopped, acts, _ := rs.Restart(ctx, string(p.uid), names...)
 			o.Actions = append(o.Actions, acts...)
-			for _, name := range names {
-				i := slices.IndexFunc(before, func(c Container) bool { return c.Name == name })
-				if i < 0 {
-					o.Actions = append(o.Actions, Action{Op: OpSkip, Path: "pod " + string(p.uid), Detail: "container " + name + " is not running: nothing to stop"})
-					continue
-				}
-				waits = append(waits, wait{p: p, name: name, before: before[i]})
+			for _, c := range stopped {
+				waits = append(waits, wait{p: p, before: c})
 			}
 		}
 		if r.cfg.DryRun {
@@ -506,8 +496,9 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 					}
 					byPod[uid] = ctrs
 				}
+				name := w.before.Name
 				i := slices.IndexFunc(byPod[uid], func(c Container) bool {
-					return c.Name == w.name && (c.ID != w.before.ID || c.Attempt > w.before.Attempt)
+					return c.Name == name && (c.ID != w.before.ID || c.Attempt > w.before.Attempt)
 				})
 				if i < 0 {
 					pending = append(pending, w)
@@ -515,13 +506,13 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 				}
 				now := byPod[uid][i]
 				a := Action{Op: OpWaitRunning, Path: now.ID, Took: time.Since(start),
-					Detail: fmt.Sprintf("container %s of pod %s runs again (attempt %d, was %d)", w.name, uid, now.Attempt, w.before.Attempt)}
+					Detail: fmt.Sprintf("container %s of pod %s runs again (attempt %d, was %d)", name, uid, now.Attempt, w.before.Attempt)}
 				pid, err := cri.ContainerPID(ctx, now.ID)
 				if err != nil {
-					a.Err = fmt.Errorf("container %s of pod %s: find its process to verify: %w", w.name, uid, err)
+					a.Err = fmt.Errorf("container %s of pod %s: find its process to verify: %w", name, uid, err)
 				} else {
 					for _, c := range w.p.pv.Containers {
-						if c.Container == w.name && c.MountPath != "" {
+						if c.Container == name && c.MountPath != "" {
 							places = append(places, containerPlace(r.procDir, pid, c.MountPath))
 						}
 					}
@@ -534,7 +525,7 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 			}
 			if time.Now().After(deadline) {
 				for _, w := range waits {
-					err := fmt.Errorf("container %s of pod %s is not running again after %s: the restart cannot be verified", w.name, w.p.uid, r.cfg.RestartTimeout)
+					err := fmt.Errorf("container %s of pod %s is not running again after %s: the restart cannot be verified", w.before.Name, w.p.uid, r.cfg.RestartTimeout)
 					o.Actions = append(o.Actions, Action{Op: OpWaitRunning, Path: w.before.ID, Err: err, Took: time.Since(start)})
 				}
 				break

@@ -36,6 +36,8 @@ type fakeRuntime struct {
 	mu      sync.Mutex
 	ctrs    []*fakeCtr
 	stopped chan *fakeCtr
+	// stopErr, when set, fails every StopContainer and stops nothing.
+	stopErr error
 }
 
 type fakeCtr struct {
@@ -112,6 +114,10 @@ func (rt *fakeRuntime) StopContainer(_ context.Context, req *runtimeapi.StopCont
 	if c == nil {
 		rt.mu.Unlock()
 		return nil, status.Errorf(codes.NotFound, "no container %s", req.GetContainerId())
+	}
+	if err := rt.stopErr; err != nil {
+		rt.mu.Unlock()
+		return nil, err
 	}
 	was := c.running
 	c.running = false
@@ -213,11 +219,35 @@ func TestRestartTier(t *testing.T) {
 		wantViews(t, rv.views(prefix))
 	})
 
+	t.Run("stop fails: nothing to wait for", func(t *testing.T) {
+		rt.mu.Lock()
+		rt.stopErr = status.Error(codes.Internal, "runtime says no")
+		rt.mu.Unlock()
+		defer func() {
+			rt.mu.Lock()
+			rt.stopErr = nil
+			rt.mu.Unlock()
+		}()
+		// A wait for the container would last until RestartTimeout and end
+		// in a wait action; a failed stop must end the tier at once.
+		r := d.repairer(t, Config{CRIEndpoint: endpoint, StopGrace: time.Second, RestartTimeout: failBound})
+		o := r.Restart(context.Background(), rv.vol)
+		logOutcome(t, "restart, stop fails", o)
+		n := ops(o.Actions)
+		if o.Healed || status.Code(o.Err) != codes.Internal || n[OpStopContainer] != 1 || n[OpWaitRunning] != 0 {
+			t.Errorf("Restart with a failing stop: healed %t, err %v, actions %v; want the stop's error and no wait", o.Healed, o.Err, n)
+		}
+	})
+
 	t.Run("container not back: not verified", func(t *testing.T) {
 		r := d.repairer(t, Config{CRIEndpoint: endpoint, StopGrace: time.Second, RestartTimeout: time.Second})
 		o := r.Restart(context.Background(), rv.vol)
 		logOutcome(t, "restart, no kubelet", o)
-		<-rt.stopped // the test plays no kubelet this time
+		select { // the test plays no kubelet this time
+		case <-rt.stopped:
+		case <-time.After(failBound):
+			t.Fatalf("no container stopped")
+		}
 		if o.Healed || o.Err == nil || !strings.Contains(o.Err.Error(), "not running again") {
 			t.Errorf("Restart with no container back: healed %t, err %v; want not verified", o.Healed, o.Err)
 		}
