@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -36,6 +35,8 @@ type Holder struct {
 	Pid  int
 	Comm string
 	Kind HoldKind
+	// Dev is the device number of the filesystem held.
+	Dev probe.Dev
 	// FD is the descriptor number of a HoldFD.
 	FD int
 	// MountID is the mount held (HoldCwd, HoldRoot, HoldFD).
@@ -66,12 +67,18 @@ func (h Holder) String() string {
 // open call) only to read the descriptor's mnt_id; nothing is stat'ed. The
 // calling process itself is left out.
 func FindHolders(ctx context.Context, procDir string, dev probe.Dev, mountIDs ...int) ([]Holder, error) {
-	return findHolders(ctx, procDir, nil, dev, mountIDs...)
+	detached := make(map[int]probe.Dev, len(mountIDs))
+	for _, id := range mountIDs {
+		detached[id] = dev
+	}
+	return findHolders(ctx, procDir, nil, []probe.Dev{dev}, detached)
 }
 
-// findHolders is FindHolders over the processes pids, or every process when
-// pids is nil.
-func findHolders(ctx context.Context, procDir string, pids []int, dev probe.Dev, mountIDs ...int) ([]Holder, error) {
+// findHolders is FindHolders over the processes pids (every process when
+// pids is nil) and the filesystems devs, in one pass: each holder is
+// reported once, with the device of the mount it holds. detached maps the
+// IDs of mounts no mountinfo shows any more to their device.
+func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.Dev, detached map[int]probe.Dev) ([]Holder, error) {
 	if procDir == "" {
 		procDir = "/proc"
 	}
@@ -90,15 +97,15 @@ func findHolders(ctx context.Context, procDir string, pids []int, dev probe.Dev,
 		}
 	}
 	self, _ := os.Readlink(filepath.Join(procDir, "self"))
-	extra := make(map[int]bool, len(mountIDs))
-	for _, id := range mountIDs {
-		extra[id] = true
+	want := make(devSet, len(devs))
+	for _, d := range devs {
+		want[d] = true
 	}
-	byNS := make(map[string]map[int]bool) // mount IDs of dev per namespace
+	byNS := make(map[string]map[int]probe.Dev) // mount IDs of devs per namespace
 	var out []Holder
 	for _, name := range names {
 		if err := ctx.Err(); err != nil {
-			return out, fmt.Errorf("find holders of %s: %w", dev, err)
+			return out, fmt.Errorf("find holders of %v: %w", devs, err)
 		}
 		pid, err := strconv.Atoi(name)
 		if err != nil || pid <= 0 || name == self {
@@ -111,22 +118,28 @@ func findHolders(ctx context.Context, procDir string, pids []int, dev probe.Dev,
 		}
 		ids, ok := byNS[ns]
 		if !ok {
-			ids = make(map[int]bool)
-			if mounts, err := ProcessMounts(procDir, pid, dev); err == nil {
+			ids = make(map[int]probe.Dev)
+			if mounts, err := ProcessMounts(procDir, pid, devs...); err == nil {
 				for _, m := range mounts {
-					ids[m.ID] = true
+					ids[m.ID] = m.Dev
 				}
 			}
 			byNS[ns] = ids
 		}
-		held := func(id int) bool { return ids[id] || extra[id] }
+		held := func(id int) (probe.Dev, bool) {
+			if d, ok := ids[id]; ok {
+				return d, true
+			}
+			d, ok := detached[id]
+			return d, ok
+		}
 		comm := readComm(proc)
 		var hs []Holder
-		if len(ids) > 0 || len(extra) > 0 {
+		if len(ids) > 0 || len(detached) > 0 {
 			hs = append(hs, linkHolders(proc, held)...)
 			hs = append(hs, fdHolders(proc, held)...)
 		}
-		hs = append(hs, mapHolders(proc, dev)...)
+		hs = append(hs, mapHolders(proc, want)...)
 		for i := range hs {
 			hs[i].Pid, hs[i].Comm = pid, comm
 		}
@@ -144,7 +157,7 @@ func readComm(proc string) string {
 }
 
 // linkHolders checks the cwd and root links.
-func linkHolders(proc string, held func(int) bool) []Holder {
+func linkHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 	var out []Holder
 	for _, k := range []HoldKind{HoldCwd, HoldRoot} {
 		link := filepath.Join(proc, string(k))
@@ -154,17 +167,21 @@ func linkHolders(proc string, held func(int) bool) []Holder {
 		}
 		id, err := fdMountID(fd)
 		unix.Close(fd)
-		if err != nil || !held(id) {
+		if err != nil {
+			continue
+		}
+		dev, ok := held(id)
+		if !ok {
 			continue
 		}
 		target, _ := os.Readlink(link)
-		out = append(out, Holder{Kind: k, MountID: id, Path: target})
+		out = append(out, Holder{Kind: k, Dev: dev, MountID: id, Path: target})
 	}
 	return out
 }
 
 // fdHolders checks each open descriptor's fdinfo.
-func fdHolders(proc string, held func(int) bool) []Holder {
+func fdHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 	entries, err := os.ReadDir(filepath.Join(proc, "fdinfo"))
 	if err != nil {
 		return nil
@@ -176,60 +193,66 @@ func fdHolders(proc string, held func(int) bool) []Holder {
 			continue
 		}
 		id, err := fdinfoMountID(filepath.Join(proc, "fdinfo", e.Name()))
-		if err != nil || !held(id) {
+		if err != nil {
+			continue
+		}
+		dev, ok := held(id)
+		if !ok {
 			continue
 		}
 		target, _ := os.Readlink(filepath.Join(proc, "fd", e.Name()))
-		out = append(out, Holder{Kind: HoldFD, FD: n, MountID: id, Path: target})
+		out = append(out, Holder{Kind: HoldFD, Dev: dev, FD: n, MountID: id, Path: target})
 	}
 	return out
 }
 
-// mapHolders reads /proc/<pid>/maps for mappings of files on dev.
-func mapHolders(proc string, dev probe.Dev) []Holder {
+// mapHolders reads /proc/<pid>/maps for mappings of files on devs.
+func mapHolders(proc string, devs devSet) []Holder {
 	data, err := os.ReadFile(filepath.Join(proc, "maps"))
 	if err != nil {
 		return nil
 	}
-	return parseMaps(data, dev)
+	return parseMaps(data, devs)
 }
 
-func parseMaps(data []byte, dev probe.Dev) []Holder {
-	want := fmt.Sprintf("%02x:%02x", dev.Major, dev.Minor)
+// parseMaps lists the files mapped from the filesystems devs, each once.
+func parseMaps(data []byte, devs devSet) []Holder {
+	type key struct {
+		dev  probe.Dev
+		path string
+	}
 	var out []Holder
-	var seen []string
+	seen := map[key]bool{}
 	sc := bufio.NewScanner(bytes.NewReader(data))
 	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
 	for sc.Scan() {
 		// address perms offset dev inode [path]
 		f := strings.Fields(sc.Text())
-		if len(f) < 6 || !sameDevField(f[3], want) || f[4] == "0" {
+		if len(f) < 6 || f[4] == "0" {
 			continue
 		}
-		p := strings.Join(f[5:], " ")
-		if slices.Contains(seen, p) {
+		dev, ok := mapsDev(f[3])
+		if !ok || !devs[dev] {
 			continue
 		}
-		seen = append(seen, p)
-		out = append(out, Holder{Kind: HoldMap, Path: p})
+		k := key{dev, strings.Join(f[5:], " ")}
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		out = append(out, Holder{Kind: HoldMap, Dev: dev, Path: k.path})
 	}
 	return out
 }
 
-// sameDevField compares a maps dev field ("00:2f", hex) with want, allowing
-// wider fields for large device numbers.
-func sameDevField(field, want string) bool {
-	if field == want {
-		return true
-	}
+// mapsDev reads a maps dev field ("00:2f": hex major and minor, wider for
+// large device numbers).
+func mapsDev(field string) (probe.Dev, bool) {
 	ma, mi, ok := strings.Cut(field, ":")
-	wa, wi, _ := strings.Cut(want, ":")
 	if !ok {
-		return false
+		return probe.Dev{}, false
 	}
 	a, err1 := strconv.ParseUint(ma, 16, 32)
 	b, err2 := strconv.ParseUint(mi, 16, 32)
-	c, _ := strconv.ParseUint(wa, 16, 32)
-	d, _ := strconv.ParseUint(wi, 16, 32)
-	return err1 == nil && err2 == nil && a == c && b == d
+	return probe.Dev{Major: uint32(a), Minor: uint32(b)}, err1 == nil && err2 == nil
 }

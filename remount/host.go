@@ -362,33 +362,6 @@ func (h *hostRun) planKeep(ctx context.Context) {
 	}
 }
 
-// namespaceMounts lists the mounts of the devices in the mount namespaces
-// of pids, one process per namespace, leaving out our own namespace.
-func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMount, error) {
-	ours, err := os.Readlink(filepath.Join(procDir, "thread-self", "ns", "mnt"))
-	if err != nil {
-		return nil, fmt.Errorf("own mount namespace: %w", err)
-	}
-	seen := map[string]bool{ours: true}
-	var out []ProcessMount
-	var errs []error
-	for _, pid := range pids {
-		ns, err := os.Readlink(filepath.Join(procDir, strconv.Itoa(pid), "ns", "mnt"))
-		if err != nil || seen[ns] {
-			continue
-		}
-		seen[ns] = true
-		for _, dev := range devs {
-			ms, err := ProcessMounts(procDir, pid, dev)
-			if err != nil && !errors.Is(err, fs.ErrNotExist) {
-				errs = append(errs, err)
-			}
-			out = append(out, ms...)
-		}
-	}
-	return out, errors.Join(errs...)
-}
-
 // abortHung aborts the FUSE connections of the dead filesystems when the
 // volume is hung (the caller's probe said so, or requests wait on the
 // connection): blocked callers then get ECONNABORTED instead of hanging on

@@ -34,10 +34,10 @@ type ProcessMount struct {
 	Covered bool
 }
 
-// ProcessMounts lists the mounts of device dev in the mount namespace of
-// process pid, read from <procDir>/<pid>/mountinfo: matched by device
-// number, never by path, since the container's paths are its own.
-func ProcessMounts(procDir string, pid int, dev probe.Dev) ([]ProcessMount, error) {
+// ProcessMounts lists the mounts of the devices devs in the mount namespace
+// of process pid, read once from <procDir>/<pid>/mountinfo: matched by
+// device number, never by path, since the container's paths are its own.
+func ProcessMounts(procDir string, pid int, devs ...probe.Dev) ([]ProcessMount, error) {
 	p := filepath.Join(procDir, strconv.Itoa(pid), "mountinfo")
 	data, err := os.ReadFile(p)
 	if err != nil {
@@ -47,10 +47,14 @@ func ProcessMounts(procDir string, pid int, dev probe.Dev) ([]ProcessMount, erro
 	if err != nil {
 		return nil, fmt.Errorf("parse %s: %w", p, err)
 	}
-	return mountsOf(infos, pid, dev), nil
+	want := make(devSet, len(devs))
+	for _, d := range devs {
+		want[d] = true
+	}
+	return mountsOf(infos, pid, want), nil
 }
 
-func mountsOf(infos []*mountinfo.Info, pid int, dev probe.Dev) []ProcessMount {
+func mountsOf(infos []*mountinfo.Info, pid int, devs devSet) []ProcessMount {
 	pathOf := make(map[int]string, len(infos))
 	for _, in := range infos {
 		pathOf[in.ID] = in.Mountpoint
@@ -63,7 +67,8 @@ func mountsOf(infos []*mountinfo.Info, pid int, dev probe.Dev) []ProcessMount {
 	}
 	var out []ProcessMount
 	for _, in := range infos {
-		if uint32(in.Major) != dev.Major || uint32(in.Minor) != dev.Minor {
+		dev := probe.Dev{Major: uint32(in.Major), Minor: uint32(in.Minor)}
+		if !devs[dev] {
 			continue
 		}
 		out = append(out, ProcessMount{
@@ -74,27 +79,16 @@ func mountsOf(infos []*mountinfo.Info, pid int, dev probe.Dev) []ProcessMount {
 	return out
 }
 
-// PlanSwap finds, in the containers of processes pids, every uncovered mount
-// of the dead volume and returns the swaps that replace them with clones of
-// source, the fresh publish target on the host. dead is the dead backend's
-// device number and deadRoot the mountinfo root of its publish target
-// (usually "/"): a container mount whose root is deadRoot is the whole
-// volume, one whose root lies below it a subPath, cloned from the same
-// subdirectory of source. Read-only and propagation are taken from the
-// container's own mount. A subPath root that reads deleted is planned from
-// its name all the same (see liveRoot). Processes that share a mount
-// namespace are visited once, and processes in our own namespace (the
-// host's) never.
-func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source string) ([]SwapTarget, error) {
-	if procDir == "" {
-		procDir = "/proc"
-	}
+// namespaceMounts lists the mounts of the devices devs in the mount
+// namespaces of pids, each namespace read once (through the first of pids
+// in it), leaving out our own namespace and processes that have exited.
+func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMount, error) {
 	ours, err := os.Readlink(filepath.Join(procDir, "thread-self", "ns", "mnt"))
 	if err != nil {
 		return nil, fmt.Errorf("own mount namespace: %w", err)
 	}
 	seen := map[string]bool{ours: true}
-	var out []SwapTarget
+	var out []ProcessMount
 	var errs []error
 	for _, pid := range pids {
 		ns, err := os.Readlink(filepath.Join(procDir, strconv.Itoa(pid), "ns", "mnt"))
@@ -109,7 +103,7 @@ func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source strin
 			continue
 		}
 		seen[ns] = true
-		mounts, err := ProcessMounts(procDir, pid, dead)
+		ms, err := ProcessMounts(procDir, pid, devs...)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue
 		}
@@ -117,23 +111,44 @@ func PlanSwap(procDir string, pids []int, dead probe.Dev, deadRoot, source strin
 			errs = append(errs, err)
 			continue
 		}
-		for _, m := range mounts {
-			if m.Covered {
-				continue
-			}
-			sub, ok := relRoot(deadRoot, liveRoot(m.Root))
-			if !ok {
-				continue
-			}
-			out = append(out, SwapTarget{
-				Pid: pid, ContainerPath: m.Path, Source: source, SubDir: sub,
-				ReadOnly:    hasOption(m.Options, "ro"),
-				Propagation: propagationOf(m.Optional),
-				MountID:     m.ID,
-			})
-		}
+		out = append(out, ms...)
 	}
 	return out, errors.Join(errs...)
+}
+
+// PlanSwap finds, in the containers of processes pids, every uncovered mount
+// of the dead volume and returns the swaps that replace them with clones of
+// source, the fresh publish target on the host. dead are the dead backend's
+// device numbers and deadRoot the mountinfo root of its publish target
+// (usually "/"): a container mount whose root is deadRoot is the whole
+// volume, one whose root lies below it a subPath, cloned from the same
+// subdirectory of source. Read-only and propagation are taken from the
+// container's own mount. A subPath root that reads deleted is planned from
+// its name all the same (see liveRoot). Each mount namespace is read once,
+// through one of its processes, and our own namespace (the host's) never.
+func PlanSwap(procDir string, pids []int, dead []probe.Dev, deadRoot, source string) ([]SwapTarget, error) {
+	if procDir == "" {
+		procDir = "/proc"
+	}
+	mounts, err := namespaceMounts(procDir, pids, dead)
+	var out []SwapTarget
+	for _, m := range mounts {
+		if m.Covered {
+			continue
+		}
+		sub, ok := relRoot(deadRoot, liveRoot(m.Root))
+		if !ok {
+			continue
+		}
+		out = append(out, SwapTarget{
+			Pid: m.Pid, ContainerPath: m.Path, Source: source, SubDir: sub,
+			ReadOnly:    hasOption(m.Options, "ro"),
+			Propagation: propagationOf(m.Optional),
+			MountID:     m.ID,
+			Dev:         m.Dev,
+		})
+	}
+	return out, err
 }
 
 // liveRoot drops the "//deleted" mountinfo appends to a mount whose root

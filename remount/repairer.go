@@ -360,19 +360,15 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 				errs = append(errs, err)
 				continue
 			}
-			var targets []SwapTarget
-			for _, dev := range devs {
-				ts, err := PlanSwap(r.procDir, p.procs.pids, dev, p.deadRoot, p.target)
-				if err != nil {
-					errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
-				}
-				targets = append(targets, ts...)
+			targets, err := PlanSwap(r.procDir, p.procs.pids, devs, p.deadRoot, p.target)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
 			}
 			acts, _ := sw.Swap(ctx, targets)
 			o.Actions = append(o.Actions, acts...)
-			ids := make([]int, 0, len(targets))
+			detached := make(map[int]probe.Dev, len(targets))
 			for _, t := range targets {
-				ids = append(ids, t.MountID)
+				detached[t.MountID] = t.Dev
 				places = append(places, containerPlace(r.procDir, t.Pid, t.ContainerPath))
 			}
 			for _, c := range p.pv.Containers {
@@ -381,9 +377,7 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 				}
 			}
 			if !r.cfg.DryRun {
-				for _, dev := range devs {
-					o.Actions = append(o.Actions, r.holders(ctx, p, dev, ids)...)
-				}
+				o.Actions = append(o.Actions, r.holders(ctx, p, devs, detached)...)
 			}
 		}
 		if r.cfg.DryRun {
@@ -395,11 +389,9 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 			if p.refused != nil || p.procs == nil || len(p.procs.pids) == 0 {
 				continue
 			}
-			for _, dev := range devs {
-				left, _ := PlanSwap(r.procDir, p.procs.pids, dev, p.deadRoot, p.target)
-				for _, t := range left {
-					errs = append(errs, fmt.Errorf("pod %s: %s still shows dead mount %d", p.uid, t.label(), t.MountID))
-				}
+			left, _ := PlanSwap(r.procDir, p.procs.pids, devs, p.deadRoot, p.target)
+			for _, t := range left {
+				errs = append(errs, fmt.Errorf("pod %s: %s still shows dead mount %d", p.uid, t.label(), t.MountID))
 			}
 		}
 		r.conclude(ctx, o, places, errs...)
@@ -413,18 +405,19 @@ func (r *Repairer) criHint() string {
 	return " and through the CRI"
 }
 
-// holders reports the pod's processes that still hold the dead filesystem
-// dev (open files, working directories on it): they keep failing after the
-// swap, as the actions say.
-func (r *Repairer) holders(ctx context.Context, p *podPlan, dev probe.Dev, ids []int) []Action {
-	hs, err := findHolders(ctx, r.procDir, p.procs.pids, dev, ids...)
+// holders reports the pod's processes that still hold one of the dead
+// filesystems devs (open files, working directories on it; the mounts the
+// swap detached are known by their IDs): they keep failing after the swap,
+// as the actions say.
+func (r *Repairer) holders(ctx context.Context, p *podPlan, devs []probe.Dev, detached map[int]probe.Dev) []Action {
+	hs, err := findHolders(ctx, r.procDir, p.procs.pids, devs, detached)
 	var out []Action
 	if err != nil {
 		out = append(out, Action{Op: OpHolder, Path: "pod " + string(p.uid), Err: err})
 	}
 	for _, h := range hs {
 		out = append(out, Action{Op: OpHolder, Path: fmt.Sprintf("pid %d", h.Pid),
-			Detail: h.String() + ": still on the dead filesystem " + dev.String() + ", its calls there keep failing"})
+			Detail: h.String() + ": still on the dead filesystem " + h.Dev.String() + ", its calls there keep failing"})
 	}
 	return out
 }

@@ -339,3 +339,22 @@ func TestCapabilities(t *testing.T) {
 		t.Errorf("Capabilities with the driver down = %+v, %v; want none and ErrDriverUnavailable", got, err)
 	}
 }
+
+func TestParseMaps(t *testing.T) {
+	maps := []byte(`55d0c0a00000-55d0c0a01000 r--p 00000000 00:34 12 /data/lib.so
+55d0c0a01000-55d0c0a02000 r-xp 00001000 00:34 12 /data/lib.so
+7f0000000000-7f0000001000 rw-s 00000000 00:35 7 /other/file with space
+7f0000001000-7f0000002000 rw-p 00000000 00:34 0
+7f0000002000-7f0000003000 r--p 00000000 103:02 99 /big/dev
+7f0000003000-7f0000004000 r--p 00000000 08:01 5 /host/libc.so
+`)
+	dead := devSet{{Major: 0, Minor: 0x34}: true, {Major: 0, Minor: 0x35}: true, {Major: 0x103, Minor: 2}: true}
+	var got []string
+	for _, h := range parseMaps(maps, dead) {
+		got = append(got, h.Dev.String()+" "+h.Path)
+	}
+	want := []string{"0:52 /data/lib.so", "0:53 /other/file with space", "259:2 /big/dev"}
+	if !slices.Equal(got, want) {
+		t.Errorf("parseMaps = %q, want %q (each file once, with its device; anonymous and live ones left out)", got, want)
+	}
+}

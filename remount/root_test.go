@@ -428,7 +428,7 @@ func TestSwapIntoContainers(t *testing.T) {
 	}
 
 	pids := []int{private.Pid(), slave.Pid(), os.Getpid()}
-	targets, err := PlanSwap("", pids, v.dev(), "/", v.target)
+	targets, err := PlanSwap("", pids, []probe.Dev{v.dev()}, "/", v.target)
 	if err != nil {
 		t.Fatalf("PlanSwap = %v", err)
 	}
@@ -485,7 +485,7 @@ func TestSwapIntoContainers(t *testing.T) {
 		}
 	}
 	// Nothing dead is left in view.
-	if left, _ := PlanSwap("", pids, v.dev(), "/", v.target); len(left) != 0 {
+	if left, _ := PlanSwap("", pids, []probe.Dev{v.dev()}, "/", v.target); len(left) != 0 {
 		t.Errorf("after Swap, PlanSwap still finds %v", left)
 	}
 }
@@ -556,6 +556,27 @@ func TestFindHoldersOfDeadMount(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after the lazy unmount", ids...)
+
+	// Several dead filesystems at once: each holder once, under its own.
+	other := probe.Dev{Major: 0, Minor: v.dev().Minor + 1000}
+	detached := map[int]probe.Dev{}
+	for _, id := range ids {
+		detached[id] = v.dev()
+	}
+	hs, err := findHolders(context.Background(), "", []int{cmd.Process.Pid}, []probe.Dev{other, v.dev()}, detached)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := map[HoldKind]int{}
+	for _, h := range hs {
+		n[h.Kind]++
+		if h.Dev != v.dev() {
+			t.Errorf("holder %v on %s, want %s", h, h.Dev, v.dev())
+		}
+	}
+	if n[HoldCwd] != 1 || n[HoldFD] != 1 {
+		t.Errorf("holders over two dead filesystems = %v; want the cwd and fd 3 once each", hs)
+	}
 }
 
 func TestDryRunChangesNothing(t *testing.T) {

@@ -148,6 +148,8 @@ type SwapTarget struct {
 	// the swap happens only while that mount is on top at ContainerPath;
 	// otherwise it fails with ErrMountChanged.
 	MountID int
+	// Dev is the dead mount's device number.
+	Dev probe.Dev
 }
 
 func (t SwapTarget) label() string { return fmt.Sprintf("pid %d:%s", t.Pid, t.ContainerPath) }
