@@ -106,7 +106,7 @@ var labVolumes = []labVolume{
 //     MountmedicHeartbeatFailing: the cut-off agent's failed renewals.
 func TestLiveDashboardAndAlerts(t *testing.T) {
 	lab.RequireRoot(t)
-	promBin := tool(t, "prometheus", "apt-get install prometheus (scripts/deps.sh)")
+	promBin := lab.RequireBinary(t, "prometheus")
 	pt := promtool(t)
 	kc := kubectl(t)
 	bin := buildMountmedic(t)

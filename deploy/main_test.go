@@ -7,7 +7,8 @@
 //
 // Tools: kubectl (and etcd, kube-apiserver) from scripts/tools.sh,
 // prometheus and promtool from Debian (scripts/deps.sh). A missing tool
-// skips a test, or fails it when MOUNTMEDIC_REQUIRE_ROOT=1 (CI).
+// skips a test, or fails it when MOUNTMEDIC_REQUIRE_ROOT=1 (CI): see
+// lab.RequireTool and lab.RequireBinary.
 package deploy_test
 
 import (
@@ -16,7 +17,6 @@ import (
 	"errors"
 	"flag"
 	"io"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -26,42 +26,24 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/mountmedic/mountmedic/probe/lab"
-	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
 
 var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml) and the metrics capture (testdata/metrics.txt)")
 
 func TestMain(m *testing.M) { lab.Main(m) }
 
-// requireEnv is the variable that turns a skip for a missing tool into a
-// failure.
-const requireEnv = "MOUNTMEDIC_REQUIRE_ROOT"
-
-// tool returns the path of a program from PATH, skipping (or failing in CI)
-// when it is not installed.
-func tool(t *testing.T, name, install string) string {
-	t.Helper()
-	p, err := exec.LookPath(name)
-	if err == nil {
-		return p
-	}
-	msg := name + " is not installed: " + install
-	if os.Getenv(requireEnv) == "1" {
-		t.Fatal(msg)
-	}
-	t.Skip(msg)
-	return ""
-}
-
+// promtool is Prometheus's rule and metrics checker (Debian's prometheus
+// package, scripts/deps.sh).
 func promtool(t *testing.T) string {
-	return tool(t, "promtool", "apt-get install prometheus (scripts/deps.sh)")
+	t.Helper()
+	return lab.RequireBinary(t, "promtool")
 }
 
 // kubectl is the pinned kubectl that scripts/tools.sh builds (its built-in
 // kustomize renders the kustomizations), never whichever one is on PATH.
 func kubectl(t *testing.T) string {
 	t.Helper()
-	return kubetest.FindBinaries(t, "kubectl", "kubectl")["kubectl"]
+	return lab.RequireTool(t, "kubectl")
 }
 
 // run runs a program and returns its standard output; on failure it fails

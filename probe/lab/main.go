@@ -17,8 +17,9 @@ import (
 )
 
 // EnvRequireRoot names the environment variable that turns every skip of
-// RequireRoot and RequireBinary into a test failure. CI sets it to "1" so a
-// run can never pass by skipping the root tests.
+// SkipOrFail (RequireRoot, RequireBinary, RequireTool, and the test support
+// packages built on them) into a test failure. CI sets it to "1" so a run
+// can never pass by skipping the root tests.
 const EnvRequireRoot = "MOUNTMEDIC_REQUIRE_ROOT"
 
 const (
@@ -185,12 +186,12 @@ func RequireRoot(t testing.TB) {
 	t.Helper()
 	switch {
 	case os.Geteuid() != 0:
-		skipOrFail(t, "needs root (uid %d)", os.Geteuid())
+		SkipOrFail(t, "needs root (uid %d)", os.Geteuid())
 	case !inNamespace:
-		skipOrFail(t, "needs the private mount namespace of lab.Main: %v", namespaceErr)
+		SkipOrFail(t, "needs the private mount namespace of lab.Main: %v", namespaceErr)
 	}
 	if _, err := os.Stat("/dev/fuse"); err != nil {
-		skipOrFail(t, "needs /dev/fuse: %v", err)
+		SkipOrFail(t, "needs /dev/fuse: %v", err)
 	}
 }
 
@@ -208,11 +209,27 @@ func RequireBinary(t testing.TB, name string) string {
 			return p
 		}
 	}
-	skipOrFail(t, "needs the program %q in PATH", name)
+	SkipOrFail(t, "needs the program %q in PATH: scripts/deps.sh installs the Debian packages the tests use", name)
 	return ""
 }
 
-func skipOrFail(t testing.TB, format string, args ...any) {
+// RequireTool returns the path of name in BinDir, one of the programs that
+// scripts/tools.sh builds (etcd, kube-apiserver, kubelet, kubectl, s3driver,
+// versitygw...). When it is missing the test skips, or fails under
+// MOUNTMEDIC_REQUIRE_ROOT=1.
+func RequireTool(t testing.TB, name string) string {
+	t.Helper()
+	dir := BinDir()
+	p := filepath.Join(dir, name)
+	if fi, err := os.Stat(p); err != nil || !fi.Mode().IsRegular() || fi.Mode()&0o111 == 0 {
+		SkipOrFail(t, "missing %s in %s: build it with scripts/tools.sh %s (or point MOUNTMEDIC_BIN at a directory holding it)", name, dir, name)
+	}
+	return p
+}
+
+// SkipOrFail skips the test with the message format, which says what is
+// missing and how to get it, or fails it when MOUNTMEDIC_REQUIRE_ROOT=1.
+func SkipOrFail(t testing.TB, format string, args ...any) {
 	t.Helper()
 	if os.Getenv(EnvRequireRoot) == "1" {
 		t.Fatalf(format+" (%s=1 turns this skip into a failure)", append(args, EnvRequireRoot)...)

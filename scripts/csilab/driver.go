@@ -41,10 +41,10 @@ type Driver struct {
 func StartDriver(t testing.TB, socketPath, nodeID string) *Driver {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		skipOrFail(t, "the CSI driver lab needs root for a PID namespace (uid %d)", os.Geteuid())
+		lab.SkipOrFail(t, "the CSI driver lab needs root for a PID namespace (uid %d)", os.Geteuid())
 	}
-	bin := binary(t, "s3driver")
-	s3fs := systemBinary(t, "s3fs", "s3fs")
+	bin := lab.RequireTool(t, "s3driver")
+	s3fs := lab.RequireBinary(t, "s3fs")
 	if !filepath.IsAbs(socketPath) {
 		t.Fatalf("socket path %q must be absolute", socketPath)
 	}

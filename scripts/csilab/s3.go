@@ -45,7 +45,7 @@ type S3 struct {
 // server when the test ends.
 func StartS3(t testing.TB) *S3 {
 	t.Helper()
-	bin := binary(t, "versitygw")
+	bin := lab.RequireTool(t, "versitygw")
 	dir := t.TempDir()
 	root := filepath.Join(dir, "root")
 	if err := os.Mkdir(root, 0o755); err != nil {

@@ -104,13 +104,14 @@ var registrationSocket = filepath.Join(KubeletRoot, "plugins_registry", csilab.D
 func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	t.Helper()
 	lab.RequireRoot(t)
-	bins := kubetest.FindBinaries(t, "kube", "kubelet", "kubectl")
+	kubelet := lab.RequireTool(t, "kubelet")
+	lab.RequireTool(t, "kubectl")
 	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "runc", "ctr", "s3fs"} {
 		lab.RequireBinary(t, b)
 	}
 	busybox := "/bin/busybox"
 	if _, err := os.Stat(busybox); err != nil {
-		failOrSkip(t, "needs %s: install the Debian package busybox-static (scripts/deps.sh)", busybox)
+		lab.SkipOrFail(t, "needs %s: install the Debian package busybox-static (scripts/deps.sh)", busybox)
 	}
 	if opts.Name == "" {
 		opts.Name = "e2e-node"
@@ -157,7 +158,7 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	}
 	t.Cleanup(n.reg.stop)
 
-	spec, err := n.initSpec(bins["kubelet"])
+	spec, err := n.initSpec(kubelet)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -666,13 +667,4 @@ func tail(path string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
-}
-
-func failOrSkip(t testing.TB, format string, args ...any) {
-	t.Helper()
-	msg := fmt.Sprintf(format, args...)
-	if os.Getenv(lab.EnvRequireRoot) == "1" {
-		t.Fatalf("%s (%s=1 turns this skip into a failure)", msg, lab.EnvRequireRoot)
-	}
-	t.Skip(msg)
 }

@@ -2,10 +2,11 @@
 // when asked, kube-controller-manager and kube-scheduler) on loopback ports for
 // integration tests.
 //
-// The binaries come from $MOUNTMEDIC_BIN, else from the cache that scripts/tools.sh
-// fills ($MOUNTMEDIC_CACHE/bin/current, default /var/cache/mountmedic). When they are
-// missing the test is skipped with the command that builds them, unless
-// MOUNTMEDIC_REQUIRE_ROOT=1 (CI), where it fails instead.
+// The binaries come from lab.BinDir: $MOUNTMEDIC_BIN, else the cache that
+// scripts/tools.sh fills ($MOUNTMEDIC_CACHE/bin/current, default
+// /var/cache/mountmedic). When one is missing the test is skipped with the command
+// that builds it, unless MOUNTMEDIC_REQUIRE_ROOT=1 (CI), where it fails instead
+// (lab.RequireTool).
 //
 // This package is test support: it is imported from _test.go files only and must not
 // be imported by the agent.
@@ -80,36 +81,6 @@ type Cluster struct {
 	procs []*lab.Process // in start order
 }
 
-// RequireEnv is the variable that turns every skip of this package into a failure.
-const RequireEnv = "MOUNTMEDIC_REQUIRE_ROOT"
-
-// FindBinaries returns the paths of the named binaries in BinDir. When one is
-// missing it skips the test with the command that builds them, or fails it when
-// MOUNTMEDIC_REQUIRE_ROOT=1.
-func FindBinaries(t testing.TB, buildArgs string, names ...string) map[string]string {
-	t.Helper()
-	dir := lab.BinDir()
-	paths := make(map[string]string, len(names))
-	var missing []string
-	for _, name := range names {
-		p := filepath.Join(dir, name)
-		if fi, err := os.Stat(p); err != nil || fi.IsDir() || fi.Mode()&0o111 == 0 {
-			missing = append(missing, name)
-			continue
-		}
-		paths[name] = p
-	}
-	if len(missing) > 0 {
-		msg := fmt.Sprintf("missing %s in %s: build them with scripts/tools.sh %s (or set MOUNTMEDIC_BIN)",
-			strings.Join(missing, ", "), dir, buildArgs)
-		if os.Getenv(RequireEnv) == "1" {
-			t.Fatal(msg)
-		}
-		t.Skip(msg)
-	}
-	return paths
-}
-
 // Start starts etcd and kube-apiserver (and kube-controller-manager when
 // opts.Controllers is set), waits until the apiserver is ready and returns the
 // cluster. Everything is stopped when the test ends.
@@ -122,7 +93,10 @@ func Start(t testing.TB, opts Options) *Cluster {
 	if opts.Scheduler {
 		names = append(names, "kube-scheduler")
 	}
-	bins := FindBinaries(t, "controlplane", names...)
+	bins := make(map[string]string, len(names))
+	for _, name := range names {
+		bins[name] = lab.RequireTool(t, name)
+	}
 	if opts.StartTimeout == 0 {
 		opts.StartTimeout = time.Minute
 	}
