@@ -18,6 +18,7 @@ import (
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // Unit tests of the Repairer's pure logic; the tiers themselves are tested
@@ -176,8 +177,21 @@ func recordingSys(n *atomic.Int32) Syscalls {
 	}
 }
 
+// TestRestageDriverDownChangesNothing: a volume whose FUSE daemon died,
+// with its staging mount, publish target and subPath bind under the kubelet
+// root, and no driver registered: no tier unmounts, mounts or aborts
+// anything.
 func TestRestageDriverDownChangesNothing(t *testing.T) {
-	root := t.TempDir()
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	root := k.Root()
+	lv := newLabVolume(t, k, labHandle, labVolume)
+	tab := table(t, root)
+	dead := []*probe.Mount{
+		{ID: tab.top(lv.target).ID, Path: lv.target, Dev: lv.dev(), Target: probe.Target{Kind: probe.KindPublish, PodUID: labPod}},
+		{ID: tab.top(lv.subPath).ID, Path: lv.subPath, Dev: lv.dev(), Target: probe.Target{Kind: probe.KindSubPath, PodUID: labPod}},
+	}
+	lv.fs.Kill()
 	var changes atomic.Int32
 	var finds atomic.Int32
 	r, err := New(Config{KubeletRoot: root, Sys: recordingSys(&changes),
@@ -189,9 +203,12 @@ func TestRestageDriverDownChangesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	vr := VolumeRequest{Driver: "gone.csi.example.com", VolumeHandle: "h", StageUnstage: true,
-		StagingPath: StagingPath(root, "gone.csi.example.com", "h"), TargetPath: TargetPath(root, "6a1e2d55-0f3b-4a4b-9d3f-5b5e2f1c0a77", "pv")}
-	v := &Volume{Driver: vr.Driver, VolumeHandle: vr.VolumeHandle, Stage: vr, Pods: []PodVolume{{Publish: vr}}}
+	vr := VolumeRequest{Driver: labDriver, VolumeHandle: labHandle, StageUnstage: true,
+		StagingPath: lv.staging, TargetPath: lv.target, PodUID: labPod}
+	v := &Volume{Driver: vr.Driver, VolumeHandle: vr.VolumeHandle, Stage: vr, Hung: true,
+		Backend: &probe.Backend{Dev: lv.dev(), Kind: probe.BackendFUSE},
+		Pods:    []PodVolume{{Publish: vr, Dead: dead}}}
+	before := mountTables(t, os.Getpid())
 	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
 		o := tier(context.Background(), v)
 		if !errors.Is(o.Err, ErrDriverUnavailable) || !errors.Is(o.Err, ErrDriverNotFound) || o.Healed {
@@ -200,6 +217,9 @@ func TestRestageDriverDownChangesNothing(t *testing.T) {
 	}
 	if n := changes.Load(); n != 0 {
 		t.Errorf("%d mount changes with the driver down, want none", n)
+	}
+	if after := mountTables(t, os.Getpid()); after != before {
+		t.Errorf("the mount table changed with the driver down")
 	}
 	// Each call looks for the driver afresh: it may have registered since.
 	if n := finds.Load(); n < 3 {
