@@ -405,9 +405,34 @@ func twoPods() []podDef {
 	}
 }
 
+// TestRealDriver runs the tests against the real driver on one shared lab
+// (S3 server, driver, kubelet root): each subtest makes its own volume and
+// Repairer, and starts with the driver running, whatever the one before left.
 func TestRealDriver(t *testing.T) {
 	d := startDriverLab(t, Config{})
+	for _, tc := range []struct {
+		name string
+		fn   func(*testing.T, *driverLab)
+	}{
+		{"repairs", testRepairs},
+		{"restart tier", testRestartTier},
+		{"live swap through the CRI", testLiveSwapThroughCRI},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if !d.drv.Running() {
+				d.restartDriver(t)
+			}
+			tc.fn(t, d)
+		})
+	}
+}
+
+// testRepairs: one volume in two pods (twoPods) repaired in place after the
+// driver died, again, while the driver is down, dry, hung and with a planted
+// symlink.
+func testRepairs(t *testing.T, d *driverLab) {
 	const prefix = "vol1"
+	r := d.repairer(t, Config{})
 	rv := d.newVolume(t, prefix, twoPods()...)
 	views := rv.views(prefix)
 	wantViews(t, views)
@@ -420,7 +445,7 @@ func TestRealDriver(t *testing.T) {
 		d.markDead(t, rv)
 		d.restartDriver(t)
 
-		re, ls := repair(t, d.r, rv.vol)
+		re, ls := repair(t, r, rv.vol)
 		if !re.Healed || re.Err != nil {
 			t.Fatalf("Restage: healed %t, err %v", re.Healed, re.Err)
 		}
@@ -451,7 +476,7 @@ func TestRealDriver(t *testing.T) {
 
 	t.Run("repair run twice changes nothing", func(t *testing.T) {
 		before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
-		re, ls := repair(t, d.r, rv.vol)
+		re, ls := repair(t, r, rv.vol)
 		if !re.Healed || !ls.Healed {
 			t.Fatalf("second repair: restage healed %t (%v), liveswap healed %t (%v)", re.Healed, re.Err, ls.Healed, ls.Err)
 		}
@@ -471,7 +496,7 @@ func TestRealDriver(t *testing.T) {
 		d.drv.Kill()
 		d.markDead(t, rv)
 		before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
-		for _, tier := range []func(context.Context, *Volume) Outcome{d.r.Restage, d.r.LiveSwap, d.r.Restart} {
+		for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
 			o := tier(ctx, rv.vol)
 			logOutcome(t, "driver down", o)
 			if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
@@ -485,7 +510,7 @@ func TestRealDriver(t *testing.T) {
 			t.Errorf("the mount tables changed while the driver was down")
 		}
 		d.restartDriver(t)
-		if _, ls := repair(t, d.r, rv.vol); !ls.Healed {
+		if _, ls := repair(t, r, rv.vol); !ls.Healed {
 			t.Fatalf("repair once the driver is back: %v", ls.Err)
 		}
 		wantViews(t, views)
@@ -520,7 +545,7 @@ func TestRealDriver(t *testing.T) {
 			t.Errorf("dry-run changed the mount tables")
 		}
 		wantDead(t, views[:2])
-		if _, ls := repair(t, d.r, rv.vol); !ls.Healed {
+		if _, ls := repair(t, r, rv.vol); !ls.Healed {
 			t.Fatalf("repair after the dry-run: %v", ls.Err)
 		}
 		wantViews(t, views)
@@ -536,7 +561,7 @@ func TestRealDriver(t *testing.T) {
 		if !rv.vol.Hung {
 			t.Fatalf("the stopped s3fs did not make the volume hang")
 		}
-		re, ls := repair(t, d.r, rv.vol)
+		re, ls := repair(t, r, rv.vol)
 		if !re.Healed || !ls.Healed {
 			t.Fatalf("repair of a hung volume: restage %v, liveswap %v", re.Err, ls.Err)
 		}
@@ -560,7 +585,7 @@ func TestRealDriver(t *testing.T) {
 		bad.PodUID, bad.TargetPath = uid, target
 		v := *rv.vol
 		v.Pods = append(slices.Clone(rv.vol.Pods), PodVolume{Publish: bad})
-		re, ls := repair(t, d.r, &v)
+		re, ls := repair(t, r, &v)
 		for _, o := range []Outcome{re, ls} {
 			if o.Healed || !errors.Is(o.Err, ErrUnsafePath) || !strings.Contains(o.Err.Error(), target) {
 				t.Errorf("%s with a planted symlink: healed %t, err %v; want ErrUnsafePath naming %s", o.Tier, o.Healed, o.Err, target)

@@ -175,9 +175,10 @@ func (rt *fakeRuntime) kubelet(t testing.TB, d *driverLab, rv *realVolume, stopp
 	}
 }
 
-func TestRestartTier(t *testing.T) {
+// testRestartTier runs in TestRealDriver's lab.
+func testRestartTier(t *testing.T, d *driverLab) {
 	rt, endpoint := startFakeRuntime(t)
-	d := startDriverLab(t, Config{CRIEndpoint: endpoint, StopGrace: time.Second, RestartTimeout: failBound})
+	r := d.repairer(t, Config{CRIEndpoint: endpoint, StopGrace: time.Second, RestartTimeout: failBound})
 	const prefix = "vol2"
 	rv := d.newVolume(t, prefix, podDef{name: "r", ctrs: []ctrDef{{name: "app", mounts: []corev1.VolumeMount{
 		{Name: testVolumeName, MountPath: "/data"},
@@ -194,7 +195,7 @@ func TestRestartTier(t *testing.T) {
 		d.restartDriver(t)
 
 		outc := make(chan Outcome, 1)
-		go func() { outc <- d.r.Restart(context.Background(), rv.vol) }()
+		go func() { outc <- r.Restart(context.Background(), rv.vol) }()
 		var o Outcome
 		select {
 		case stopped := <-rt.stopped:
@@ -310,11 +311,11 @@ func TestUnmountTerminatingPod(t *testing.T) {
 	}
 }
 
-// TestLiveSwapFindsProcessesThroughCRI: where no cgroup names the pod, the
-// container's process comes from the runtime's ContainerStatus.
-func TestLiveSwapFindsProcessesThroughCRI(t *testing.T) {
+// testLiveSwapThroughCRI: where no cgroup names the pod, the container's
+// process comes from the runtime's ContainerStatus. It runs in
+// TestRealDriver's lab.
+func testLiveSwapThroughCRI(t *testing.T, d *driverLab) {
 	rt, endpoint := startFakeRuntime(t)
-	d := startDriverLab(t, Config{})
 	const prefix = "vol3"
 	rv := d.newVolume(t, prefix, podDef{name: "c", ctrs: []ctrDef{{name: "app", noCgroup: true, mounts: []corev1.VolumeMount{
 		{Name: testVolumeName, MountPath: "/data"},
@@ -325,7 +326,7 @@ func TestLiveSwapFindsProcessesThroughCRI(t *testing.T) {
 	d.restartDriver(t)
 
 	// Without a runtime to ask, the container cannot be found.
-	o := d.r.LiveSwap(context.Background(), rv.vol)
+	o := d.repairer(t, Config{}).LiveSwap(context.Background(), rv.vol)
 	logOutcome(t, "liveswap without a runtime", o)
 	if o.Healed || o.Err == nil || !strings.Contains(o.Err.Error(), "no process of its containers found") {
 		t.Errorf("LiveSwap without cgroup or runtime: healed %t, err %v; want no process found", o.Healed, o.Err)
