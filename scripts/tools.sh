@@ -119,20 +119,23 @@ prepare_kube_module() {
 	(cd "$dir" && go mod edit "${edits[@]}")
 }
 
-# prepare_module makes sure the build module requires the pinned version.
-prepare_module() { # prepare_module DIR NAME VERSION PACKAGE
-	local dir=$1 name=$2 version=$3 pkg=$4 mod
+# prepare_module makes sure the build module requires the pinned version and
+# lists each package as a tool; called once per module build.
+prepare_module() { # prepare_module DIR VERSION PACKAGE...
+	local dir=$1 version=$2 mod pkg tools=()
+	shift 2
 	mkdir -p "$dir"
 	if [ ! -f "$dir/go.mod" ]; then
 		(cd "$dir" && go mod init "github.com/mountmedic/mountmedic/scripts/tools/$(basename "$dir")" >/dev/null 2>&1)
 	fi
-	mod=$(module_of "$pkg")
+	mod=$(module_of "$1")
 	if [ "$mod" = k8s.io/kubernetes ]; then
 		prepare_kube_module "$dir"
 	else
 		(cd "$dir" && go mod edit -require="$mod@$version")
 	fi
-	(cd "$dir" && go mod edit -tool="$pkg")
+	for pkg in "$@"; do tools+=("-tool=$pkg"); done
+	(cd "$dir" && go mod edit "${tools[@]}")
 }
 
 ldflags_for() { # ldflags_for NAME VERSION
@@ -149,47 +152,12 @@ ldflags_for() { # ldflags_for NAME VERSION
 	echo "$flags"
 }
 
-build_one() { # build_one NAME
-	local e name version dir pkg out tmp start took logf
-	e=$(entry "$1")
-	name=$(field 0 "$e"); version=$(field 1 "$e"); dir=$TOOLS_DIR/$(field 2 "$e"); pkg=$(field 3 "$e")
-	out=$(cached_path "$name" "$version")
-	if [ -x "$out" ]; then
-		link_current "$name" "$version"
-		log "$name $version cached"
-		return 0
-	fi
-	mkdir -p "$LOGS" "$(dirname "$out")"
-	logf=$LOGS/$name-$version.log
-	start=$(date +%s)
-	log "$name $version building (log $logf)"
-	tmp=$(mktemp -d "$(dirname "$out")/.build.XXXXXX")
-	if ! (
-		set -e
-		prepare_module "$dir" "$name" "$version" "$pkg"
-		cd "$dir"
-		CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod" \
-			go build -trimpath -ldflags "$(ldflags_for "$name" "$version")" -o "$tmp/$name" "$pkg"
-	) >"$logf" 2>&1; then
-		rm -rf "$tmp"
-		tail -n 30 "$logf" >&2
-		log "$name $version FAILED after $(($(date +%s) - start))s"
-		return 1
-	fi
-	mv -f "$tmp/$name" "$out"
-	rm -rf "$tmp"
-	link_current "$name" "$version"
-	took=$(($(date +%s) - start))
-	log "$name $version built in ${took}s"
-	echo "$name $version ${took}s" >>"$LOGS/timings"
-}
-
-# build_module builds the wanted components of one build module. The missing
-# ones are built by a single `go build -o DIR/ pkg...`, so that packages they
-# share (all of k8s.io/kubernetes for the kube binaries) compile once; go
-# commands that share a go.mod must not run at the same time anyway.
+# build_module builds the wanted components of one build module: the module is
+# prepared once and the missing ones are built by a single go build, so that
+# packages they share (all of k8s.io/kubernetes for the kube binaries) compile
+# once; go commands that share a go.mod must not run at the same time anyway.
 build_module() {
-	local name e version dir pkgs=() missing=() logf tmp start took
+	local name e version dir pkgs=() missing=() logf tmp out start took
 	for name in "$@"; do
 		e=$(entry "$name")
 		version=$(field 1 "$e")
@@ -200,10 +168,7 @@ build_module() {
 			missing+=("$name")
 		fi
 	done
-	case ${#missing[@]} in
-	0) return 0 ;;
-	1) build_one "${missing[0]}"; return ;;
-	esac
+	[ ${#missing[@]} -gt 0 ] || return 0
 	e=$(entry "${missing[0]}")
 	version=$(field 1 "$e")
 	dir=$TOOLS_DIR/$(field 2 "$e")
@@ -211,16 +176,18 @@ build_module() {
 	mkdir -p "$LOGS" "$BIN"
 	logf=$LOGS/$(field 2 "$e")-$version.log
 	start=$(date +%s)
-	log "${missing[*]} $version building together (log $logf)"
+	log "${missing[*]} $version building (log $logf)"
 	tmp=$(mktemp -d "$BIN/.build.XXXXXX")
+	# -o DIR/ names each binary after its package's last element (etcd's
+	# is go.etcd.io/etcd/server/v3: "server"), so one package is named here.
+	out=$tmp/
+	[ ${#missing[@]} -gt 1 ] || out=$tmp/${missing[0]}
 	if ! (
 		set -e
-		for name in "${missing[@]}"; do
-			prepare_module "$dir" "$name" "$version" "$(field 3 "$(entry "$name")")"
-		done
+		prepare_module "$dir" "$version" "${pkgs[@]}"
 		cd "$dir"
 		CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod" \
-			go build -trimpath -ldflags "$(ldflags_for "${missing[0]}" "$version")" -o "$tmp/" "${pkgs[@]}"
+			go build -trimpath -ldflags "$(ldflags_for "${missing[0]}" "$version")" -o "$out" "${pkgs[@]}"
 	) >"$logf" 2>&1; then
 		rm -rf "$tmp"
 		tail -n 30 "$logf" >&2
@@ -233,10 +200,10 @@ build_module() {
 		mkdir -p "$(dirname "$(cached_path "$name" "$version")")"
 		mv -f "$tmp/$name" "$(cached_path "$name" "$version")"
 		link_current "$name" "$version"
-		echo "$name $version ${took}s (built together)" >>"$LOGS/timings"
+		echo "$name $version ${took}s (with: ${missing[*]})" >>"$LOGS/timings"
 	done
 	rm -rf "$tmp"
-	log "${missing[*]} $version built together in ${took}s"
+	log "${missing[*]} $version built in ${took}s"
 }
 
 cmd_list() {
