@@ -2,7 +2,7 @@
 # tools.sh builds the external binaries the tests need and caches them outside the
 # repository, keyed by version, so a second run on the same machine builds nothing.
 #
-#   scripts/tools.sh [all|kube|etcd|s3|crane|<binary>...]   build what is missing
+#   scripts/tools.sh [all|kube|controlplane|s3|<binary>...] build what is missing
 #   scripts/tools.sh list                                   show what is cached
 #   scripts/tools.sh path                                   print the PATH line only
 #
@@ -19,7 +19,6 @@ ETCD_VERSION=v3.6.16
 KUBE_VERSION=v1.37.1
 S3DRIVER_VERSION=v0.43.7
 VERSITYGW_VERSION=v1.8.0
-CRANE_VERSION=v0.22.1
 
 TOOLS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tools
 CACHE=${MOUNTMEDIC_CACHE:-/var/cache/mountmedic}
@@ -38,7 +37,6 @@ COMPONENTS=(
 	"etcd|$ETCD_VERSION|etcd|go.etcd.io/etcd/server/v3"
 	"s3driver|$S3DRIVER_VERSION|s3driver|github.com/yandex-cloud/k8s-csi-s3/cmd/s3driver"
 	"versitygw|$VERSITYGW_VERSION|versitygw|github.com/versity/versitygw/cmd/versitygw"
-	"crane|$CRANE_VERSION|crane|github.com/google/go-containerregistry/cmd/crane"
 )
 
 log() { printf '%s tools: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -58,7 +56,6 @@ module_of() {
 	go.etcd.io/etcd/server/v3) echo go.etcd.io/etcd/server/v3 ;;
 	github.com/yandex-cloud/k8s-csi-s3/*) echo github.com/yandex-cloud/k8s-csi-s3 ;;
 	github.com/versity/versitygw/*) echo github.com/versity/versitygw ;;
-	github.com/google/go-containerregistry/*) echo github.com/google/go-containerregistry ;;
 	*) die "no module known for $1" ;;
 	esac
 }
