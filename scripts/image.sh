@@ -15,8 +15,8 @@
 #                  pod's "image: NAME:V" resolves to
 #   --no-verify    skip running `/mountmedic version` inside the built image
 #   --rm           remove the image from buildah's storage at the end (after
-#                  the verification and the archive): a build check, as
-#                  scripts/test.sh runs it, leaves nothing behind
+#                  the verification and the archive): a build check leaves
+#                  nothing behind
 #
 # Environment: GOARCH (default: the host's), STORAGE_DRIVER (buildah storage
 # driver; default overlay when the kernel has it and the storage root is not

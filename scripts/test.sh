@@ -24,13 +24,13 @@ if [ -n "$unformatted" ]; then
 	exit 1
 fi
 go vet ./...
-# The container image, built from the Dockerfile with buildah (no daemon, no
-# registry) and run once: image.sh checks `mountmedic version` inside it.
-scripts/image.sh --version "ci-$(git rev-parse --short HEAD 2>/dev/null || echo dev)" --rm
 go test -race -count=1 -timeout 30m $(go list ./... | grep -v /scripts/e2e$) 2>&1 | tee /tmp/mountmedic-test.log
 # The end-to-end run on a real node (scripts/e2e: etcd, kube-apiserver,
 # controller-manager, scheduler, containerd, kubelet, the k8s-csi-s3 plugin
-# and mountmedic as its DaemonSet), alone: it measures heal times.
+# and mountmedic as its DaemonSet), alone: it measures heal times. It builds
+# the container image with scripts/image.sh (buildah, from the Dockerfile; no
+# daemon, no registry), which runs `mountmedic version` inside it, and runs
+# that image as the DaemonSet.
 go test -race -count=1 -timeout 20m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-e2e.log | grep -E '^(=== RUN|--- |\s+--- |\||ok|FAIL|PASS)|e2e figures'
 for target in FuzzParse FuzzClassify; do
 	go test -run '^$' -fuzz "^${target}\$" -fuzztime "${FUZZTIME:-15s}" ./probe
