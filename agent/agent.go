@@ -331,6 +331,17 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw *pluginWatcher) *probe.Inventory {
 	logger := klog.FromContext(ctx)
 	start := time.Now()
+	if !*dirty && inv != nil {
+		// A block-backed filesystem reports a shutdown (ext4, xfs) or an
+		// aborted journal (emergency_ro) only in its super options, and no
+		// mount-table notification says they changed: while the node has
+		// one, compare them every cycle (a table read, about 2.5 µs per
+		// mount in the kernel) and take the whole table again only when
+		// they changed.
+		if changed, err := probe.SuperOptionsChanged(a.cfg.HostTable, inv); err != nil || changed {
+			*dirty = true
+		}
+	}
 	if *dirty || inv == nil {
 		fresh, err := probe.ReadFile(a.cfg.HostTable, probe.Options{Root: a.cfg.KubeletRoot, Live: true})
 		if err != nil {
@@ -340,12 +351,7 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 			}
 		} else {
 			first := inv == nil
-			// A block-backed filesystem reports a shutdown (ext4, xfs) or
-			// an aborted journal (emergency_ro) only in its super options,
-			// and no mount-table notification says they changed: while
-			// the node has one, read the table every cycle (about 2.5 µs
-			// per mount in the kernel).
-			inv, *dirty = fresh, hasBlockBackend(fresh)
+			inv, *dirty = fresh, false
 			drivers := volumeDrivers(inv)
 			pw.Watch(ctx, drivers)
 			if first {
@@ -420,17 +426,6 @@ func (a *Agent) prepareResidual(ctx context.Context, key string, rs *residual) *
 		return nil
 	}
 	return &job{key: key, vol: rs.vol, active: pods, excluded: make(map[*corev1.Pod]string), resume: rs}
-}
-
-// hasBlockBackend reports whether a kubelet mount of inv sits on a block
-// device.
-func hasBlockBackend(inv *probe.Inventory) bool {
-	for _, b := range inv.Backends {
-		if b.Kind == probe.BackendBlock {
-			return true
-		}
-	}
-	return false
 }
 
 // prepare sorts the pods of a broken volume into those to repair, those
