@@ -263,18 +263,7 @@ func Build(infos []*mountinfo.Info, source string, opts Options) *Inventory {
 	root := opts.root()
 	inv := &Inventory{Root: root, Source: source, Total: len(infos)}
 
-	// The mount point each mount ID sits on, to find covered mounts.
-	covered := make(map[int]bool)
-	pathOf := make(map[int]string, len(infos))
-	for _, in := range infos {
-		pathOf[in.ID] = in.Mountpoint
-	}
-	for _, in := range infos {
-		if p, ok := pathOf[in.Parent]; ok && p == in.Mountpoint && in.Parent != in.ID {
-			covered[in.Parent] = true
-		}
-	}
-
+	covered := CoveredIDs(infos)
 	for _, in := range infos {
 		t, ok := Classify(root, in.Mountpoint)
 		if !ok {

@@ -36,7 +36,7 @@ type podPlan struct {
 	// of the pod receive host mounts there (HostToContainer,
 	// Bidirectional): it stays attached and the fresh mount goes on top of
 	// it, so that it propagates to them.
-	keep *hostMount
+	keep *probe.Mount
 	// subPaths are the pod's dead subPath binds on the host.
 	subPaths []subPathBind
 	// deadRoot is the mountinfo root of the dead publish target ("/" for
@@ -225,7 +225,11 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 		}
 	}
 	for _, dev := range h.dead.list() {
-		for _, m := range h.table.byDev[dev] {
+		b := h.table.byDev[dev]
+		if b == nil {
+			continue
+		}
+		for _, m := range b.Mounts {
 			if m.Target.Kind != probe.KindSubPath {
 				continue
 			}
@@ -371,8 +375,7 @@ func (h *hostRun) planKeep(ctx context.Context) {
 func (h *hostRun) abortHung(ctx context.Context) {
 	u := h.r.unmounter()
 	for _, dev := range h.dead.list() {
-		ms := h.table.byDev[dev]
-		if len(ms) == 0 || !ms[0].fuse() {
+		if !h.table.fuse(dev) {
 			continue
 		}
 		if !h.v.Hung && h.r.fuseWaiting(dev) == 0 {

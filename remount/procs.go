@@ -55,16 +55,7 @@ func ProcessMounts(procDir string, pid int, devs ...probe.Dev) ([]ProcessMount, 
 }
 
 func mountsOf(infos []*mountinfo.Info, pid int, devs devSet) []ProcessMount {
-	pathOf := make(map[int]string, len(infos))
-	for _, in := range infos {
-		pathOf[in.ID] = in.Mountpoint
-	}
-	covered := make(map[int]bool)
-	for _, in := range infos {
-		if p, ok := pathOf[in.Parent]; ok && p == in.Mountpoint && in.Parent != in.ID {
-			covered[in.Parent] = true
-		}
-	}
+	covered := probe.CoveredIDs(infos)
 	var out []ProcessMount
 	for _, in := range infos {
 		dev := probe.Dev{Major: uint32(in.Major), Minor: uint32(in.Minor)}

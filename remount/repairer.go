@@ -558,7 +558,7 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 		u := r.unmounter()
 		if v.Hung {
 			for _, dev := range dead.list() {
-				if ms := table.byDev[dev]; len(ms) > 0 && ms[0].fuse() {
+				if table.fuse(dev) {
 					acts, _ := u.AbortFUSE(ctx, dev)
 					o.Actions = append(o.Actions, acts...)
 				}

@@ -36,7 +36,7 @@ func TestBuildHostTable(t *testing.T) {
 		{ID: 40, Parent: 30, Major: 0, Minor: 53, Root: "/", Mountpoint: pub, FSType: "fuse.s3fs"},
 		{ID: 50, Parent: 1, Major: 0, Minor: 52, Root: "/", Mountpoint: stg, FSType: "fuse.s3fs"},
 	}
-	tab := buildHostTable(root, infos)
+	tab := buildHostTable(probe.Build(infos, "test", probe.Options{Root: root}))
 	var ids []int
 	for _, m := range tab.stack(pub) {
 		ids = append(ids, m.ID)

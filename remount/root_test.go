@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/probe"
@@ -62,14 +63,18 @@ func detachAll(t testing.TB, root string) {
 		}
 	}
 	for range 64 {
-		tab, err := readHostTable("/proc", root)
+		ms, err := mountinfo.GetMounts(func(in *mountinfo.Info) (skip, stop bool) {
+			return !probe.Under(root, in.Mountpoint), false
+		})
 		if err != nil {
 			t.Errorf("detach all: %v", err)
 			return
 		}
 		var paths []string
-		for p := range tab.stacks {
-			paths = append(paths, p)
+		for _, m := range ms {
+			if !slices.Contains(paths, m.Mountpoint) {
+				paths = append(paths, m.Mountpoint)
+			}
 		}
 		if len(paths) == 0 {
 			return
@@ -299,12 +304,18 @@ func plantSymlink(t testing.TB, root, uid, volume string) (target, outside strin
 	return filepath.Join(volDir, "mount"), outside
 }
 
-// outsideMounts lists the mount IDs at path (any root).
+// outsideMounts lists the mount IDs at path, outside any kubelet root, in
+// table order.
 func outsideMounts(t testing.TB, path string) []int {
 	t.Helper()
-	tab := table(t, filepath.Dir(path))
+	ms, err := mountinfo.GetMounts(func(in *mountinfo.Info) (skip, stop bool) {
+		return in.Mountpoint != path, false
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	var ids []int
-	for _, m := range tab.stack(path) {
+	for _, m := range ms {
 		ids = append(ids, m.ID)
 	}
 	return ids

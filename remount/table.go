@@ -1,78 +1,47 @@
 package remount
 
 import (
-	"bytes"
-	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 
-	"github.com/moby/sys/mountinfo"
 	"github.com/mountmedic/mountmedic/probe"
 )
 
-// hostMount is one mount of our own mount table below the kubelet root.
-type hostMount struct {
-	ID, Parent int
-	Dev        probe.Dev
-	Root       string
-	Path       string
-	FSType     string
-	Optional   string
-	Target     probe.Target
-}
-
-func (m *hostMount) fuse() bool {
-	base, _, _ := strings.Cut(m.FSType, ".")
-	return base == "fuse" || base == "fuseblk"
-}
-
-// hostTable is the part of our mount table below the kubelet root, read at
-// one moment: mounts stacked on each path (bottom first) and by device.
+// hostTable is the kubelet mounts of our own mount table (probe's
+// inventory of it, read at one moment), indexed by path: the mounts stacked
+// on each path, bottom first, and the filesystems by device number.
 type hostTable struct {
-	stacks map[string][]*hostMount
-	byDev  map[probe.Dev][]*hostMount
+	stacks map[string][]*probe.Mount
+	byDev  map[probe.Dev]*probe.Backend
 }
 
-// readHostTable reads <procDir>/self/mountinfo and keeps the mounts strictly
-// below root. It reads VFS data only: no mounted filesystem is asked.
+// readHostTable reads <procDir>/thread-self/mountinfo (the calling thread's
+// mount namespace: see inMountNamespace) and classifies it under root. It
+// reads VFS data only: no mounted filesystem is asked.
 func readHostTable(procDir, root string) (*hostTable, error) {
-	p := filepath.Join(procDir, "thread-self", "mountinfo")
-	data, err := os.ReadFile(p)
+	inv, err := probe.ReadFile(filepath.Join(procDir, "thread-self", "mountinfo"), probe.Options{Root: root})
 	if err != nil {
-		return nil, fmt.Errorf("read mount table: %w", err)
+		return nil, err
 	}
-	infos, err := mountinfo.GetMountsFromReader(bytes.NewReader(data), func(in *mountinfo.Info) (skip, stop bool) {
-		return !probe.Under(root, in.Mountpoint), false
-	})
-	if err != nil {
-		return nil, fmt.Errorf("parse %s: %w", p, err)
-	}
-	return buildHostTable(root, infos), nil
+	return buildHostTable(inv), nil
 }
 
-func buildHostTable(root string, infos []*mountinfo.Info) *hostTable {
-	t := &hostTable{stacks: map[string][]*hostMount{}, byDev: map[probe.Dev][]*hostMount{}}
-	byID := make(map[int]*hostMount, len(infos))
-	var order []*hostMount
-	for _, in := range infos {
-		m := &hostMount{ID: in.ID, Parent: in.Parent, Dev: probe.Dev{Major: uint32(in.Major), Minor: uint32(in.Minor)},
-			Root: in.Root, Path: in.Mountpoint, FSType: in.FSType, Optional: in.Optional}
-		m.Target, _ = probe.Classify(root, in.Mountpoint)
-		byID[m.ID] = m
-		order = append(order, m)
-		t.byDev[m.Dev] = append(t.byDev[m.Dev], m)
+func buildHostTable(inv *probe.Inventory) *hostTable {
+	t := &hostTable{stacks: map[string][]*probe.Mount{}, byDev: map[probe.Dev]*probe.Backend{}}
+	for _, b := range inv.Backends {
+		t.byDev[b.Dev] = b
 	}
 	// A stack is a chain of mounts on one path, each the parent of the next.
-	atPath := map[string][]*hostMount{}
-	for _, m := range order {
+	byID := make(map[int]*probe.Mount, len(inv.Mounts))
+	atPath := map[string][]*probe.Mount{}
+	for _, m := range inv.Mounts {
+		byID[m.ID] = m
 		atPath[m.Path] = append(atPath[m.Path], m)
 	}
 	for path, ms := range atPath {
-		var bottom *hostMount
+		var bottom *probe.Mount
 		for _, m := range ms {
-			if p, ok := byID[m.Parent]; !ok || p.Path != path || p.ID == m.ID {
+			if p, ok := byID[m.ParentID]; !ok || p.Path != path || p.ID == m.ID {
 				bottom = m
 				break
 			}
@@ -81,9 +50,9 @@ func buildHostTable(root string, infos []*mountinfo.Info) *hostTable {
 			t.stacks[path] = ms
 			continue
 		}
-		stack := []*hostMount{bottom}
+		stack := []*probe.Mount{bottom}
 		for len(stack) < len(ms) {
-			i := slices.IndexFunc(ms, func(m *hostMount) bool { return m.Parent == stack[len(stack)-1].ID && m != stack[len(stack)-1] })
+			i := slices.IndexFunc(ms, func(m *probe.Mount) bool { return m.ParentID == stack[len(stack)-1].ID && m != stack[len(stack)-1] })
 			if i < 0 {
 				break
 			}
@@ -94,12 +63,20 @@ func buildHostTable(root string, infos []*mountinfo.Info) *hostTable {
 	return t
 }
 
+// fuse reports whether the filesystem dev is served by a FUSE daemon (fuse
+// or fuseblk), whose connection can be aborted, while our table still holds
+// a mount of it: connection numbers are reused once a connection ends.
+func (t *hostTable) fuse(dev probe.Dev) bool {
+	b := t.byDev[dev]
+	return b != nil && len(b.Mounts) > 0 && isFUSEType(b.FSType)
+}
+
 // stack is the mounts on path, bottom first.
-func (t *hostTable) stack(path string) []*hostMount { return t.stacks[filepath.Clean(path)] }
+func (t *hostTable) stack(path string) []*probe.Mount { return t.stacks[filepath.Clean(path)] }
 
 // top is the mount a lookup of path reaches, nil when path is no mount
 // point.
-func (t *hostTable) top(path string) *hostMount {
+func (t *hostTable) top(path string) *probe.Mount {
 	s := t.stack(path)
 	if len(s) == 0 {
 		return nil
@@ -149,9 +126,9 @@ func deadDevs(v *Volume) devSet {
 
 // deadTop returns the dead mounts on top of path, topmost first: the top
 // and each one below it while they are on a dead device.
-func (t *hostTable) deadTop(path string, dead devSet) []*hostMount {
+func (t *hostTable) deadTop(path string, dead devSet) []*probe.Mount {
 	s := t.stack(path)
-	var out []*hostMount
+	var out []*probe.Mount
 	for i := len(s) - 1; i >= 0 && dead[s[i].Dev]; i-- {
 		out = append(out, s[i])
 	}

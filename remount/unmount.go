@@ -104,9 +104,15 @@ func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount, ab
 
 func isFUSE(m *probe.Mount) bool {
 	if m.Backend != nil {
-		return m.Backend.Kind == probe.BackendFUSE || strings.HasPrefix(m.Backend.FSType, "fuseblk")
+		return isFUSEType(m.Backend.FSType)
 	}
-	base, _, _ := strings.Cut(m.FSType, ".")
+	return isFUSEType(m.FSType)
+}
+
+// isFUSEType reports whether a filesystem type is served by a FUSE daemon:
+// fuse.<name> and fuseblk.<name>, both with a connection in fusectl.
+func isFUSEType(fsType string) bool {
+	base, _, _ := strings.Cut(fsType, ".")
 	return base == "fuse" || base == "fuseblk"
 }
 
