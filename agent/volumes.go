@@ -96,22 +96,40 @@ func csiKey(m *probe.Mount) (key, driver, handle string) {
 // whose volume cannot be named are grouped by their backend.
 func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 	broken := rep.Broken()
-	// A backend's CSI key, from any of its mounts, for mounts that cannot
-	// name their volume themselves (a subPath bind whose publish target is
-	// gone).
-	backendKey := make(map[*probe.Backend]string)
-	for _, r := range rep.Mounts {
-		if r.Mount.Backend == nil {
-			continue
+	if len(broken) == 0 {
+		return nil
+	}
+	type named struct{ key, driver, handle string }
+	own := make([]named, len(broken))
+	// A backend's CSI key, from any of its mounts, for broken mounts that
+	// cannot name their volume themselves (a subPath bind whose publish
+	// target is gone): looked up only for their backends.
+	var backendKey map[*probe.Backend]string
+	for i, r := range broken {
+		k, d, h := csiKey(r.Mount)
+		own[i] = named{k, d, h}
+		if k == "" && r.Mount.Backend != nil && r.Mount.Target.Kind != probe.KindBlock {
+			if backendKey == nil {
+				backendKey = make(map[*probe.Backend]string)
+			}
+			backendKey[r.Mount.Backend] = ""
 		}
-		if k, _, _ := csiKey(r.Mount); k != "" && backendKey[r.Mount.Backend] == "" {
-			backendKey[r.Mount.Backend] = k
+	}
+	if len(backendKey) > 0 {
+		for _, r := range rep.Mounts {
+			b := r.Mount.Backend
+			if k, ok := backendKey[b]; !ok || k != "" {
+				continue
+			}
+			if k, _, _ := csiKey(r.Mount); k != "" {
+				backendKey[b] = k
+			}
 		}
 	}
 	out := make(map[string]*brokenVolume)
-	for _, r := range broken {
+	for i, r := range broken {
 		m := r.Mount
-		key, driver, handle := csiKey(m)
+		key, driver, handle := own[i].key, own[i].driver, own[i].handle
 		csi := key != ""
 		switch {
 		case m.Target.Kind == probe.KindBlock:
