@@ -17,6 +17,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mountmedic/mountmedic/agent"
@@ -86,8 +87,7 @@ func TestAgentDryRunReportsAndChangesNothing(t *testing.T) {
 	labels := map[string]string{"app": "dry"}
 	v := e.createVolume("dry", nil)
 	pod := e.createPod("dry-0", v, podOptions{owner: e.replicaSet("dry", labels), labels: labels, subPath: "sub"})
-	pub := e.deadVolume(v, pod)
-	before := mountID(t, pub)
+	e.deadVolume(v, pod)
 
 	cfg := e.config()
 	cfg.DryRun = true
@@ -107,16 +107,53 @@ func TestAgentDryRunReportsAndChangesNothing(t *testing.T) {
 		}
 	}
 
-	// Nothing changed: the pod is there and not terminating, the dead
-	// mount is still the one it was.
+	// Nothing changed: the pod is there and not terminating. (Without a
+	// repairer no tier touches a mount: TestAgentDryRunDriverDown checks
+	// the mounts.)
 	got, err := e.admin.CoreV1().Pods(testNamespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
 	if err != nil || got.DeletionTimestamp != nil {
 		t.Errorf("pod after a dry run: %v, deletion %v; want it untouched", err, got.DeletionTimestamp)
 	}
+	checkDryRunMarks(t, e, pod.UID)
+}
+
+// TestAgentDryRunDriverDown runs the agent in dry-run with a (dry-run)
+// repairer while the volume's driver is not registered: it reports what a
+// real run would do, wait for the driver, and changes no mount.
+func TestAgentDryRunDriverDown(t *testing.T) {
+	e := newEnv(t, nil)
+	labels := map[string]string{"app": "dry"}
+	v := e.createVolume("dry", nil)
+	pod := e.createPod("dry-0", v, podOptions{owner: e.replicaSet("dry", labels), labels: labels, subPath: "sub"})
+	pub := e.deadVolume(v, pod)
+	before := mountID(t, pub)
+
+	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root(), DryRun: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := e.config()
+	cfg.DryRun = true
+	e.startAgent(cfg, agent.Deps{Repairer: rep})
+
+	e.waitEvent(pod.UID, agent.ReasonVolumeBroken, "Disconnected", "[dry-run]")
+	e.waitEvent(pod.UID, agent.ReasonDriverDown, "[dry-run]", labDriver)
 	if after := mountID(t, pub); after != before {
 		t.Errorf("publish target mount %d became %d in a dry run", before, after)
 	}
-	for _, r := range e.reasons(pod.UID) {
+	got, err := e.admin.CoreV1().Pods(testNamespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
+	if err != nil || got.DeletionTimestamp != nil {
+		t.Errorf("pod after a dry run: %v, deletion %v; want it untouched", err, got.DeletionTimestamp)
+	}
+	checkDryRunMarks(t, e, pod.UID)
+}
+
+// checkDryRunMarks fails for every event about uid without the [dry-run]
+// mark.
+func checkDryRunMarks(t *testing.T, e *env, uid types.UID) {
+	t.Helper()
+	for _, r := range e.reasons(uid) {
 		if !strings.Contains(r, "[dry-run]") {
 			t.Errorf("dry-run event without the [dry-run] mark: %s", r)
 		}

@@ -67,7 +67,11 @@ func TestGroupBrokenSharedVolume(t *testing.T) {
 
 func TestGroupBrokenUncertainStates(t *testing.T) {
 	_, rep := reportWith(t, "s3fs-two-pods.mountinfo", probe.Dev{Major: 0, Minor: 52}, probe.Hung, probe.ErrHung)
-	for _, v := range groupBroken(rep) {
+	got := groupBroken(rep)
+	if len(got) != 1 {
+		t.Fatalf("groupBroken of a Hung volume: %d volumes, want 1", len(got))
+	}
+	for _, v := range got {
 		if v.certain() {
 			t.Errorf("a Hung volume is certain; a slow server must get its strikes")
 		}
@@ -77,13 +81,46 @@ func TestGroupBrokenUncertainStates(t *testing.T) {
 	}
 }
 
-func TestGroupBrokenHealthyTableHasNone(t *testing.T) {
-	_, rep := reportWith(t, "mixed-node.mountinfo", probe.Dev{}, probe.Healthy, nil)
-	for key, v := range groupBroken(rep) {
-		// The capture holds table-only faults (shutdown, emergency_ro,
-		// deleted subPaths); each must be grouped under a named volume.
-		if key == "" || len(v.mounts) == 0 {
-			t.Errorf("broken volume %q with %d mounts", key, len(v.mounts))
-		}
+// TestGroupBrokenTableOnlyFaults groups what the mount table alone says is
+// broken (no probe ran): nothing on a healthy node; on the NBD capture, one
+// named volume per shut-down, journal-aborted or read-only filesystem, with
+// its staging mount, publish target and subPath binds.
+func TestGroupBrokenTableOnlyFaults(t *testing.T) {
+	type want struct {
+		state  probe.State
+		mounts int
+	}
+	const ceph = "csi/rbd.csi.ceph.com/"
+	tests := map[string]struct {
+		table string
+		want  map[string]want
+	}{
+		"healthy node": {"mixed-node.mountinfo", map[string]want{}},
+		"nbd faults": {"nbd-faults.mountinfo", map[string]want{
+			ceph + "ee46ee61e0e552f3ba5360dbf3e028b42c7cb6634bff5415f0c86282dedc9cfa": {probe.Shutdown, 2},
+			ceph + "05b5a4bc5a54283819f9bba33e554c46a2409dace9c33ff90a284d3420d9513e": {probe.ReadOnly, 2},
+			ceph + "5f53cd8d00e63e3f806f79a89ebcb17fc9a50f2c18f5214209b15a0554a49608": {probe.ReadOnly, 3},
+		}},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			_, rep := reportWith(t, tc.table, probe.Dev{}, probe.Healthy, nil)
+			got := groupBroken(rep)
+			for key, w := range tc.want {
+				v := got[key]
+				if v == nil {
+					t.Errorf("groupBroken: no volume %s", key)
+					continue
+				}
+				if v.state != w.state || len(v.mounts) != w.mounts || !v.csi {
+					t.Errorf("volume %s = state %s, %d mounts, csi %v; want %s, %d, true", key, v.state, len(v.mounts), v.csi, w.state, w.mounts)
+				}
+			}
+			for key := range got {
+				if _, ok := tc.want[key]; !ok {
+					t.Errorf("groupBroken: unexpected volume %s", key)
+				}
+			}
+		})
 	}
 }
