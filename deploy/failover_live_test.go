@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 
+	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
@@ -248,7 +249,7 @@ func (n *simNode) failoverTaint(ctx context.Context) (*corev1.Taint, error) {
 		return nil, err
 	}
 	for _, tn := range node.Spec.Taints {
-		if tn.Key == corev1.TaintNodeOutOfService && tn.Value == "mountmedic" {
+		if tn.Key == failover.TaintOutOfService && tn.Value == failover.TaintValue {
 			return &tn, nil
 		}
 	}

@@ -61,9 +61,9 @@ type labVolume struct {
 }
 
 // labVolumes are the scenario. The in-tree volumes are never re-staged, so
-// their pods reach the eviction tier whether or not the command runs with
-// a mount repairer; the CSI volumes' drivers are not registered on the lab
-// node, so a repairer would find them down.
+// their pods reach the eviction tier; the CSI volumes' drivers are not
+// registered on the lab node, so the agent's repairer finds them down and
+// leaves their pods be.
 var labVolumes = []labVolume{
 	{name: "dead", csi: fuseCSI, fault: "kill", owned: true},           // Disconnected (publish, staging, subPath)
 	{name: "ext4", csi: blockCSI, fault: "shutdown", owned: true},      // Shutdown
@@ -83,9 +83,11 @@ var labVolumes = []labVolume{
 // Queries that need something to have happened, and how the scenario makes
 // it happen:
 //   - repairs, repair duration, evictions: the agent evicts the ReplicaSet
-//     pods of the dead and the shut-down volume (evict tier; the command
-//     runs without a mount repairer yet), a PodDisruptionBudget answers 429
-//     for the hung volume's pod, and the EIO pod has no controller.
+//     pod of the killed nfs volume (evict tier: in-tree volumes are never
+//     re-staged), a PodDisruptionBudget answers 429 for the hung volume's
+//     pod, and the EIO pod has no controller. The CSI volumes (dead, shut
+//     down) stay broken: their drivers are not registered on the lab node,
+//     so the agent's repairer finds them down (mountmedic_driver_up 0).
 //   - MountmedicRepairsFailing: the blocked and the refused evictions count
 //     as failed evict repairs while mounts stay broken.
 //   - MountmedicAgentDown: evaluated after the agent is stopped (and checked
@@ -193,12 +195,12 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	t.Logf("%d queries evaluated against the live agents, all as expected %.0f s after the faults", len(queries), time.Since(faulted).Seconds())
 	checkFailover(ctx, t, prom, sim)
 
-	// The dashboard picture (README.md), from this Prometheus; with -update
+	// With -update, the dashboard picture (README.md), from this Prometheus
 	// after a little more history.
 	if *update {
 		time.Sleep(20 * time.Second)
+		writePreview(t, prom, started, time.Now())
 	}
-	writePreview(t, prom, started, time.Now())
 
 	// The rule engine evaluated every rule without error, and the alerts
 	// the scenario raises are pending (their "for" has not passed) or firing.
@@ -467,12 +469,11 @@ func writeKubeconfig(t *testing.T, c *kubetest.Cluster, namespace, name, server 
 // freeAddr returns a loopback address with a port free right now.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ports, err := lab.FreePorts(1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0]))
 }
 
 // process is a program the live test runs, killed with the test binary.

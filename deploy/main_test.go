@@ -16,10 +16,13 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -30,7 +33,13 @@ import (
 
 var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml) and the metrics capture (testdata/metrics.txt)")
 
-func TestMain(m *testing.M) { lab.Main(m) }
+func TestMain(m *testing.M) {
+	code := lab.Run(m)
+	if built.dir != "" {
+		os.RemoveAll(built.dir)
+	}
+	os.Exit(code)
+}
 
 // promtool is Prometheus's rule and metrics checker (Debian's prometheus
 // package, scripts/deps.sh).
@@ -60,12 +69,34 @@ func run(t *testing.T, dir string, name string, args ...string) []byte {
 	return stdout.Bytes()
 }
 
-// buildMountmedic builds the command into a temporary directory.
+// built is the command, built once for all the tests that run it; TestMain
+// removes it.
+var built struct {
+	once     sync.Once
+	dir, bin string
+	err      error
+}
+
+// buildMountmedic returns the command built from this checkout.
 func buildMountmedic(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "mountmedic")
-	run(t, "..", "go", "build", "-o", bin, "./cmd/mountmedic")
-	return bin
+	built.once.Do(func() {
+		if built.dir, built.err = os.MkdirTemp("", "mountmedic-deploy-test-"); built.err != nil {
+			return
+		}
+		bin := filepath.Join(built.dir, "mountmedic")
+		cmd := exec.Command("go", "build", "-o", bin, "./cmd/mountmedic")
+		cmd.Dir = ".."
+		if out, err := cmd.CombinedOutput(); err != nil {
+			built.err = fmt.Errorf("go build ./cmd/mountmedic: %w\n%s", err, out)
+			return
+		}
+		built.bin = bin
+	})
+	if built.err != nil {
+		t.Fatal(built.err)
+	}
+	return built.bin
 }
 
 // object is one decoded manifest.

@@ -63,11 +63,31 @@ func TestKustomizationsRender(t *testing.T) {
 func daemonSet(t *testing.T) (*appsv1.DaemonSet, []object) {
 	t.Helper()
 	objs := kustomize(t, ".")
+	return decodeDaemonSet(t, objs), objs
+}
+
+// decodeDaemonSet decodes the mountmedic DaemonSet among rendered objects.
+func decodeDaemonSet(t *testing.T, objs []object) *appsv1.DaemonSet {
+	t.Helper()
 	var ds appsv1.DaemonSet
 	if err := yaml.Unmarshal(find(t, objs, "DaemonSet", "mountmedic").raw, &ds); err != nil {
 		t.Fatalf("decode DaemonSet: %v", err)
 	}
-	return &ds, objs
+	return &ds
+}
+
+// checkAgentArgs runs `mountmedic` with a DaemonSet's args, a node name and
+// a kubeconfig that does not exist. The agent validates its configuration
+// before it connects, so the only complaint must be about that kubeconfig:
+// the agent's own validation judges the args' values.
+func checkAgentArgs(t *testing.T, bin string, args []string) {
+	t.Helper()
+	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
+	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--kubeconfig="+missing)
+	out, err := exec.Command(bin, cmdArgs...).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), missing) || strings.Count(strings.TrimSpace(string(out)), "\n") > 0 {
+		t.Errorf("mountmedic %s: want one error naming the missing kubeconfig, got %v:\n%s", strings.Join(cmdArgs, " "), err, out)
+	}
 }
 
 // flagValue returns the value of --name=value in args.
@@ -107,19 +127,7 @@ func TestDaemonSetFlagsExist(t *testing.T) {
 			t.Errorf("DaemonSet passes --%s, which mountmedic agent does not have (see mountmedic agent --help)", name)
 		}
 	}
-
-	// The agent validates its configuration before it connects: with the
-	// manifest's arguments, a node name and a kubeconfig that does not
-	// exist, the only complaint must be about that kubeconfig.
-	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
-	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--kubeconfig="+missing)
-	out, err := exec.Command(bin, cmdArgs...).CombinedOutput()
-	if err == nil {
-		t.Fatalf("mountmedic %s succeeded without a kubeconfig:\n%s", strings.Join(cmdArgs, " "), out)
-	}
-	if !strings.Contains(string(out), missing) || strings.Count(strings.TrimSpace(string(out)), "\n") > 0 {
-		t.Errorf("mountmedic %s: want one error naming the missing kubeconfig, got:\n%s", strings.Join(cmdArgs, " "), out)
-	}
+	checkAgentArgs(t, bin, args)
 }
 
 // TestDaemonSetShape checks what the agent relies on, across files: the
@@ -296,14 +304,15 @@ func TestApplyServerDryRun(t *testing.T) {
 	// a server-side dry run creates nothing.
 	k("apply", "-f", "namespace.yaml")
 	for _, kz := range kustomizations {
+		want := len(kustomize(t, kz.dir))
 		out := k("apply", "-k", kz.dir, "--dry-run=server")
 		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
 			if !strings.HasSuffix(line, "(server dry run)") {
 				t.Errorf("kubectl apply -k %s --dry-run=server: %q", kz.dir, line)
 			}
 		}
-		if n := strings.Count(out, "(server dry run)"); n != len(kustomize(t, kz.dir)) {
-			t.Errorf("kubectl apply -k %s --dry-run=server applied %d objects, want %d:\n%s", kz.dir, n, len(kustomize(t, kz.dir)), out)
+		if n := strings.Count(out, "(server dry run)"); n != want {
+			t.Errorf("kubectl apply -k %s --dry-run=server applied %d objects, want %d:\n%s", kz.dir, n, want, out)
 		}
 	}
 	for _, kz := range kustomizations {
@@ -517,25 +526,15 @@ func renderOverlay(t *testing.T, name, kustomization string) []object {
 func TestReadmeFailoverOverlays(t *testing.T) {
 	base := kustomize(t, ".")
 	on := renderOverlay(t, "failover", readmeBlock(t, "# overlays/failover/kustomization.yaml"))
-	var ds appsv1.DaemonSet
-	if err := yaml.Unmarshal(find(t, on, "DaemonSet", "mountmedic").raw, &ds); err != nil {
-		t.Fatal(err)
-	}
-	args := ds.Spec.Template.Spec.Containers[0].Args
-	baseDS, _ := daemonSet(t)
+	args := decodeDaemonSet(t, on).Spec.Template.Spec.Containers[0].Args
+	baseDS := decodeDaemonSet(t, base)
 	if want := append(slices.Clone(baseDS.Spec.Template.Spec.Containers[0].Args), "--failover", "--failover-dry-run"); !slices.Equal(args, want) {
 		t.Errorf("failover overlay DaemonSet args = %q, want %q", args, want)
 	}
 	if len(on) != len(base) {
 		t.Errorf("failover overlay renders %d objects, the base %d", len(on), len(base))
 	}
-	bin := buildMountmedic(t)
-	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
-	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--kubeconfig="+missing)
-	out, err := exec.Command(bin, cmdArgs...).CombinedOutput()
-	if err == nil || !strings.Contains(string(out), missing) || strings.Count(strings.TrimSpace(string(out)), "\n") > 0 {
-		t.Errorf("mountmedic %s: want one error naming the missing kubeconfig, got %v:\n%s", strings.Join(cmdArgs, " "), err, out)
-	}
+	checkAgentArgs(t, buildMountmedic(t), args)
 
 	off := renderOverlay(t, "no-failover-rbac", readmeBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
 	gone := map[string]bool{"ClusterRoleBinding/mountmedic-failover": true, "RoleBinding/mountmedic": true}

@@ -169,10 +169,11 @@ type panel struct {
 	GridPos    struct{ H, W, X, Y int }
 	Panels     []panel `json:"panels"`
 	Targets    []struct {
-		Datasource map[string]any `json:"datasource"`
-		Expr       string         `json:"expr"`
-		RefID      string         `json:"refId"`
-		Instant    bool           `json:"instant"`
+		Datasource   map[string]any `json:"datasource"`
+		Expr         string         `json:"expr"`
+		LegendFormat string         `json:"legendFormat"`
+		RefID        string         `json:"refId"`
+		Instant      bool           `json:"instant"`
 	} `json:"targets"`
 }
 

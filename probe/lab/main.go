@@ -55,10 +55,21 @@ var (
 // with the child's status. Inside the namespace it mounts fusectl and runs the
 // tests. Not as root it only runs the tests; root tests then skip.
 func Main(m *testing.M) {
-	os.Exit(runMain(m))
+	os.Exit(Run(m))
 }
 
-func runMain(m *testing.M) int {
+// Run is Main without the exit: it returns the exit status, so that a
+// TestMain can remove what its package's tests shared before it exits:
+//
+//	func TestMain(m *testing.M) {
+//		code := lab.Run(m)
+//		removeShared()
+//		os.Exit(code)
+//	}
+//
+// In the process that re-executes the test binary into the namespace, Run
+// returns that copy's status without running a test itself.
+func Run(m *testing.M) int {
 	if role := os.Getenv(envDaemon); role != "" {
 		return runDaemon(role)
 	}
