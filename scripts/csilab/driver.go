@@ -95,7 +95,7 @@ func (d *Driver) start() error {
 	cmd.Env = d.env
 	cmd.Dir = d.home
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
-	p, err := startProcess("s3driver", cmd, filepath.Join(d.home, "s3driver.log"))
+	p, err := lab.RunProcess("s3driver", cmd, filepath.Join(d.home, "s3driver.log"))
 	if err != nil {
 		return err
 	}
@@ -150,9 +150,6 @@ func (d *Driver) Pid() int {
 	}
 	return d.proc.Pid()
 }
-
-// Log is the path of the driver's log (its output across restarts).
-func (d *Driver) Log() string { return filepath.Join(d.home, "s3driver.log") }
 
 // Node returns a CSI node client on a connection that lives until the test ends.
 // The connection reconnects, so it survives Restart.

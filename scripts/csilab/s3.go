@@ -16,8 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
-
 	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
@@ -51,14 +49,14 @@ func StartS3(t testing.TB) *S3 {
 	if err := os.Mkdir(root, 0o755); err != nil {
 		t.Fatalf("create s3 root: %v", err)
 	}
-	port, err := freePort()
+	ports, err := lab.FreePorts(1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := "127.0.0.1:" + strconv.Itoa(port)
+	addr := "127.0.0.1:" + strconv.Itoa(ports[0])
 	cmd := exec.Command(bin, "--access", AccessKey, "--secret", SecretKey, "--region", region,
 		"--port", addr, "posix", root)
-	p, err := startProcess("versitygw", cmd, filepath.Join(dir, "versitygw.log"))
+	p, err := lab.RunProcess("versitygw", cmd, filepath.Join(dir, "versitygw.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,9 +152,10 @@ func hmacSum(key []byte, data string) []byte {
 	return h.Sum(nil)
 }
 
-// Volume is the request data the s3driver needs for one volume, as a PV would
-// carry it: the volume handle, the node stage and publish secrets and the volume
-// attributes.
+// Volume is the data the s3driver needs for one volume, as a PV would carry
+// it: the volume handle, the node stage and publish secrets and the volume
+// attributes (remount.VolumeRequest's VolumeHandle, StageSecrets and
+// PublishSecrets, VolumeAttributes).
 type Volume struct {
 	Handle     string            // "bucket" or "bucket/prefix"
 	Secrets    map[string]string // accessKeyID, secretAccessKey, endpoint
@@ -178,38 +177,5 @@ func (s *S3) Volume(bucket, prefix string) Volume {
 			"endpoint":        s.Endpoint,
 		},
 		Attributes: map[string]string{"mounter": "s3fs"},
-	}
-}
-
-// Capability is a single-node-writer filesystem capability, as kubelet sends for
-// a ReadWriteOnce filesystem volume.
-func (v Volume) Capability() *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
-}
-
-// StageRequest is the NodeStageVolume request for staging the volume at path.
-func (v Volume) StageRequest(stagingPath string) *csi.NodeStageVolumeRequest {
-	return &csi.NodeStageVolumeRequest{
-		VolumeId:          v.Handle,
-		StagingTargetPath: stagingPath,
-		VolumeCapability:  v.Capability(),
-		Secrets:           v.Secrets,
-		VolumeContext:     v.Attributes,
-	}
-}
-
-// PublishRequest is the NodePublishVolume request binding the staged volume at
-// stagingPath to targetPath.
-func (v Volume) PublishRequest(stagingPath, targetPath string) *csi.NodePublishVolumeRequest {
-	return &csi.NodePublishVolumeRequest{
-		VolumeId:          v.Handle,
-		StagingTargetPath: stagingPath,
-		TargetPath:        targetPath,
-		VolumeCapability:  v.Capability(),
-		Secrets:           v.Secrets,
-		VolumeContext:     v.Attributes,
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -52,14 +53,13 @@ type Options struct {
 	// Scheduler starts kube-scheduler (leader election off), for tests whose
 	// pods a real kubelet runs.
 	Scheduler bool
-	// APIServerArgs, ControllerManagerArgs and SchedulerArgs are appended to
-	// the generated flags.
-	APIServerArgs         []string
+	// ControllerManagerArgs are appended to kube-controller-manager's
+	// generated flags.
 	ControllerManagerArgs []string
-	SchedulerArgs         []string
-	// StartTimeout bounds the wait for /readyz; zero means one minute.
-	StartTimeout time.Duration
 }
+
+// startTimeout bounds the wait for every component to be ready.
+const startTimeout = time.Minute
 
 // Cluster is a running control plane. Start registers its teardown with t.Cleanup.
 type Cluster struct {
@@ -97,9 +97,6 @@ func Start(t testing.TB, opts Options) *Cluster {
 	for _, name := range names {
 		bins[name] = lab.RequireTool(t, name)
 	}
-	if opts.StartTimeout == 0 {
-		opts.StartTimeout = time.Minute
-	}
 
 	dir := t.TempDir() // created before the cleanup below, so removed after it
 	c := &Cluster{Dir: dir, BinDir: lab.BinDir(), t: t}
@@ -128,7 +125,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
 	c.Server = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
 
-	ctx, cancel := context.WithTimeout(context.Background(), opts.StartTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
 
 	etcd, err := c.run("etcd", bins["etcd"], []string{
@@ -168,7 +165,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--allow-privileged=true",
 		"--profiling=false",
 	}
-	api, err := c.run("kube-apiserver", bins["kube-apiserver"], append(apiArgs, opts.APIServerArgs...), logDir)
+	api, err := c.run("kube-apiserver", bins["kube-apiserver"], apiArgs, logDir)
 	if err != nil {
 		return err
 	}
@@ -208,7 +205,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 			"--cert-dir=" + filepath.Join(c.Dir, "scheduler-certs"),
 			"--profiling=false",
 		}
-		sched, err := c.run("kube-scheduler", bins["kube-scheduler"], append(schedArgs, opts.SchedulerArgs...), logDir)
+		sched, err := c.run("kube-scheduler", bins["kube-scheduler"], schedArgs, logDir)
 		if err != nil {
 			return err
 		}
@@ -237,8 +234,13 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	return waitHTTP(ctx, kcm, insecure, fmt.Sprintf("https://127.0.0.1:%d/healthz", kcmPort))
 }
 
+// run starts bin with args in its own process group (stopping it reaches its
+// children), its output in logDir/name.log; it dies with the test binary
+// (lab.RunProcess).
 func (c *Cluster) run(name, bin string, args []string, logDir string) (*lab.Process, error) {
-	p, err := startProcess(name, bin, args, logDir)
+	cmd := exec.Command(bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	p, err := lab.RunProcess(name, cmd, filepath.Join(logDir, name+".log"))
 	if err != nil {
 		return nil, err
 	}
