@@ -21,6 +21,8 @@ import (
 	eventsv1 "k8s.io/api/events/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
 // Where the DaemonSet of deploy/ lives once applied.
@@ -63,7 +65,7 @@ type Agent struct {
 
 // NewAgent prepares the agent's deployment on the node; Deploy applies it.
 func (n *Node) NewAgent() (*Agent, error) {
-	port, err := freePort()
+	ports, err := lab.FreePorts(1)
 	if err != nil {
 		return nil, err
 	}
@@ -71,12 +73,12 @@ func (n *Node) NewAgent() (*Agent, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	return &Agent{node: n, MetricsPort: port, dir: dir}, nil
+	return &Agent{node: n, MetricsPort: ports[0], dir: dir}, nil
 }
 
 // Deploy applies deploy/ through the e2e overlay (scripts/e2e/deploy) with
-// the agent's flags args added to the defaults of deploy/, and waits until
-// the DaemonSet's pod of this configuration is ready.
+// the agent's flags args added after deploy/'s own (which stay as shipped),
+// and waits until the DaemonSet's pod of this configuration is ready.
 func (a *Agent) Deploy(ctx context.Context, args ...string) error {
 	base, err := filepath.Abs("deploy")
 	if err != nil {
@@ -90,20 +92,18 @@ func (a *Agent) Deploy(ctx context.Context, args ...string) error {
 	if err != nil {
 		return err
 	}
-	allArgs := append([]string{
-		"agent",
-		"--host-table=/proc/1/mountinfo",
-		"--kubelet-root=" + KubeletRoot,
-		"--metrics-addr=127.0.0.1:" + strconv.Itoa(a.MetricsPort),
-		"--cri-socket=unix://" + ContainerdSocket,
-	}, args...)
+	const container = "/spec/template/spec/containers/0"
 	ops := []map[string]any{
-		{"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": allArgs},
-		{"op": "replace", "path": "/spec/template/spec/containers/0/ports/0/containerPort", "value": a.MetricsPort},
+		{"op": "replace", "path": container + "/ports/0/containerPort", "value": a.MetricsPort},
 		// No kube-proxy on this node: the agent reaches the API server on
 		// loopback, where it listens.
-		{"op": "add", "path": "/spec/template/spec/containers/0/env/-", "value": map[string]string{"name": "KUBERNETES_SERVICE_HOST", "value": u.host}},
-		{"op": "add", "path": "/spec/template/spec/containers/0/env/-", "value": map[string]string{"name": "KUBERNETES_SERVICE_PORT", "value": u.port}},
+		{"op": "add", "path": container + "/env/-", "value": map[string]string{"name": "KUBERNETES_SERVICE_HOST", "value": u.host}},
+		{"op": "add", "path": container + "/env/-", "value": map[string]string{"name": "KUBERNETES_SERVICE_PORT", "value": u.port}},
+	}
+	// A later flag wins over deploy/'s: metrics on loopback, on a free port
+	// (the node shares the machine's network), then the scenario's flags.
+	for _, arg := range append([]string{"--metrics-addr=127.0.0.1:" + strconv.Itoa(a.MetricsPort)}, args...) {
+		ops = append(ops, map[string]any{"op": "add", "path": container + "/args/-", "value": arg})
 	}
 	patch, err := json.Marshal(ops)
 	if err != nil {
@@ -125,9 +125,13 @@ patches:
 	if out, err := a.node.Cluster.Kubectl("apply", "-k", a.dir); err != nil {
 		return fmt.Errorf("apply the agent: %w\n%s", err, out)
 	}
+	ds, err := a.node.Cluster.Client.AppsV1().DaemonSets(AgentNamespace).Get(ctx, AgentName, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("read the applied DaemonSet: %w", err)
+	}
 	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	pod, err := a.waitRollout(wctx, allArgs)
+	pod, err := a.waitRollout(wctx, ds.Spec.Template.Spec.Containers[0].Args)
 	if err != nil {
 		return err
 	}

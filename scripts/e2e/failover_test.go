@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 )
 
@@ -90,7 +91,7 @@ func failoverScenario(t *testing.T, e *env, ns string) {
 			return false, nil
 		}
 		for _, taint := range n.Spec.Taints {
-			if taint.Key == corev1.TaintNodeOutOfService && taint.Value == "mountmedic" {
+			if taint.Key == failover.TaintOutOfService && taint.Value == failover.TaintValue {
 				tainted = time.Now()
 				return true, nil
 			}

@@ -21,7 +21,6 @@ type Figures struct {
 	values map[string][]float64
 	misses map[string]int
 	units  map[string]string
-	notes  []string
 }
 
 // NewFigures returns an empty collection.
@@ -61,19 +60,12 @@ func (f *Figures) Miss(scenario, figure, unit string) {
 	f.misses[f.key(scenario, figure, unit)]++
 }
 
-// Note adds a line printed under the table.
-func (f *Figures) Note(format string, args ...any) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.notes = append(f.notes, fmt.Sprintf(format, args...))
-}
-
 // Print writes the table in Markdown, between marker lines the bench
 // script cuts it out by.
 func (f *Figures) Print(w io.Writer) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.order) == 0 && len(f.notes) == 0 {
+	if len(f.order) == 0 {
 		return
 	}
 	fmt.Fprintln(w, "--- e2e figures ---")
@@ -91,9 +83,6 @@ func (f *Figures) Print(w io.Writer) {
 		}
 		fmt.Fprintf(w, "| %s | %s | %d | %s | %s | %s | %s | %d |\n", scenario, figure, len(vs)+f.misses[k],
 			cell(Percentile(vs, 50)), cell(Percentile(vs, 99)), cell(vs[0]), cell(vs[len(vs)-1]), f.misses[k])
-	}
-	for _, n := range f.notes {
-		fmt.Fprintf(w, "\n%s\n", n)
 	}
 	fmt.Fprintln(w, "--- end e2e figures ---")
 }

@@ -107,19 +107,23 @@ func runInit(raw string) int {
 			logf("%s: %v", p.Name, err)
 			return 1
 		}
+		// The reaper waits for mu before it looks a PID up: a daemon that
+		// exits at once is still reported as one.
+		mu.Lock()
 		proc, err := os.StartProcess(bin, p.Argv, &os.ProcAttr{
 			Env:   p.Env,
 			Files: []*os.File{nil, f, f},
 			Sys:   &syscall.SysProcAttr{Setsid: true},
 		})
+		if err == nil {
+			daemons[proc.Pid] = p.Name
+		}
+		mu.Unlock()
 		f.Close()
 		if err != nil {
 			logf("start %s: %v", p.Name, err)
 			return 1
 		}
-		mu.Lock()
-		daemons[proc.Pid] = p.Name
-		mu.Unlock()
 		logf("started %s (pid %d)", p.Name, proc.Pid)
 		if p.Socket != "" {
 			if err := waitSocket(p.Socket, time.Minute, exited); err != nil {

@@ -16,6 +16,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 )
 
@@ -25,8 +26,9 @@ const naiveBound = time.Minute
 
 // naive is a running naive.sh.
 type naive struct {
-	cmd  *exec.Cmd
-	done chan struct{}
+	cmd      *exec.Cmd
+	done     chan struct{}
+	stopOnce sync.Once
 
 	mu      sync.Mutex
 	deletes []naiveDelete
@@ -53,7 +55,9 @@ func (e *env) startNaive(t *testing.T) *naive {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Start(); err != nil {
+	// Pdeathsig fires when the forking thread exits: lab.StartProcess forks
+	// from a thread that lives as long as the test binary.
+	if err := lab.StartProcess(cmd); err != nil {
 		t.Fatalf("start naive.sh: %v", err)
 	}
 	n := &naive{cmd: cmd, done: make(chan struct{})}
@@ -78,11 +82,14 @@ func (e *env) startNaive(t *testing.T) *naive {
 	return n
 }
 
-// stop kills the script and its children.
+// stop kills the script and its children, once: after Wait has reaped the
+// script, its process group ID may belong to someone else.
 func (n *naive) stop() {
-	_ = syscall.Kill(-n.cmd.Process.Pid, syscall.SIGKILL)
-	<-n.done
-	_ = n.cmd.Wait()
+	n.stopOnce.Do(func() {
+		_ = syscall.Kill(-n.cmd.Process.Pid, syscall.SIGKILL)
+		<-n.done
+		_ = n.cmd.Wait()
+	})
 }
 
 // cpu is the CPU time the script and its reaped children used.

@@ -20,7 +20,6 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -80,9 +79,7 @@ type Node struct {
 
 	t          testing.TB
 	reg        *registrar
-	init       *exec.Cmd
-	initDone   chan struct{}
-	initPID    int
+	init       *lab.Process
 	cgroupRoot string
 	binds      []string
 	// overlays are the directories that got an overlay for a mount point.
@@ -120,7 +117,7 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &Node{Name: opts.Name, IP: ip, Dir: t.TempDir(), Cluster: c, t: t, initDone: make(chan struct{})}
+	n := &Node{Name: opts.Name, IP: ip, Dir: t.TempDir(), Cluster: c, t: t}
 	n.cgroupRoot = fmt.Sprintf("/mountmedic-e2e-%d", os.Getpid())
 	for _, d := range []string{"logs", "images", "config", "opt", "cni/bin", "cni/conf"} {
 		if err := os.MkdirAll(filepath.Join(n.Dir, d), 0o755); err != nil {
@@ -258,12 +255,12 @@ func (n *Node) initSpec(kubelet string) (initSpec, error) {
 	if err := os.WriteFile(containerdConfig, []byte(n.containerdConfig()), 0o644); err != nil {
 		return initSpec{}, err
 	}
-	port, err := freePort()
+	ports, err := lab.FreePorts(1)
 	if err != nil {
 		return initSpec{}, err
 	}
 	kubeletConfig := filepath.Join(cfgDir, "kubelet.yaml")
-	if err := os.WriteFile(kubeletConfig, []byte(n.kubeletConfig(port)), 0o644); err != nil {
+	if err := os.WriteFile(kubeletConfig, []byte(n.kubeletConfig(ports[0])), 0o644); err != nil {
 		return initSpec{}, err
 	}
 	env := nodeEnv()
@@ -387,36 +384,19 @@ func nodeEnv() []string {
 }
 
 // startInit starts the node's init: a copy of the test binary, PID 1 of a
-// new PID namespace, in a new mount namespace copied from the test's.
+// new PID namespace, in a new mount namespace copied from the test's. It
+// dies with the test binary (lab.RunProcess).
 func (n *Node) startInit(spec initSpec) error {
 	data, err := json.Marshal(spec)
 	if err != nil {
 		return fmt.Errorf("encode node init spec: %w", err)
 	}
-	log, err := os.Create(filepath.Join(n.Dir, "logs", "init.log"))
-	if err != nil {
-		return err
-	}
 	cmd := exec.Command("/proc/self/exe", "-test.run=^$")
 	cmd.Args[0] = os.Args[0]
 	cmd.Env = append(os.Environ(), envNodeInit+"="+string(data))
-	cmd.Stdout, cmd.Stderr = log, log
-	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS,
-		Pdeathsig:  syscall.SIGKILL,
-	}
-	if err := lab.StartProcess(cmd); err != nil {
-		log.Close()
-		return fmt.Errorf("start the node init: %w", err)
-	}
-	n.init = cmd
-	n.initPID = cmd.Process.Pid
-	go func() {
-		_ = cmd.Wait()
-		log.Close()
-		close(n.initDone)
-	}()
-	return nil
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS}
+	n.init, err = lab.RunProcess("the node init", cmd, filepath.Join(n.Dir, "logs", "init.log"))
+	return err
 }
 
 // stopInit kills the node's init, and with it, by the kernel's rule for a
@@ -428,16 +408,10 @@ func (n *Node) stopInit() {
 			n.t.Logf("last lines of %s:\n%s", name, tail(filepath.Join(n.Dir, "logs", name+".log"), 25))
 		}
 	}
-	if n.init == nil {
-		return
+	if n.init != nil {
+		n.init.Kill()
 	}
-	_ = n.init.Process.Kill()
-	<-n.initDone
 }
-
-// InitPID is the node init's process ID in the test's PID namespace: the
-// node's mount namespace is /proc/<InitPID>/ns/mnt.
-func (n *Node) InitPID() int { return n.initPID }
 
 // teardownMounts unmounts (lazily) every mount under the node's paths and
 // directory, removes the node's cgroups and the mount points it created.
@@ -561,10 +535,8 @@ func (n *Node) removeCgroups() {
 
 func (n *Node) waitContainerd(ctx context.Context) error {
 	return wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) {
-		select {
-		case <-n.initDone:
-			return false, errors.New("the node init exited")
-		default:
+		if n.init.Exited() {
+			return false, n.init.ExitError()
 		}
 		c, err := net.Dial("unix", ContainerdSocket)
 		if err != nil {
@@ -586,10 +558,8 @@ func (n *Node) importImage(ctx context.Context, archive string) error {
 
 func (n *Node) waitNode(ctx context.Context) error {
 	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		select {
-		case <-n.initDone:
-			return false, errors.New("the node init exited")
-		default:
+		if n.init.Exited() {
+			return false, n.init.ExitError()
 		}
 		_, err := n.Cluster.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
 		return err == nil, nil
@@ -608,11 +578,6 @@ func (n *Node) withLogs(err error) error {
 		fmt.Fprintf(&b, "\n--- %s:\n%s", name, tail(filepath.Join(n.Dir, "logs", name+".log"), 15))
 	}
 	return errors.New(b.String())
-}
-
-// Pod returns the current state of a pod.
-func (n *Node) Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
-	return n.Cluster.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 }
 
 // hostIP returns the first global IPv4 address of an interface that is up,
@@ -648,15 +613,9 @@ func hostIP() (string, error) {
 	return "", errors.New("no global IPv4 address on any interface: kubelet needs one for --node-ip")
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
+// tail returns the last n lines of the log of one of the node's daemons,
+// which its init started (lab.Process.Tail covers the processes the test
+// starts itself).
 func tail(path string, n int) string {
 	data, err := os.ReadFile(path)
 	if err != nil {

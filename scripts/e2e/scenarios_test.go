@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 )
@@ -199,7 +200,7 @@ func evictScenario(t *testing.T, e *env, ns string) {
 	pdb := &policyv1.PodDisruptionBudget{
 		ObjectMeta: metav1.ObjectMeta{Name: "reader", Namespace: ns},
 		Spec: policyv1.PodDisruptionBudgetSpec{
-			MinAvailable: ptrTo(intstr.FromInt32(1)),
+			MinAvailable: ptr.To(intstr.FromInt32(1)),
 			Selector:     &metav1.LabelSelector{MatchLabels: map[string]string{"app": w.Name}},
 		},
 	}
@@ -411,5 +412,3 @@ func dryRunScenario(t *testing.T, e *env, ns string) {
 		t.Errorf("statfs(staging of %s) = %v, want ENOTCONN: the dry run touched the mount", w.Handle, err)
 	}
 }
-
-func ptrTo[T any](v T) *T { return &v }

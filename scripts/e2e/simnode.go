@@ -14,13 +14,8 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
-)
 
-// Names of the failover duty's heartbeat Leases (agent/failover): one per
-// node, named after it, in the agent's namespace, with this label.
-const (
-	heartbeatLabel      = "failover.mountmedic.io/heartbeat"
-	heartbeatLabelValue = "node"
+	"github.com/mountmedic/mountmedic/agent/failover"
 )
 
 // SimNode is a second node with no machine behind it, beside the real one:
@@ -98,7 +93,9 @@ func (s *SimNode) beat(ctx context.Context) error {
 	if err := renewLease(ctx, s.c, corev1.NamespaceNodeLease, s.Name, s.Name, 40, nil, now); err != nil {
 		return err
 	}
-	hb := map[string]string{heartbeatLabel: heartbeatLabelValue, "app.kubernetes.io/name": "mountmedic"}
+	// The failover duty's heartbeat Lease: one per node, named after it, in
+	// the agent's namespace, with the duty's label.
+	hb := map[string]string{failover.HeartbeatLabel: failover.HeartbeatLabelValue, "app.kubernetes.io/name": "mountmedic"}
 	if err := renewLease(ctx, s.c, AgentNamespace, s.Name, "simulated-agent-"+s.Name, 30, hb, now); err != nil {
 		return err
 	}

@@ -4,8 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -24,6 +22,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 )
 
@@ -463,10 +462,8 @@ func describeNamespace(ctx context.Context, c kubernetes.Interface, ns string) s
 	return b.String()
 }
 
-// StagingPath is where kubelet stages a CSI volume of the lab's driver:
-// <kubelet root>/plugins/kubernetes.io/csi/<driver>/<sha256 of the volume
-// handle>/globalmount.
+// StagingPath is where the node's kubelet stages a CSI volume of the lab's
+// driver (remount.StagingPath).
 func StagingPath(handle string) string {
-	sum := sha256.Sum256([]byte(handle))
-	return filepath.Join(KubeletRoot, "plugins", "kubernetes.io", "csi", csilab.DriverName, hex.EncodeToString(sum[:]), "globalmount")
+	return remount.StagingPath(KubeletRoot, csilab.DriverName, handle)
 }
