@@ -22,7 +22,6 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	coordinationlisters "k8s.io/client-go/listers/coordination/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
@@ -72,7 +71,7 @@ type Controller struct {
 	selector labels.Selector
 	now      func() time.Time
 	rec      eventRecorder
-	claims   claimReader
+	claims   *claimCache
 }
 
 // NewController prepares the cluster side; reg receives the metrics (nil:
@@ -96,7 +95,7 @@ func NewController(cfg Config, client kubernetes.Interface, reg prometheus.Regis
 		return nil, err
 	}
 	return &Controller{cfg: cfg, client: client, metrics: m, selector: sel, now: time.Now,
-		claims: claimReader{client: client, timeout: cfg.APITimeout}}, nil
+		claims: newClaimCache(claimReader{client: client, timeout: cfg.APITimeout})}, nil
 }
 
 // Run campaigns for the leader Lease and leads while it holds it, until ctx
@@ -249,20 +248,16 @@ func (c *Controller) lead(ctx context.Context, isLeader func() bool) {
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.LabelSelector = labels.SelectorFromSet(labels.Set{HeartbeatLabel: HeartbeatLabelValue}).String()
 		}))
-	nodes := nodeF.Core().V1().Nodes()
-	kubelet := kubeletF.Coordination().V1().Leases()
-	hb := hbF.Coordination().V1().Leases()
-	kick := make(chan struct{}, 1)
-	handler := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { nudge(kick) },
-		UpdateFunc: func(any, any) { nudge(kick) },
-		DeleteFunc: func(any) { nudge(kick) },
-	}
-	for _, inf := range []cache.SharedIndexInformer{nodes.Informer(), kubelet.Informer(), hb.Informer()} {
-		if _, err := inf.AddEventHandler(handler); err != nil {
-			logger.Error(err, "Cannot watch for failover evidence")
-			return
-		}
+	// The listers register their informers with the factories before
+	// they start. Nodes are judged on the tick alone: an event-driven
+	// evaluation would run on every renewal of every node's Leases.
+	t := &term{
+		nodes:     nodeF.Core().V1().Nodes().Lister(),
+		kubelet:   kubeletF.Coordination().V1().Leases().Lister().Leases(KubeletLeaseNamespace),
+		heartbeat: hbF.Coordination().V1().Leases().Lister().Leases(c.cfg.Namespace),
+		obs:       newObserver(),
+		state:     make(map[string]*nodeState),
+		isLeader:  isLeader,
 	}
 	for _, f := range []informers.SharedInformerFactory{nodeF, kubeletF, hbF} {
 		f.Start(ctx.Done())
@@ -278,14 +273,6 @@ func (c *Controller) lead(ctx context.Context, isLeader func() bool) {
 			}
 		}
 	}
-	t := &term{
-		nodes:     nodes.Lister(),
-		kubelet:   kubelet.Lister().Leases(KubeletLeaseNamespace),
-		heartbeat: hb.Lister().Leases(c.cfg.Namespace),
-		obs:       newObserver(),
-		state:     make(map[string]*nodeState),
-		isLeader:  isLeader,
-	}
 	tick := time.NewTicker(c.cfg.EvalInterval)
 	defer tick.Stop()
 	for {
@@ -295,15 +282,7 @@ func (c *Controller) lead(ctx context.Context, isLeader func() bool) {
 			logger.Info("Stopped leading the failover duty")
 			return
 		case <-tick.C:
-		case <-kick:
 		}
-	}
-}
-
-func nudge(ch chan struct{}) {
-	select {
-	case ch <- struct{}{}:
-	default:
 	}
 }
 
@@ -402,6 +381,11 @@ func (c *Controller) evaluate(ctx context.Context, t *term) {
 			return
 		}
 		st := t.state[cd.node.Name]
+		if st.deferred && inFailover >= c.cfg.MaxNodes {
+			// Still at the cap: its pods were listed when it was
+			// deferred; they are listed again once it can be acted on.
+			continue
+		}
 		nlog := logger.WithValues("node", klog.KObj(cd.node))
 		pods, uncertain, err := c.eligiblePods(ctx, cd.node.Name)
 		if err != nil {
@@ -434,6 +418,7 @@ func (c *Controller) evaluate(ctx context.Context, t *term) {
 			inFailover++
 		}
 	}
+	c.claims.sweep()
 	c.metrics.inFailover.Set(float64(inFailover))
 }
 

@@ -260,21 +260,18 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinat
 // claim could not be read.
 func (h *Heartbeat) refreshPlan(ctx context.Context) {
 	var plan []fenceTarget
-	used := make(map[string]bool)
 	for _, obj := range h.pods.List() {
 		pod, ok := obj.(*corev1.Pod)
 		if !ok || pod.Spec.NodeName != h.cfg.NodeName {
 			continue
-		}
-		for _, name := range claimNames(pod) {
-			used[pod.Namespace+"/"+name] = true
 		}
 		d := h.cfg.decide(pod, h.claims.read(ctx, pod))
 		if d.Eligible || d.Uncertain {
 			plan = append(plan, fenceTarget{UID: string(pod.UID), Namespace: pod.Namespace, Name: pod.Name})
 		}
 	}
-	h.claims.keep(used)
+	// Every pod of the node was read: the claims none uses any more go.
+	h.claims.sweep()
 	slices.SortFunc(plan, compareTargets)
 	h.mu.Lock()
 	h.plan, h.planSynced = plan, true
@@ -538,15 +535,17 @@ func (h *Heartbeat) release(ctx context.Context) error {
 
 // claimCache keeps what the policy read of each claim. Access modes and
 // StorageClass do not change once a claim is bound; unbound claims and
-// failed reads are read again.
+// failed reads are read again. sweep drops the claims not read since the
+// previous sweep.
 type claimCache struct {
-	r  claimReader
-	mu sync.Mutex
-	m  map[string]claimInfo // namespace/name
+	r    claimReader
+	mu   sync.Mutex
+	m    map[string]claimInfo // namespace/name
+	used map[string]bool      // read since the last sweep
 }
 
 func newClaimCache(r claimReader) *claimCache {
-	return &claimCache{r: r, m: make(map[string]claimInfo)}
+	return &claimCache{r: r, m: make(map[string]claimInfo), used: make(map[string]bool)}
 }
 
 func (c *claimCache) read(ctx context.Context, pod *corev1.Pod) map[string]claimInfo {
@@ -555,6 +554,7 @@ func (c *claimCache) read(ctx context.Context, pod *corev1.Pod) map[string]claim
 		key := pod.Namespace + "/" + name
 		c.mu.Lock()
 		info, ok := c.m[key]
+		c.used[key] = true
 		c.mu.Unlock()
 		if !ok || info.Err != nil || info.PV == "" {
 			info = c.r.claim(ctx, pod.Namespace, name)
@@ -567,13 +567,15 @@ func (c *claimCache) read(ctx context.Context, pod *corev1.Pod) map[string]claim
 	return out
 }
 
-// keep drops the claims no pod of the node uses any more.
-func (c *claimCache) keep(used map[string]bool) {
+// sweep drops the claims not read since the previous sweep: those no pod
+// looked at since uses.
+func (c *claimCache) sweep() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for k := range c.m {
-		if !used[k] {
+		if !c.used[k] {
 			delete(c.m, k)
 		}
 	}
+	clear(c.used)
 }
