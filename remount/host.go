@@ -449,7 +449,7 @@ func (t *hostTable) unmountDead(ctx context.Context, u *Unmounter, path string, 
 			out = append(out, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
 			continue
 		}
-		acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}}, false)
+		acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}})
 		out = append(out, acts...)
 		if err != nil {
 			return out, err

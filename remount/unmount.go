@@ -76,37 +76,13 @@ func (u *Unmounter) Unmount(ctx context.Context, paths []string) ([]Action, erro
 // UnmountMounts lazily unmounts mounts read from a mount table, deepest
 // first. It unmounts a path only while the mount on top there is the one the
 // table named (same mount ID); otherwise the action fails with
-// ErrMountChanged and nothing is unmounted there. With abort set, it first
-// aborts the FUSE connection of every FUSE backend among mounts, which fails
-// the requests a hung daemon holds (they answer ECONNABORTED, later ones
-// ENOTCONN) so that nothing stays blocked on the detached mount.
-func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount, abort bool) ([]Action, error) {
-	var actions []Action
-	if abort {
-		seen := make(map[probe.Dev]bool)
-		for _, m := range mounts {
-			if !isFUSE(m) || seen[m.Dev] {
-				continue
-			}
-			seen[m.Dev] = true
-			acts, _ := u.AbortFUSE(ctx, m.Dev)
-			actions = append(actions, acts...)
-		}
-	}
+// ErrMountChanged and nothing is unmounted there.
+func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount) ([]Action, error) {
 	targets := make([]unmountTarget, 0, len(mounts))
 	for _, m := range mounts {
 		targets = append(targets, unmountTarget{path: m.Path, id: m.ID})
 	}
-	acts, _ := u.unmountAll(ctx, targets)
-	actions = append(actions, acts...)
-	return actions, actionsErr(actions)
-}
-
-func isFUSE(m *probe.Mount) bool {
-	if m.Backend != nil {
-		return isFUSEType(m.Backend.FSType)
-	}
-	return isFUSEType(m.FSType)
+	return u.unmountAll(ctx, targets)
 }
 
 // isFUSEType reports whether a filesystem type is served by a FUSE daemon:

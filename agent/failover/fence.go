@@ -138,7 +138,7 @@ func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUID string) (int, 
 		return 0, nil
 	}
 	u := &remount.Unmounter{Root: f.KubeletRoot, DryRun: f.DryRun}
-	actions, err := u.UnmountMounts(ctx, mounts, false)
+	actions, err := u.UnmountMounts(ctx, mounts)
 	n := 0
 	for _, a := range actions {
 		// Detail is "mount <id>" for a mount taken off (or, in a dry
