@@ -16,23 +16,42 @@ import (
 	"github.com/mountmedic/mountmedic/remount"
 )
 
-// ContainerStopper stops the running containers of a pod on this node.
+// ContainerStopper stops the running containers of pods on this node.
 // NodeFence implements it through the CRI.
 type ContainerStopper interface {
-	// StopPodContainers stops every running container of the pod with UID
-	// podUID, each with grace after SIGTERM, and says how many it stopped.
-	StopPodContainers(ctx context.Context, podUID string, grace time.Duration) (int, error)
+	// StopPodContainers stops every running container of the pods with
+	// UIDs podUIDs, each with grace after SIGTERM. Result i says how many
+	// containers of pod podUIDs[i] it stopped and what failed.
+	StopPodContainers(ctx context.Context, podUIDs []string, grace time.Duration) []PodResult
 }
 
-// VolumeUnmounter lazily unmounts a pod's volume mounts on this node.
+// VolumeUnmounter lazily unmounts pods' volume mounts on this node.
 // NodeFence implements it with the host mount table and remount.Unmounter.
 type VolumeUnmounter interface {
-	// UnmountPodVolumes lazily unmounts the pod's CSI publish targets, its
-	// subPath binds of them and its raw block paths, and says how many.
-	UnmountPodVolumes(ctx context.Context, podUID string) (int, error)
+	// UnmountPodVolumes lazily unmounts the CSI publish targets of the pods
+	// with UIDs podUIDs, their subPath binds of them and their raw block
+	// paths. Result i says how many mounts of pod podUIDs[i] it took off
+	// and what failed.
+	UnmountPodVolumes(ctx context.Context, podUIDs []string) []PodResult
 	// MountedPods lists the UIDs of the pods with CSI volume mounts on this
 	// node: the fence's targets when the API server was never reached.
 	MountedPods(ctx context.Context) ([]string, error)
+}
+
+// PodResult is what one step of a fence did to one pod: how many
+// containers it stopped or mounts it took off, and what failed.
+type PodResult struct {
+	N   int
+	Err error
+}
+
+// allFailed is the result of a step that failed for every pod.
+func allFailed(podUIDs []string, err error) []PodResult {
+	out := make([]PodResult, len(podUIDs))
+	for i := range out {
+		out[i].Err = err
+	}
+	return out
 }
 
 // NodeFence is the real fence: containers stopped through the container
@@ -51,24 +70,37 @@ type NodeFence struct {
 	CRITimeout time.Duration
 }
 
-// StopPodContainers dials the CRI socket (a fence is rare; the runtime may
-// have restarted since the last one) and stops the pod's running
-// containers. A container that is gone by then counts as stopped.
-func (f *NodeFence) StopPodContainers(ctx context.Context, podUID string, grace time.Duration) (int, error) {
+// StopPodContainers dials the CRI socket once (a fence is rare; the
+// runtime may have restarted since the last one) and stops the pods'
+// running containers. A container that is gone by then counts as stopped.
+func (f *NodeFence) StopPodContainers(ctx context.Context, podUIDs []string, grace time.Duration) []PodResult {
+	if len(podUIDs) == 0 {
+		return nil
+	}
 	cri, err := remount.DialCRI(ctx, f.CRIEndpoint, remount.CRIOptions{Timeout: f.CRITimeout})
 	if err != nil {
-		return 0, fmt.Errorf("fence pod %s: %w", podUID, err)
+		return allFailed(podUIDs, fmt.Errorf("fence pods: %w", err))
 	}
 	defer cri.Close()
-	ctrs, err := cri.PodContainers(ctx, podUID)
-	if err != nil {
-		return 0, fmt.Errorf("fence pod %s: %w", podUID, err)
-	}
-	if f.DryRun {
-		return len(ctrs), nil
-	}
 	// All at once: each stop may take the whole grace period, and the
 	// fence must end within the controller's margin.
+	out := make([]PodResult, len(podUIDs))
+	var wg sync.WaitGroup
+	for i, uid := range podUIDs {
+		wg.Go(func() { out[i] = f.stopPod(ctx, cri, uid, grace) })
+	}
+	wg.Wait()
+	return out
+}
+
+func (f *NodeFence) stopPod(ctx context.Context, cri *remount.CRIClient, podUID string, grace time.Duration) PodResult {
+	ctrs, err := cri.PodContainers(ctx, podUID)
+	if err != nil {
+		return PodResult{Err: fmt.Errorf("fence pod %s: %w", podUID, err)}
+	}
+	if f.DryRun {
+		return PodResult{N: len(ctrs)}
+	}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	var errs []error
@@ -87,30 +119,38 @@ func (f *NodeFence) StopPodContainers(ctx context.Context, podUID string, grace 
 		})
 	}
 	wg.Wait()
-	return n, errors.Join(errs...)
+	return PodResult{N: n, Err: errors.Join(errs...)}
 }
 
-// podMounts picks from inv the mounts a fence unmounts for pod podUID: CSI
-// publish targets, subPath binds on one of their filesystems, raw block
-// paths.
-func podMounts(inv *probe.Inventory, podUID string) []*probe.Mount {
-	var devs []probe.Dev
-	var out []*probe.Mount
+// podMounts picks from inv the mounts a fence unmounts for each pod of
+// podUIDs: CSI publish targets, subPath binds on one of their filesystems,
+// raw block paths.
+func podMounts(inv *probe.Inventory, podUIDs []string) map[string][]*probe.Mount {
+	out := make(map[string][]*probe.Mount, len(podUIDs))
+	for _, uid := range podUIDs {
+		out[uid] = nil
+	}
+	type podDev struct {
+		uid string
+		dev probe.Dev
+	}
+	published := make(map[podDev]bool)
 	for _, m := range inv.Mounts {
-		if m.Target.PodUID != podUID {
+		mounts, ok := out[m.Target.PodUID]
+		if !ok {
 			continue
 		}
 		switch {
 		case m.Target.Kind == probe.KindPublish && m.Target.Plugin == probe.CSIPluginDir:
-			out = append(out, m)
-			devs = append(devs, m.Dev)
+			out[m.Target.PodUID] = append(mounts, m)
+			published[podDev{m.Target.PodUID, m.Dev}] = true
 		case m.Target.Kind == probe.KindBlock:
-			out = append(out, m)
+			out[m.Target.PodUID] = append(mounts, m)
 		}
 	}
 	for _, m := range inv.Mounts {
-		if m.Target.PodUID == podUID && m.Target.Kind == probe.KindSubPath && slices.Contains(devs, m.Dev) {
-			out = append(out, m)
+		if m.Target.Kind == probe.KindSubPath && published[podDev{m.Target.PodUID, m.Dev}] {
+			out[m.Target.PodUID] = append(out[m.Target.PodUID], m)
 		}
 	}
 	return out
@@ -124,33 +164,40 @@ func (f *NodeFence) inventory() (*probe.Inventory, error) {
 	return inv, nil
 }
 
-// UnmountPodVolumes lazily unmounts the pod's CSI mounts, deepest first,
-// each only while it is still the mount the table named. The staging mount
-// stays: other pods on the node may share it, and no process of a fenced
-// pod reaches it any more.
-func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUID string) (int, error) {
+// UnmountPodVolumes reads the mount table once and lazily unmounts each
+// pod's CSI mounts, deepest first, each only while it is still the mount the
+// table named. The staging mount stays: other pods on the node may share
+// it, and no process of a fenced pod reaches it any more.
+func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []PodResult {
+	if len(podUIDs) == 0 {
+		return nil
+	}
 	inv, err := f.inventory()
 	if err != nil {
-		return 0, err
+		return allFailed(podUIDs, err)
 	}
-	mounts := podMounts(inv, podUID)
-	if len(mounts) == 0 {
-		return 0, nil
-	}
+	byPod := podMounts(inv, podUIDs)
 	u := &remount.Unmounter{Root: f.KubeletRoot, DryRun: f.DryRun}
-	actions, err := u.UnmountMounts(ctx, mounts)
-	n := 0
-	for _, a := range actions {
-		// Detail is "mount <id>" for a mount taken off (or, in a dry
-		// run, that would be), with a suffix when it was gone already.
-		if a.Err == nil && a.Op == remount.OpUnmount && strings.HasPrefix(a.Detail, "mount ") && !strings.HasSuffix(a.Detail, "not mounted") {
-			n++
+	out := make([]PodResult, len(podUIDs))
+	for i, uid := range podUIDs {
+		mounts := byPod[uid]
+		if len(mounts) == 0 {
+			continue
+		}
+		actions, err := u.UnmountMounts(ctx, mounts)
+		for _, a := range actions {
+			// remount.Action says what was found only in Detail: "mount
+			// <id>" for a mount taken off (or, in a dry run, that would
+			// be), with a suffix when it was gone already.
+			if a.Err == nil && a.Op == remount.OpUnmount && strings.HasPrefix(a.Detail, "mount ") && !strings.HasSuffix(a.Detail, "not mounted") {
+				out[i].N++
+			}
+		}
+		if err != nil {
+			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
 		}
 	}
-	if err != nil {
-		return n, fmt.Errorf("unmount volumes of pod %s: %w", podUID, err)
-	}
-	return n, nil
+	return out
 }
 
 // MountedPods lists the pods with CSI publish targets or raw block paths

@@ -48,14 +48,13 @@ func TestNodeFenceUnmount(t *testing.T) {
 	}
 
 	dry := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo", DryRun: true}
-	if n, err := dry.UnmountPodVolumes(ctx, "pod-a"); n != 2 || err != nil {
-		t.Errorf("dry-run UnmountPodVolumes(pod-a) = %d, %v; want 2, nil", n, err)
+	if got, want := dry.UnmountPodVolumes(ctx, []string{"pod-a", "pod-b", "pod-c"}), []PodResult{{N: 2}, {N: 1}, {}}; !slices.Equal(got, want) {
+		t.Errorf("dry-run UnmountPodVolumes(pod-a, pod-b, pod-c) = %v, want %v", got, want)
 	}
-	assertMounted(t, map[string]bool{pubA: true, subA: true})
+	assertMounted(t, map[string]bool{pubA: true, subA: true, pubB: true})
 
-	n, err := f.UnmountPodVolumes(ctx, "pod-a")
-	if n != 2 || err != nil {
-		t.Fatalf("UnmountPodVolumes(pod-a) = %d, %v; want 2, nil", n, err)
+	if got, want := f.UnmountPodVolumes(ctx, []string{"pod-a"}), []PodResult{{N: 2}}; !slices.Equal(got, want) {
+		t.Fatalf("UnmountPodVolumes(pod-a) = %v, want %v", got, want)
 	}
 	assertMounted(t, map[string]bool{pubA: false, subA: false, subScratch: true, pubB: true, stagingA: true, stagingB: true})
 
@@ -68,8 +67,8 @@ func TestNodeFenceUnmount(t *testing.T) {
 		t.Errorf("a write to the fenced publish path reached the volume: stat = %v", err)
 	}
 
-	if n, err := f.UnmountPodVolumes(ctx, "pod-a"); n != 0 || err != nil {
-		t.Errorf("second UnmountPodVolumes(pod-a) = %d, %v; want 0, nil", n, err)
+	if got, want := f.UnmountPodVolumes(ctx, []string{"pod-a"}), []PodResult{{}}; !slices.Equal(got, want) {
+		t.Errorf("second UnmountPodVolumes(pod-a) = %v, want %v", got, want)
 	}
 }
 
@@ -86,11 +85,17 @@ func assertMounted(t *testing.T, want map[string]bool) {
 	}
 }
 
-// TestNodeFenceNoRuntime: a fence without a container runtime says so.
+// TestNodeFenceNoRuntime: a fence without a container runtime says so for
+// every pod.
 func TestNodeFenceNoRuntime(t *testing.T) {
 	f := &NodeFence{CRIEndpoint: "unix://" + filepath.Join(t.TempDir(), "containerd.sock"), CRITimeout: time.Second}
-	_, err := f.StopPodContainers(context.Background(), "pod-a", time.Second)
-	if !errors.Is(err, remount.ErrRuntimeUnavailable) {
-		t.Errorf("StopPodContainers without a runtime: err = %v, want ErrRuntimeUnavailable", err)
+	got := f.StopPodContainers(context.Background(), []string{"pod-a", "pod-b"}, time.Second)
+	if len(got) != 2 {
+		t.Fatalf("StopPodContainers(pod-a, pod-b) = %v, want 2 results", got)
+	}
+	for i, r := range got {
+		if r.N != 0 || !errors.Is(r.Err, remount.ErrRuntimeUnavailable) {
+			t.Errorf("StopPodContainers without a runtime: result %d = %v, want 0 and ErrRuntimeUnavailable", i, r)
+		}
 	}
 }

@@ -758,26 +758,34 @@ type recordingFence struct {
 	mounted []string
 }
 
-func (f *recordingFence) StopPodContainers(_ context.Context, podUID string, _ time.Duration) (int, error) {
+func (f *recordingFence) StopPodContainers(_ context.Context, podUIDs []string, _ time.Duration) []PodResult {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.stopped == nil {
 		f.stopped = map[string]time.Time{}
 	}
-	if _, ok := f.stopped[podUID]; !ok {
-		f.stopped[podUID] = time.Now()
+	out := make([]PodResult, len(podUIDs))
+	for i, uid := range podUIDs {
+		if _, ok := f.stopped[uid]; !ok {
+			f.stopped[uid] = time.Now()
+		}
+		out[i].N = 1
 	}
-	return 1, nil
+	return out
 }
 
-func (f *recordingFence) UnmountPodVolumes(_ context.Context, podUID string) (int, error) {
+func (f *recordingFence) UnmountPodVolumes(_ context.Context, podUIDs []string) []PodResult {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.unmounts == nil {
 		f.unmounts = map[string]int{}
 	}
-	f.unmounts[podUID]++
-	return 1, nil
+	out := make([]PodResult, len(podUIDs))
+	for i, uid := range podUIDs {
+		f.unmounts[uid]++
+		out[i].N = 1
+	}
+	return out
 }
 
 func (f *recordingFence) MountedPods(context.Context) ([]string, error) {

@@ -356,47 +356,50 @@ func (h *Heartbeat) fence(ctx context.Context, silent time.Duration) {
 	}
 	logger.Error(nil, "Heartbeat not renewed: fencing this node's pods with ReadWriteOnce volumes", "silent", silent.Round(time.Second),
 		"fenceAfter", h.cfg.FenceAfter, "pods", names, "planKnown", synced, "dryRun", h.cfg.DryRun)
-	h.stopAll(ctx, targets, true)
+	h.stopAll(ctx, targets)
 }
 
 func (h *Heartbeat) refence(ctx context.Context) {
 	h.mu.Lock()
 	targets := slices.Clone(h.fenced)
 	h.mu.Unlock()
-	h.stopAll(ctx, targets, true)
+	h.stopAll(ctx, targets)
 }
 
-// stopAll stops (and unmounts) every target at once: each stop may take
-// the whole grace period, and the fence must end within the controller's
-// margin.
-func (h *Heartbeat) stopAll(ctx context.Context, targets []fenceTarget, unmount bool) {
-	var wg sync.WaitGroup
-	for _, t := range targets {
-		wg.Go(func() { h.stopOne(ctx, t, unmount) })
-	}
-	wg.Wait()
-}
-
-func (h *Heartbeat) stopOne(ctx context.Context, t fenceTarget, unmount bool) {
+// stopAll stops the containers of every target, all at once (each stop
+// may take the whole grace period, and the fence must end within the
+// controller's margin), then unmounts their volumes: one CRI connection
+// and one read of the mount table for the whole round.
+func (h *Heartbeat) stopAll(ctx context.Context, targets []fenceTarget) {
 	logger := klog.FromContext(ctx)
 	if h.cfg.DryRun {
-		logger.Info("[dry-run] Would stop the containers of the pod and unmount its volumes", "pod", t.String(), "podUID", t.UID)
+		for _, t := range targets {
+			logger.Info("[dry-run] Would stop the containers of the pod and unmount its volumes", "pod", t.String(), "podUID", t.UID)
+		}
 		return
 	}
-	n, err := h.containers.StopPodContainers(ctx, t.UID, h.cfg.FenceStopGrace)
-	if err != nil {
-		logger.Error(err, "Fence: stopping containers failed", "pod", t.String(), "podUID", t.UID)
-	} else if n > 0 {
-		logger.Info("Fence: stopped containers", "pod", t.String(), "podUID", t.UID, "containers", n)
-	}
-	if !unmount {
+	if len(targets) == 0 {
 		return
 	}
-	n, err = h.volumes.UnmountPodVolumes(ctx, t.UID)
-	if err != nil {
-		logger.Error(err, "Fence: unmounting volumes failed", "pod", t.String(), "podUID", t.UID)
-	} else if n > 0 {
-		logger.Info("Fence: unmounted volumes lazily", "pod", t.String(), "podUID", t.UID, "mounts", n)
+	uids := make([]string, len(targets))
+	for i, t := range targets {
+		uids[i] = t.UID
+	}
+	for i, r := range h.containers.StopPodContainers(ctx, uids, h.cfg.FenceStopGrace) {
+		t := targets[i]
+		if r.Err != nil {
+			logger.Error(r.Err, "Fence: stopping containers failed", "pod", t.String(), "podUID", t.UID)
+		} else if r.N > 0 {
+			logger.Info("Fence: stopped containers", "pod", t.String(), "podUID", t.UID, "containers", r.N)
+		}
+	}
+	for i, r := range h.volumes.UnmountPodVolumes(ctx, uids) {
+		t := targets[i]
+		if r.Err != nil {
+			logger.Error(r.Err, "Fence: unmounting volumes failed", "pod", t.String(), "podUID", t.UID)
+		} else if r.N > 0 {
+			logger.Info("Fence: unmounted volumes lazily", "pod", t.String(), "podUID", t.UID, "mounts", r.N)
+		}
 	}
 }
 
