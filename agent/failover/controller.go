@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -534,20 +535,9 @@ func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []elig
 func joinNames(names []string) string {
 	const max = 10
 	if len(names) > max {
-		return fmt.Sprintf("%s and %d more", joinComma(names[:max]), len(names)-max)
+		return fmt.Sprintf("%s and %d more", strings.Join(names[:max], ", "), len(names)-max)
 	}
-	return joinComma(names)
-}
-
-func joinComma(s []string) string {
-	out := ""
-	for i, n := range s {
-		if i > 0 {
-			out += ", "
-		}
-		out += n
-	}
-	return out
+	return strings.Join(names, ", ")
 }
 
 // continueFailover carries on with a node failed over earlier (by this
@@ -720,10 +710,6 @@ func (c *Controller) event(regarding, related runtime.Object, eventtype, reason,
 	note := fmt.Sprintf(format, args...)
 	if len(note) > 1000 {
 		note = note[:997] + "..."
-	}
-	if related == nil {
-		c.rec.Eventf(regarding, nil, eventtype, reason, action, "%s", note)
-		return
 	}
 	c.rec.Eventf(regarding, related, eventtype, reason, action, "%s", note)
 }

@@ -1,10 +1,12 @@
 package failover
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -68,7 +70,6 @@ type Heartbeat struct {
 	mu         sync.Mutex
 	lease      *coordinationv1.Lease
 	lastOK     time.Time // start of the last successful renewal
-	everOK     bool
 	plan       []fenceTarget
 	planSynced bool
 	fenced     []fenceTarget
@@ -227,7 +228,6 @@ func (h *Heartbeat) renew(ctx context.Context) error {
 	if start.After(h.lastOK) {
 		h.lastOK = start
 	}
-	h.everOK = true
 	h.mu.Unlock()
 	h.metrics.lastOK.Set(float64(start.UnixNano()) / 1e9)
 	return nil
@@ -272,30 +272,12 @@ func (h *Heartbeat) refreshPlan(ctx context.Context) {
 	}
 	// Every pod of the node was read: the claims none uses any more go.
 	h.claims.sweep()
-	slices.SortFunc(plan, compareTargets)
+	slices.SortFunc(plan, func(a, b fenceTarget) int {
+		return cmp.Or(strings.Compare(a.Namespace, b.Namespace), strings.Compare(a.Name, b.Name), strings.Compare(a.UID, b.UID))
+	})
 	h.mu.Lock()
 	h.plan, h.planSynced = plan, true
 	h.mu.Unlock()
-}
-
-func compareTargets(a, b fenceTarget) int {
-	switch {
-	case a.Namespace != b.Namespace:
-		return cmpString(a.Namespace, b.Namespace)
-	case a.Name != b.Name:
-		return cmpString(a.Name, b.Name)
-	}
-	return cmpString(a.UID, b.UID)
-}
-
-func cmpString(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 func (h *Heartbeat) checkLoop(ctx context.Context) {
@@ -551,9 +533,14 @@ func newClaimCache(r claimReader) *claimCache {
 	return &claimCache{r: r, m: make(map[string]claimInfo), used: make(map[string]bool)}
 }
 
+// read returns what is known of every claim of pod and its PV, reading
+// those not cached. Errors are kept per claim.
 func (c *claimCache) read(ctx context.Context, pod *corev1.Pod) map[string]claimInfo {
 	out := make(map[string]claimInfo)
 	for _, name := range claimNames(pod) {
+		if _, done := out[name]; done {
+			continue
+		}
 		key := pod.Namespace + "/" + name
 		c.mu.Lock()
 		info, ok := c.m[key]

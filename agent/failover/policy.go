@@ -167,20 +167,8 @@ type claimReader struct {
 	timeout time.Duration
 }
 
-// read reads every claim of pod and its PV. Errors are kept per claim; a
-// claim that does not exist is an error too (the pod cannot run without it,
-// so an answer would be a guess).
-func (r claimReader) read(ctx context.Context, pod *corev1.Pod) map[string]claimInfo {
-	out := make(map[string]claimInfo)
-	for _, name := range claimNames(pod) {
-		if _, done := out[name]; done {
-			continue
-		}
-		out[name] = r.claim(ctx, pod.Namespace, name)
-	}
-	return out
-}
-
+// claim reads claim ns/name and its PV. A claim that does not exist is an
+// error too (the pod cannot run without it, so an answer would be a guess).
 func (r claimReader) claim(ctx context.Context, ns, name string) claimInfo {
 	cctx, cancel := context.WithTimeout(ctx, r.timeout)
 	pvc, err := r.client.CoreV1().PersistentVolumeClaims(ns).Get(cctx, name, metav1.GetOptions{})
