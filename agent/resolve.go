@@ -302,6 +302,7 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		pod *corev1.Pod
 		use *podUse
 		vol *corev1.Volume
+		pvc *corev1.PersistentVolumeClaim // nil for a volume without a claim
 	}
 	var pvs []podVol
 	for _, pod := range j.active {
@@ -316,7 +317,7 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		if pvc != nil && r.pvc == nil {
 			r.pvc = pvc
 		}
-		pvs = append(pvs, podVol{pod, use, v})
+		pvs = append(pvs, podVol{pod, use, v, pvc})
 		r.pods = append(r.pods, pod)
 	}
 	if r.pvc != nil {
@@ -352,15 +353,10 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		return s, nil
 	}
 	for _, pv := range pvs {
-		in := remount.VolumeObjects{Pod: pv.pod, VolumeName: pv.vol.Name, Capabilities: caps, KubeletRoot: a.cfg.KubeletRoot}
-		if claim := claimName(pv.pod, pv.vol); claim != "" {
-			if in.PVC, err = a.kube.pvc(ctx, pv.pod.Namespace, claim); err != nil {
-				return r, apiErr("PersistentVolumeClaim "+pv.pod.Namespace+"/"+claim, err)
-			}
-			if in.PVC.Spec.VolumeName != "" {
-				if in.PV, err = a.kube.pv(ctx, in.PVC.Spec.VolumeName); err != nil {
-					return r, apiErr("PersistentVolume "+in.PVC.Spec.VolumeName, err)
-				}
+		in := remount.VolumeObjects{Pod: pv.pod, VolumeName: pv.vol.Name, PVC: pv.pvc, Capabilities: caps, KubeletRoot: a.cfg.KubeletRoot}
+		if in.PVC != nil && in.PVC.Spec.VolumeName != "" {
+			if in.PV, err = a.kube.pv(ctx, in.PVC.Spec.VolumeName); err != nil {
+				return r, apiErr("PersistentVolume "+in.PVC.Spec.VolumeName, err)
 			}
 		}
 		if in.CSIDriver, err = a.kube.csiDriver(ctx, bv.driver); err != nil {
