@@ -38,8 +38,9 @@ type Deps struct {
 	// reports and evicts only. A dry-run agent needs a dry-run repairer,
 	// whose plans its events report.
 	Repairer repairer
-	// DriverCaps returns a CSI driver's node capabilities; nil uses
-	// DialDriverCaps(cfg.KubeletRoot).
+	// DriverCaps returns a CSI driver's node capabilities; nil uses the
+	// Repairer's Capabilities (its per-driver clients) when it has them,
+	// else DialDriverCaps(cfg.KubeletRoot).
 	DriverCaps DriverCapsFunc
 	// Prober probes backends; nil makes one from the configuration.
 	Prober *probe.Prober
@@ -109,7 +110,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		}
 	}
 	if deps.DriverCaps == nil {
-		deps.DriverCaps = DialDriverCaps(cfg.KubeletRoot)
+		if c, ok := deps.Repairer.(driverCapser); ok {
+			deps.DriverCaps = c.Capabilities
+		} else {
+			deps.DriverCaps = DialDriverCaps(cfg.KubeletRoot)
+		}
 	}
 	if deps.Prober == nil {
 		pc := probe.DefaultConfig()

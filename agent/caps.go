@@ -12,8 +12,15 @@ import (
 // remount.ErrDriverUnavailable when the driver is down.
 type DriverCapsFunc func(ctx context.Context, driver string) (remount.NodeCapabilities, error)
 
+// driverCapser is a repairer that asks drivers for their capabilities
+// through the clients it keeps (a *remount.Repairer).
+type driverCapser interface {
+	Capabilities(ctx context.Context, driver string) (remount.NodeCapabilities, error)
+}
+
 // DialDriverCaps returns a DriverCapsFunc that finds the driver's socket
-// under kubeletRoot the way kubelet does and asks it once per call.
+// under kubeletRoot the way kubelet does and dials it once per call: for an
+// agent without a repairer, which still reports whether drivers are up.
 func DialDriverCaps(kubeletRoot string) DriverCapsFunc {
 	return func(ctx context.Context, driver string) (remount.NodeCapabilities, error) {
 		ep, err := remount.FindDriver(ctx, kubeletRoot, driver)
