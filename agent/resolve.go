@@ -19,18 +19,6 @@ import (
 // Secret it needs could not be read): retry with backoff, never escalate.
 var errAPIWait = errors.New("waiting for the API server")
 
-// claimName is the claim behind a pod volume: persistentVolumeClaim's, or
-// <pod>-<volume> for a generic ephemeral volume; "" for other volumes.
-func claimName(pod *corev1.Pod, v *corev1.Volume) string {
-	switch {
-	case v.PersistentVolumeClaim != nil:
-		return v.PersistentVolumeClaim.ClaimName
-	case v.Ephemeral != nil:
-		return pod.Name + "-" + v.Name
-	}
-	return ""
-}
-
 // podVolume finds the pod's spec.volumes entry behind a broken mount and its
 // claim, if any: directly when a subPath bind or plugin path names it, else
 // by the claim bound to the PV the publish target is named after.
@@ -44,8 +32,8 @@ func (a *Agent) podVolume(ctx context.Context, pod *corev1.Pod, use *podUse) (*c
 		return nil
 	}
 	withClaim := func(v *corev1.Volume) (*corev1.Volume, *corev1.PersistentVolumeClaim, error) {
-		claim := claimName(pod, v)
-		if claim == "" {
+		claim, ok := remount.ClaimName(pod, v)
+		if !ok {
 			return v, nil, nil
 		}
 		pvc, err := a.kube.pvc(ctx, pod.Namespace, claim)
@@ -60,14 +48,16 @@ func (a *Agent) podVolume(ctx context.Context, pod *corev1.Pod, use *podUse) (*c
 		}
 		return nil, nil, fmt.Errorf("pod has no volume %q that its mounts name", use.volumeName)
 	}
-	if v := byName(use.specName); v != nil && claimName(pod, v) == "" {
-		return v, nil, nil // an inline volume
+	if v := byName(use.specName); v != nil {
+		if _, ok := remount.ClaimName(pod, v); !ok {
+			return v, nil, nil // an inline volume
+		}
 	}
 	var errs []error
 	for i := range pod.Spec.Volumes {
 		v := &pod.Spec.Volumes[i]
-		claim := claimName(pod, v)
-		if claim == "" {
+		claim, ok := remount.ClaimName(pod, v)
+		if !ok {
 			continue
 		}
 		pvc, err := a.kube.pvc(ctx, pod.Namespace, claim)
@@ -393,7 +383,8 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 			}
 			if errors.Is(err, remount.ErrObjectMismatch) {
 				// Perhaps a stale cache: read them afresh next time.
-				a.kube.forget("pvc/"+pv.pod.Namespace+"/"+claimName(pv.pod, pv.vol), "csidriver/"+bv.driver)
+				claim, _ := remount.ClaimName(pv.pod, pv.vol)
+				a.kube.forget("pvc/"+pv.pod.Namespace+"/"+claim, "csidriver/"+bv.driver)
 				if in.PV != nil {
 					a.kube.forget("pv/" + in.PV.Name)
 				}

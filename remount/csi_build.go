@@ -189,6 +189,21 @@ func buildVolumeRequest(in VolumeObjects) (VolumeRequest, error) {
 	return vr, nil
 }
 
+// ClaimName is the name of the PersistentVolumeClaim behind a volume of
+// pod: its persistentVolumeClaim.claimName, or <pod name>-<volume name> for
+// a generic ephemeral volume (the claim the ephemeral volume controller
+// makes for it). ok is false for a volume of any other kind.
+func ClaimName(pod *corev1.Pod, vol *corev1.Volume) (claim string, ok bool) {
+	switch {
+	case vol.PersistentVolumeClaim != nil:
+		return vol.PersistentVolumeClaim.ClaimName, true
+	case vol.Ephemeral != nil:
+		// ephemeral.VolumeClaimName: <pod name>-<volume name>.
+		return pod.Name + "-" + vol.Name, true
+	}
+	return "", false
+}
+
 // podClaim finds the claim behind the pod volume and kubelet's readOnly for
 // it (persistentVolumeClaim.readOnly; false for a generic ephemeral volume).
 func podClaim(pod *corev1.Pod, volumeName string) (claim string, readOnly bool, err error) {
@@ -196,13 +211,11 @@ func podClaim(pod *corev1.Pod, volumeName string) (claim string, readOnly bool, 
 	if i < 0 {
 		return "", false, fmt.Errorf("pod has no spec.volumes entry %q: pass a volume name from the pod spec: %w", volumeName, ErrObjectMismatch)
 	}
-	v := pod.Spec.Volumes[i]
+	v := &pod.Spec.Volumes[i]
+	if claim, ok := ClaimName(pod, v); ok {
+		return claim, v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.ReadOnly, nil
+	}
 	switch {
-	case v.PersistentVolumeClaim != nil:
-		return v.PersistentVolumeClaim.ClaimName, v.PersistentVolumeClaim.ReadOnly, nil
-	case v.Ephemeral != nil:
-		// ephemeral.VolumeClaimName: <pod name>-<volume name>.
-		return pod.Name + "-" + v.Name, false, nil
 	case v.CSI != nil:
 		return "", false, fmt.Errorf("inline CSI volume (spec.volumes[].csi) has no PV, staging or secrets to rebuild; restart or evict the pod instead: %w", ErrUnsupportedVolume)
 	default:

@@ -549,3 +549,40 @@ func keys[V any](m map[string]V) []string {
 	}
 	return out
 }
+
+func TestClaimName(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web-0", Namespace: "ns"}}
+	tests := []struct {
+		name      string
+		vol       corev1.Volume
+		wantClaim string
+		wantOK    bool
+	}{
+		{
+			name:      "persistentVolumeClaim",
+			vol:       corev1.Volume{Name: "data", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "data-web-0"}}},
+			wantClaim: "data-web-0", wantOK: true,
+		},
+		{
+			name:      "generic ephemeral: <pod>-<volume>",
+			vol:       corev1.Volume{Name: "scratch", VolumeSource: corev1.VolumeSource{Ephemeral: &corev1.EphemeralVolumeSource{}}},
+			wantClaim: "web-0-scratch", wantOK: true,
+		},
+		{
+			name: "inline CSI",
+			vol:  corev1.Volume{Name: "inline", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{Driver: "d"}}},
+		},
+		{
+			name: "emptyDir",
+			vol:  corev1.Volume{Name: "tmp", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			claim, ok := ClaimName(pod, &tt.vol)
+			if claim != tt.wantClaim || ok != tt.wantOK {
+				t.Errorf("ClaimName(%s) = %q, %v; want %q, %v", tt.vol.Name, claim, ok, tt.wantClaim, tt.wantOK)
+			}
+		})
+	}
+}
