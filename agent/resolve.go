@@ -135,10 +135,7 @@ func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, 
 					continue // needs a ConfigMap or Secret value: left to restart/evict
 				}
 			}
-			out = append(out, remount.ContainerMount{
-				PodUID: pod.UID, Container: c.name, ContainerID: stripRuntime(id),
-				MountPath: vm.MountPath, SubPath: sub, ReadOnly: vm.ReadOnly,
-			})
+			out = append(out, remount.ContainerMount{PodUID: pod.UID, Container: c.name, ContainerID: stripRuntime(id), MountPath: vm.MountPath})
 			p := vm.MountPropagation
 			if (sub != "" || p == nil || (*p != corev1.MountPropagationHostToContainer && *p != corev1.MountPropagationBidirectional)) &&
 				!slices.Contains(own, stripRuntime(id)) {

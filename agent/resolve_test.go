@@ -80,13 +80,10 @@ func TestContainerMounts(t *testing.T) {
 	got, own := containerMounts(pod, "data")
 	want := []remount.ContainerMount{
 		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/data"},
-		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/cfg", SubPath: "conf", ReadOnly: true},
+		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/cfg"},
 		{PodUID: "uid-1", Container: "sidecar", ContainerID: "bbb", MountPath: "/d"},
 	}
-	if !slices.EqualFunc(got, want, func(a, b remount.ContainerMount) bool {
-		return a.PodUID == b.PodUID && a.Container == b.Container && a.ContainerID == b.ContainerID &&
-			a.MountPath == b.MountPath && a.SubPath == b.SubPath && a.ReadOnly == b.ReadOnly
-	}) {
+	if !slices.Equal(got, want) {
 		t.Errorf("containerMounts = %+v\nwant %+v", got, want)
 	}
 	if !slices.Equal(own, []string{"aaa"}) {

@@ -216,8 +216,7 @@ func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *real
 		for _, c := range pd.ctrs {
 			id := randomHex(t, 32)
 			for _, m := range c.mounts {
-				pvol.Containers = append(pvol.Containers, ContainerMount{PodUID: uid, Container: c.name, ContainerID: id,
-					MountPath: m.MountPath, SubPath: m.SubPath, ReadOnly: m.ReadOnly})
+				pvol.Containers = append(pvol.Containers, ContainerMount{PodUID: uid, Container: c.name, ContainerID: id, MountPath: m.MountPath})
 			}
 			rp.ctrs[c.name] = d.startContainer(t, rp, c, id)
 		}

@@ -75,9 +75,6 @@ type ContainerMount struct {
 	ContainerID string
 	// MountPath is the volumeMount's mountPath inside the container.
 	MountPath string
-	// SubPath is the volumeMount's subPath ("" for the whole volume).
-	SubPath  string
-	ReadOnly bool
 }
 
 // Outcome is what a tier did for a volume.
