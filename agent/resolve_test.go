@@ -134,7 +134,10 @@ func TestObjectCache(t *testing.T) {
 		t.Errorf("get(c) after the TTL = %v fresh %v ok %v, want a stale 3", obj, fresh, ok)
 	}
 	c.remove("c")
-	if c.len() != 1 {
-		t.Errorf("len after remove = %d, want 1", c.len())
+	if _, _, ok := c.get("c"); ok {
+		t.Error("get(c) after remove: present, want gone")
+	}
+	if _, _, ok := c.get("a"); !ok {
+		t.Error("remove(c) dropped a as well")
 	}
 }
