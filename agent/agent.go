@@ -81,7 +81,6 @@ type Agent struct {
 	synced  func() bool
 
 	scanned  atomic.Bool
-	ready    atomic.Bool
 	lastScan atomic.Int64 // unix nanoseconds
 
 	fenced func(podUID string) bool
@@ -322,7 +321,7 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			kick(driver)
 		case r := <-a.results:
 			a.running--
-			a.decider.finish(r.key, r.outcome, rungEvict, r.reachedEvict, time.Now())
+			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
 			a.decider.setResidual(r.key, r.residual)
 		case <-probeTimer.C:
 			inv = a.cycle(ctx, inv, &dirty, pw)

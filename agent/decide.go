@@ -162,7 +162,7 @@ const (
 
 // finish records the end of a run. reachedEvict says the run got to the
 // eviction rung (its floor for the next run).
-func (d *decider) finish(key string, o outcome, evictRung int, reachedEvict bool, now time.Time) {
+func (d *decider) finish(key string, o outcome, reachedEvict bool, now time.Time) {
 	st := d.vols[key]
 	if st == nil {
 		return
@@ -184,7 +184,7 @@ func (d *decider) finish(key string, o outcome, evictRung int, reachedEvict bool
 		return
 	}
 	if reachedEvict {
-		st.floor = evictRung
+		st.floor = rungEvict
 	}
 	st.next = now.Add(st.backoff)
 	st.backoff = min(2*st.backoff, d.backoffMax)

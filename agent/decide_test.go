@@ -53,7 +53,7 @@ func TestDeciderBackoffDoubles(t *testing.T) {
 		if due := d.observe(broken, now); slices.Contains(due, "v") {
 			t.Fatalf("attempt %d: due while a run is in flight", i+1)
 		}
-		d.finish("v", outcomeFailed, rungEvict, false, now)
+		d.finish("v", outcomeFailed, false, now)
 		st := d.vols["v"]
 		waits = append(waits, st.next.Sub(now))
 		if due := d.observe(broken, st.next.Add(-time.Millisecond)); slices.Contains(due, "v") {
@@ -77,7 +77,7 @@ func TestDeciderDriverDownWaitsForKick(t *testing.T) {
 	d.observe(broken, t0)
 	for _, k := range []string{"a", "b"} {
 		d.start(k)
-		d.finish(k, outcomeDriverDown, rungEvict, false, t0)
+		d.finish(k, outcomeDriverDown, false, t0)
 	}
 	// Far later, still not due: a driver that is down is waited for, never
 	// retried on the clock alone (only the resync lets it try again).
@@ -120,7 +120,7 @@ func TestDeciderHealedStartsOver(t *testing.T) {
 	d.observe(broken, t0)
 	d.observe(broken, t0.Add(time.Second))
 	d.start("v")
-	d.finish("v", outcomeHealed, rungEvict, false, t0.Add(time.Second))
+	d.finish("v", outcomeHealed, false, t0.Add(time.Second))
 	if st := d.vols["v"]; st.strikes != 0 || st.floor != 0 {
 		t.Errorf("after a heal: strikes %d floor %d, want 0 and 0", st.strikes, st.floor)
 	}
@@ -137,7 +137,7 @@ func TestDeciderEvictionFloor(t *testing.T) {
 	broken := map[string]sighting{"v": {driver: "d", certain: true}}
 	d.observe(broken, t0)
 	d.start("v")
-	d.finish("v", outcomeWaiting, rungEvict, true, t0)
+	d.finish("v", outcomeWaiting, true, t0)
 	if got := d.vols["v"].floor; got != rungEvict {
 		t.Errorf("floor after a run reached eviction = %d, want %d", got, rungEvict)
 	}

@@ -74,8 +74,6 @@ type jobResult struct {
 	key          string
 	outcome      outcome
 	reachedEvict bool
-	driverDown   bool
-	driver       string
 	// residual is set when the host was healed and running containers
 	// were not.
 	residual *residual
@@ -178,7 +176,7 @@ func describe(v *brokenVolume) string {
 func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	logger := klog.FromContext(ctx).WithValues("volume", j.key, "driver", j.vol.driver, "attempt", j.attempt)
 	ctx = klog.NewContext(ctx, logger)
-	res = jobResult{key: j.key, outcome: outcomeIgnored, driver: j.vol.driver}
+	res = jobResult{key: j.key, outcome: outcomeIgnored}
 
 	allPods := append(append([]*corev1.Pod{}, j.active...), j.terminating...)
 	for pod := range j.excluded {
@@ -423,9 +421,10 @@ func errText(err error) string {
 	return err.Error()
 }
 
-// isDriverDown reports a driver that is unavailable or not registered.
+// isDriverDown reports a driver that is unavailable or not registered
+// (remount's not-registered error matches ErrDriverUnavailable too).
 func isDriverDown(err error) bool {
-	return errors.Is(err, remount.ErrDriverUnavailable) || errors.Is(err, remount.ErrDriverNotFound)
+	return errors.Is(err, remount.ErrDriverUnavailable)
 }
 
 // driverDown records a driver that is down: one DriverDown event per
@@ -446,7 +445,7 @@ func (a *Agent) driverDown(ctx context.Context, j *job, r *resolved, res jobResu
 		a.report.volume(pods, pvc, corev1.EventTypeWarning, ReasonDriverDown, actionRepair,
 			a.report.message("CSI driver %s is not available (%v): re-staging as soon as it registers again", j.vol.driver, err))
 	}
-	res.outcome, res.driverDown = outcomeDriverDown, true
+	res.outcome = outcomeDriverDown
 	return res
 }
 
