@@ -145,7 +145,6 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		dutyErr error
 		once    sync.Once
 	)
-	defer wg.Wait()
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
 			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
