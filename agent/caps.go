@@ -18,6 +18,10 @@ type driverCapser interface {
 	Capabilities(ctx context.Context, driver string) (remount.NodeCapabilities, error)
 }
 
+// The command's repairer must keep satisfying driverCapser, or New would
+// quietly fall back to dialing drivers itself.
+var _ driverCapser = (*remount.Repairer)(nil)
+
 // DialDriverCaps returns a DriverCapsFunc that finds the driver's socket
 // under kubeletRoot the way kubelet does and dials it once per call: for an
 // agent without a repairer, which still reports whether drivers are up.
