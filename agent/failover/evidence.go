@@ -2,7 +2,6 @@ package failover
 
 import (
 	"fmt"
-	"sync"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -42,9 +41,9 @@ const FailedOverAnnotation = "failover.mountmedic.io/failed-over-at"
 // like kubelet's node lifecycle controller, the duty only asks "has it
 // changed, and when did I see that", so clock skew between nodes does not
 // matter. A signal seen for the first time counts as changed then: a leader
-// that just started waits a full window before it trusts any silence.
+// that just started waits a full window before it trusts any silence. Only
+// the leader's evaluation loop uses it, from one goroutine.
 type observer struct {
-	mu   sync.Mutex
 	seen map[string]sighting
 }
 
@@ -58,8 +57,6 @@ func newObserver() *observer { return &observer{seen: make(map[string]sighting)}
 // observe records version of signal key at now and returns when the value
 // was first seen.
 func (o *observer) observe(key, version string, now time.Time) time.Time {
-	o.mu.Lock()
-	defer o.mu.Unlock()
 	s, ok := o.seen[key]
 	if !ok || s.version != version {
 		s = sighting{version: version, at: now}
@@ -68,19 +65,7 @@ func (o *observer) observe(key, version string, now time.Time) time.Time {
 	return s.at
 }
 
-// changedAt says when key last changed; ok is false for an unseen key.
-func (o *observer) changedAt(key string) (time.Time, bool) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	s, ok := o.seen[key]
-	return s.at, ok
-}
-
-func (o *observer) forget(key string) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	delete(o.seen, key)
-}
+func (o *observer) forget(key string) { delete(o.seen, key) }
 
 func kubeletKey(node string) string   { return "kubelet/" + node }
 func readyKey(node string) string     { return "ready/" + node }

@@ -10,6 +10,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // Annotation on a pod: "false" keeps it from being failed over (and
@@ -37,15 +39,12 @@ type claimInfo struct {
 }
 
 // claimNames lists the claims a pod uses: its persistentVolumeClaim volumes
-// and the claims of its generic ephemeral volumes (<pod>-<volume>).
+// and the claims of its generic ephemeral volumes (remount.ClaimName).
 func claimNames(pod *corev1.Pod) []string {
 	var out []string
-	for _, v := range pod.Spec.Volumes {
-		switch {
-		case v.PersistentVolumeClaim != nil:
-			out = append(out, v.PersistentVolumeClaim.ClaimName)
-		case v.Ephemeral != nil:
-			out = append(out, pod.Name+"-"+v.Name)
+	for i := range pod.Spec.Volumes {
+		if claim, ok := remount.ClaimName(pod, &pod.Spec.Volumes[i]); ok {
+			out = append(out, claim)
 		}
 	}
 	return out
