@@ -78,7 +78,8 @@ var ErrHung = errors.New("probe did not return before its deadline")
 
 // StateOf classifies a probe error. nil is Healthy. EACCES and EPERM mean
 // the filesystem answered: Healthy. (mount-utils' IsCorruptedMnt counts
-// EACCES as corrupted and misses ECONNABORTED and EROFS, hence our own.)
+// EACCES as corrupted and misses ECONNABORTED and EROFS, hence our own;
+// TestStateOfAgainstKubelet keeps the rest of its list broken here.)
 func StateOf(err error) State {
 	if err == nil {
 		return Healthy
