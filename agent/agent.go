@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
@@ -77,6 +78,7 @@ type Agent struct {
 	// factory and the pod informer are made in New, started by Run, so
 	// that /readyz (served before the informer starts) reads them safely.
 	factory informers.SharedInformerFactory
+	podInf  cache.SharedIndexInformer
 	pods    podsByUID
 	synced  func() bool
 
@@ -142,9 +144,15 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.factory, a.pods, a.synced = factory, podsByUID{idx: inf.GetIndexer()}, inf.HasSynced
+	a.factory, a.podInf, a.pods, a.synced = factory, inf, podsByUID{idx: inf.GetIndexer()}, inf.HasSynced
 	return a, nil
 }
+
+// PodInformer is the agent's informer of the pods bound to its node, for
+// other duties of the same process (the failover heartbeat) to read instead
+// of watching the same pods a second time. Run starts and stops it; a
+// reader reads it once HasSynced.
+func (a *Agent) PodInformer() cache.SharedIndexInformer { return a.podInf }
 
 // NewClient makes a client from the kubeconfig file, or the in-cluster
 // configuration when kubeconfig is empty.

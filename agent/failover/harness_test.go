@@ -374,11 +374,21 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 	}
 	cfg.NodeName = n.name
 	cfg.Identity = "agent-" + n.name
-	hb, err := NewHeartbeat(cfg, n.h.saClient(t, "https://"+n.proxy.Addr()), n.fence, n.fence, prometheus.NewRegistry())
+	client := n.h.saClient(t, "https://"+n.proxy.Addr())
+	ctx, cancel := context.WithCancel(n.h.ctx)
+	// The node's pod informer, which the agent owns in the command: started
+	// here, read by the heartbeat, stopped with it.
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", n.name).String()
+		}))
+	pods := factory.Core().V1().Pods().Informer()
+	hb, err := NewHeartbeat(cfg, client, pods, n.fence, n.fence, prometheus.NewRegistry())
 	if err != nil {
+		cancel()
 		t.Fatalf("NewHeartbeat: %v", err)
 	}
-	ctx, cancel := context.WithCancel(n.h.ctx)
+	factory.Start(ctx.Done())
 	done := make(chan struct{})
 	n.mu.Lock()
 	n.hb, n.agentCancel, n.agentDone = hb, cancel, done
@@ -387,6 +397,7 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 		defer close(done)
 		logger := klog.Background().WithValues("sim", "agent")
 		_ = hb.Run(klog.NewContext(ctx, logger))
+		factory.Shutdown()
 	}()
 }
 

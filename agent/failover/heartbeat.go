@@ -17,7 +17,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -75,27 +74,33 @@ type Heartbeat struct {
 	fenced     []fenceTarget
 	isFenced   bool
 	renewed    chan struct{} // a renewal succeeded
-	pods       cache.Indexer
+	// podInf is the informer of this node's pods; its owner starts and
+	// stops it.
+	podInf cache.SharedIndexInformer
 }
 
 // NewHeartbeat prepares the node side. containers and volumes do the
 // fencing (a *NodeFence does both); reg receives the metrics (nil: none).
-func NewHeartbeat(cfg Config, client kubernetes.Interface, containers ContainerStopper, volumes VolumeUnmounter, reg prometheus.Registerer) (*Heartbeat, error) {
+//
+// pods is an informer of the pods bound to cfg.NodeName, which its owner
+// starts and stops: the agent's (agent.(*Agent).PodInformer), so that the
+// node's pods are watched once.
+func NewHeartbeat(cfg Config, client kubernetes.Interface, pods cache.SharedIndexInformer, containers ContainerStopper, volumes VolumeUnmounter, reg prometheus.Registerer) (*Heartbeat, error) {
 	if !cfg.Enabled {
 		return nil, errors.New("failover heartbeat: the duty is disabled (--failover=false)")
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if client == nil || containers == nil || volumes == nil {
-		return nil, errors.New("failover heartbeat needs a Kubernetes client, a container stopper and a volume unmounter")
+	if client == nil || pods == nil || containers == nil || volumes == nil {
+		return nil, errors.New("failover heartbeat needs a Kubernetes client, a pod informer, a container stopper and a volume unmounter")
 	}
 	m, err := newHeartbeatMetrics(reg)
 	if err != nil {
 		return nil, err
 	}
 	return &Heartbeat{
-		cfg: cfg, client: client, containers: containers, volumes: volumes, metrics: m,
+		cfg: cfg, client: client, podInf: pods, containers: containers, volumes: volumes, metrics: m,
 		now: time.Now, checkEvery: time.Second,
 		claims:  newClaimCache(claimReader{client: client, timeout: cfg.APITimeout}),
 		renewed: make(chan struct{}, 1),
@@ -122,15 +127,6 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	logger.Info("Starting failover heartbeat", "interval", h.cfg.HeartbeatInterval, "fenceAfter", h.cfg.FenceAfter,
 		"fenceStopGrace", h.cfg.FenceStopGrace, "dryRun", h.cfg.DryRun)
 
-	factory := informers.NewSharedInformerFactoryWithOptions(h.client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", h.cfg.NodeName).String()
-		}))
-	inf := factory.Core().V1().Pods().Informer()
-	h.pods = inf.GetIndexer()
-	factory.Start(ctx.Done())
-	defer factory.Shutdown()
-
 	// Until its first renewal an agent cannot know how long ago its
 	// predecessor's promise lapsed (a crash, a restart on a partitioned
 	// node): it fences if it cannot renew within two intervals.
@@ -139,7 +135,7 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	h.mu.Unlock()
 
 	var wg sync.WaitGroup
-	wg.Go(func() { h.renewLoop(ctx, inf.HasSynced) })
+	wg.Go(func() { h.renewLoop(ctx, h.podInf.HasSynced) })
 	h.checkLoop(ctx)
 	wg.Wait()
 	h.shutdown(klog.NewContext(context.WithoutCancel(ctx), logger))
@@ -260,7 +256,7 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinat
 // claim could not be read.
 func (h *Heartbeat) refreshPlan(ctx context.Context) {
 	var plan []fenceTarget
-	for _, obj := range h.pods.List() {
+	for _, obj := range h.podInf.GetIndexer().List() {
 		pod, ok := obj.(*corev1.Pod)
 		if !ok || pod.Spec.NodeName != h.cfg.NodeName {
 			continue
@@ -449,7 +445,7 @@ func (h *Heartbeat) named(ctx context.Context, targets []fenceTarget) []fenceTar
 		}
 	} else {
 		klog.FromContext(ctx).Info("Cannot list this node's pods to name the fenced ones; using the pod informer", "err", err)
-		for _, obj := range h.pods.List() {
+		for _, obj := range h.podInf.GetIndexer().List() {
 			if p, ok := obj.(*corev1.Pod); ok {
 				byUID[string(p.UID)] = p
 			}

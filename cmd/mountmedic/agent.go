@@ -145,15 +145,25 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		dutyErr error
 		once    sync.Once
 	)
+	// The agent is made first: the heartbeat reads its pod informer (one
+	// watch of the node's pods), and the agent leaves the pods the
+	// heartbeat fenced alone. hb is set before either runs.
+	var hb *failover.Heartbeat
+	if fcfg.Enabled {
+		deps.Fenced = func(podUID string) bool { return hb.Fenced(podUID) }
+	}
+	a, err := agent.New(cfg, deps)
+	if err != nil {
+		return err
+	}
+	var duties []func(context.Context) error
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
 			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
-		hb, err := failover.NewHeartbeat(fcfg, client, fence, fence, deps.Registry)
-		if err != nil {
+		if hb, err = failover.NewHeartbeat(fcfg, client, a.PodInformer(), fence, fence, deps.Registry); err != nil {
 			return err
 		}
-		deps.Fenced = hb.Fenced
-		duties := []func(context.Context) error{hb.Run}
+		duties = append(duties, hb.Run)
 		if fcfg.Candidate {
 			ctl, err := failover.NewController(fcfg, client, deps.Registry)
 			if err != nil {
@@ -161,19 +171,19 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 			}
 			duties = append(duties, ctl.Run)
 		}
-		for _, run := range duties {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				if err := run(ctx); err != nil && ctx.Err() == nil {
-					klog.FromContext(ctx).Error(err, "Failover duty stopped")
-					once.Do(func() { dutyErr = fmt.Errorf("failover duty: %w", err) })
-					cancel() // a node agent without its heartbeat must not go on as if it had one
-				}
-			}()
-		}
 	}
-	err = agent.Run(ctx, cfg, deps)
+	for _, run := range duties {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := run(ctx); err != nil && ctx.Err() == nil {
+				klog.FromContext(ctx).Error(err, "Failover duty stopped")
+				once.Do(func() { dutyErr = fmt.Errorf("failover duty: %w", err) })
+				cancel() // a node agent without its heartbeat must not go on as if it had one
+			}
+		}()
+	}
+	err = a.Run(ctx)
 	cancel()
 	wg.Wait()
 	if err != nil {
