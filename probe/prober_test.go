@@ -120,12 +120,16 @@ func TestProbeDerivesFromBackends(t *testing.T) {
 	}
 }
 
+// The deadlines of these fake-FS tests are long enough that a healthy
+// answer under -race on a busy machine is never taken for a hang; only the
+// blocked call waits them out.
+
 func TestHungProbeIsNeverStartedTwice(t *testing.T) {
 	inv := readTestdata(t, "s3fs-two-pods.mountinfo")
 	fs := newFakeFS()
 	staging := mountAt(t, inv, "/globalmount")
 	fs.hang[staging.Path] = true
-	p := NewProberWith(Config{Timeout: 20 * time.Millisecond, Parallel: 1}, fs.syscalls())
+	p := NewProberWith(Config{Timeout: 250 * time.Millisecond, Parallel: 1}, fs.syscalls())
 	for cycle := 0; cycle < 3; cycle++ {
 		rep := p.Probe(context.Background(), inv)
 		for _, r := range rep.Mounts {
@@ -212,7 +216,7 @@ func TestCheckPath(t *testing.T) {
 	fs := newFakeFS()
 	fs.hang["/hung"] = true
 	fs.errs["/dead"] = unix.ENOTCONN
-	p := NewProberWith(Config{Timeout: 20 * time.Millisecond}, fs.syscalls())
+	p := NewProberWith(Config{Timeout: 250 * time.Millisecond}, fs.syscalls())
 	ctx := context.Background()
 	for i := range 3 {
 		if st, err := p.CheckPath(ctx, "/hung"); st != Hung || !errors.Is(err, ErrHung) {
