@@ -111,16 +111,11 @@ func (rs *residual) holders(get func(uid string) *corev1.Pod) []*corev1.Pod {
 		if pod == nil || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 			continue
 		}
-		running := make(map[string]bool)
-		for _, list := range [][]corev1.ContainerStatus{pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses, pod.Status.EphemeralContainerStatuses} {
-			for _, st := range list {
-				if st.State.Running != nil {
-					running[stripRuntime(st.ContainerID)] = true
-				}
+		for _, id := range runningContainers(pod) {
+			if slices.Contains(ids, id) {
+				out = append(out, pod)
+				break
 			}
-		}
-		if slices.ContainsFunc(ids, func(id string) bool { return running[id] }) {
-			out = append(out, pod)
 		}
 	}
 	slices.SortFunc(out, func(a, b *corev1.Pod) int { return strings.Compare(string(a.UID), string(b.UID)) })

@@ -94,14 +94,7 @@ func optedOut(annotations map[string]string) (bool, string) {
 // mount namespace (a subPath, or propagation other than HostToContainer and
 // Bidirectional: a re-stage on the host never reaches those).
 func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, []string) {
-	running := make(map[string]string) // name -> container ID
-	for _, list := range [][]corev1.ContainerStatus{pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses, pod.Status.EphemeralContainerStatuses} {
-		for _, st := range list {
-			if st.State.Running != nil {
-				running[st.Name] = st.ContainerID
-			}
-		}
-	}
+	running := runningContainers(pod)
 	type ctr struct {
 		name   string
 		env    []corev1.EnvVar
@@ -135,15 +128,29 @@ func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, 
 					continue // needs a ConfigMap or Secret value: left to restart/evict
 				}
 			}
-			out = append(out, remount.ContainerMount{PodUID: pod.UID, Container: c.name, ContainerID: stripRuntime(id), MountPath: vm.MountPath})
+			out = append(out, remount.ContainerMount{PodUID: pod.UID, Container: c.name, ContainerID: id, MountPath: vm.MountPath})
 			p := vm.MountPropagation
 			if (sub != "" || p == nil || (*p != corev1.MountPropagationHostToContainer && *p != corev1.MountPropagationBidirectional)) &&
-				!slices.Contains(own, stripRuntime(id)) {
-				own = append(own, stripRuntime(id))
+				!slices.Contains(own, id) {
+				own = append(own, id)
 			}
 		}
 	}
 	return out, own
+}
+
+// runningContainers maps the names of the pod's running containers (init,
+// regular and ephemeral) to their runtime IDs.
+func runningContainers(pod *corev1.Pod) map[string]string {
+	running := make(map[string]string)
+	for _, list := range [][]corev1.ContainerStatus{pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses, pod.Status.EphemeralContainerStatuses} {
+		for _, st := range list {
+			if st.State.Running != nil {
+				running[st.Name] = stripRuntime(st.ContainerID)
+			}
+		}
+	}
+	return running
 }
 
 // stripRuntime turns a status containerID ("containerd://abc") into the
