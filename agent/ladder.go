@@ -58,15 +58,14 @@ type job struct {
 // residual is what a run leaves when it re-staged the volume on the host
 // but did not heal the running containers that see it through their own
 // binds (a private mount or a subPath): the volume as resolved then (its
-// secrets wiped) and, by pod UID, the runtime IDs of those containers.
+// secrets wiped; its ownBinds name those containers).
 // The probe no longer sees the volume broken (the host's mounts are fresh),
 // so the decider keeps it and the loop resumes the ladder after the
 // re-stage until a tier heals the containers, or they are all gone
 // (restarted, their pod deleted or evicted).
 type residual struct {
-	vol      *brokenVolume
-	r        *resolved
-	ownBinds map[string][]string
+	vol *brokenVolume
+	r   *resolved
 }
 
 // jobResult is how a run ended, for the loop's decider.
@@ -106,7 +105,7 @@ func (rs *residual) forPods(pods []*corev1.Pod) *resolved {
 // by UID from the informer.
 func (rs *residual) holders(get func(uid string) *corev1.Pod) []*corev1.Pod {
 	var out []*corev1.Pod
-	for uid, ids := range rs.ownBinds {
+	for uid, ids := range rs.r.ownBinds {
 		pod := get(uid)
 		if pod == nil || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 			continue
@@ -297,7 +296,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	hostHealed := j.resume != nil
 	defer func() {
 		if hostHealed && res.outcome != outcomeHealed && res.outcome != outcomeDriverDown {
-			res.residual = &residual{vol: j.vol, r: r, ownBinds: r.ownBinds}
+			res.residual = &residual{vol: j.vol, r: r}
 		}
 	}()
 	for i, rung := range rungs {
