@@ -422,13 +422,23 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 // re-staged on the host, some running containers still see the dead mount
 // through their own binds. It returns nil, and forgets the residual, when
 // none of them runs any more (restarted onto the fresh mount, or their pods
-// deleted or evicted).
+// deleted or evicted); it returns nil and keeps the residual while every
+// holder is in a pod the failover heartbeat fenced.
 func (a *Agent) prepareResidual(ctx context.Context, key string, rs *residual) *job {
 	var pods []*corev1.Pod
+	fenced := 0
 	for _, p := range rs.holders(a.pods.get) {
-		if a.fenced == nil || !a.fenced(string(p.UID)) {
-			pods = append(pods, p)
+		if a.fenced != nil && a.fenced(string(p.UID)) {
+			fenced++
+			continue
 		}
+		pods = append(pods, p)
+	}
+	if len(pods) == 0 && fenced > 0 {
+		// The fence stopped them, it did not heal them: the residual waits
+		// until the fence lifts (and deletes those pods) or they run again.
+		klog.FromContext(ctx).V(2).Info("Every container that holds the dead mount is in a fenced pod: waiting for the fence to lift", "volume", key, "pods", fenced)
+		return nil
 	}
 	if len(pods) == 0 {
 		a.decider.setResidual(key, nil)
