@@ -122,10 +122,15 @@ func (p *Process) signal(sig syscall.Signal) {
 }
 
 // Tail returns the last n lines of the log.
-func (p *Process) Tail(n int) string {
-	data, err := os.ReadFile(p.Log)
+func (p *Process) Tail(n int) string { return Tail(p.Log, n) }
+
+// Tail returns the last n lines of the log file at path, or why it could
+// not be read: for a failure message, also for logs of processes that a
+// test did not start through RunProcess.
+func Tail(path string, n int) string {
+	data, err := os.ReadFile(path)
 	if err != nil {
-		return fmt.Sprintf("read %s: %v", p.Log, err)
+		return fmt.Sprintf("read %s: %v", path, err)
 	}
 	lines := bytes.Split(bytes.TrimRight(data, "\n"), []byte("\n"))
 	if len(lines) > n {

@@ -210,7 +210,7 @@ func (a *Agent) LogTail(n int) string {
 		fj, _ := os.Stat(files[j])
 		return fi != nil && fj != nil && fi.ModTime().Before(fj.ModTime())
 	})
-	return tail(files[len(files)-1], n)
+	return lab.Tail(files[len(files)-1], n)
 }
 
 // Metrics scrapes the agent's /metrics and returns each sample by its

@@ -405,7 +405,7 @@ func (n *Node) startInit(spec initSpec) error {
 func (n *Node) stopInit() {
 	if n.t.Failed() {
 		for _, name := range []string{"init", "kubelet", "containerd"} {
-			n.t.Logf("last lines of %s:\n%s", name, tail(filepath.Join(n.Dir, "logs", name+".log"), 25))
+			n.t.Logf("last lines of %s:\n%s", name, lab.Tail(filepath.Join(n.Dir, "logs", name+".log"), 25))
 		}
 	}
 	if n.init != nil {
@@ -575,7 +575,7 @@ func (n *Node) withLogs(err error) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%v", err)
 	for _, name := range []string{"init", "containerd", "kubelet"} {
-		fmt.Fprintf(&b, "\n--- %s:\n%s", name, tail(filepath.Join(n.Dir, "logs", name+".log"), 15))
+		fmt.Fprintf(&b, "\n--- %s:\n%s", name, lab.Tail(filepath.Join(n.Dir, "logs", name+".log"), 15))
 	}
 	return errors.New(b.String())
 }
@@ -611,19 +611,4 @@ func hostIP() (string, error) {
 		}
 	}
 	return "", errors.New("no global IPv4 address on any interface: kubelet needs one for --node-ip")
-}
-
-// tail returns the last n lines of the log of one of the node's daemons,
-// which its init started (lab.Process.Tail covers the processes the test
-// starts itself).
-func tail(path string, n int) string {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return err.Error()
-	}
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }
