@@ -220,6 +220,9 @@ func TestUnmountDeepestFirstAndIdempotent(t *testing.T) {
 			t.Errorf("action %d unmounts %s after the shallower %s", i, a.Path, acts[i-1].Path)
 		}
 	}
+	if got := Unmounted(acts); got != len(paths) {
+		t.Errorf("Unmounted(first Unmount) = %d, want %d", got, len(paths))
+	}
 	if i, j := slices.IndexFunc(acts, func(a Action) bool { return a.Path == inner }), slices.IndexFunc(acts, func(a Action) bool { return a.Path == outer }); i > j {
 		t.Errorf("inner mount unmounted after the outer one: %v", acts)
 	}
@@ -237,6 +240,9 @@ func TestUnmountDeepestFirstAndIdempotent(t *testing.T) {
 		if !strings.Contains(a.Detail, "not mounted") || a.Err != nil {
 			t.Errorf("second Unmount: %v, want nothing to do", a)
 		}
+	}
+	if got := Unmounted(again); got != 0 {
+		t.Errorf("Unmounted(second Unmount) = %d, want 0", got)
 	}
 }
 

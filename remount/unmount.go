@@ -126,13 +126,29 @@ func (u *Unmounter) unmountAll(ctx context.Context, targets []unmountTarget) ([]
 
 func depth(p string) int { return strings.Count(filepath.Clean(p), "/") }
 
+// notMounted ends the Detail of an unmount that found nothing to take off.
+const notMounted = "not mounted"
+
+// Unmounted counts the mounts that actions of Unmount or UnmountMounts took
+// off (or, in a dry run, would have): those that found a mount and did not
+// fail or find it gone by the time of the unmount.
+func Unmounted(actions []Action) int {
+	n := 0
+	for _, a := range actions {
+		if a.Op == OpUnmount && a.Err == nil && strings.HasPrefix(a.Detail, "mount ") && !strings.HasSuffix(a.Detail, notMounted) {
+			n++
+		}
+	}
+	return n
+}
+
 func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarget) Action {
 	logger := klog.FromContext(ctx).WithValues("path", t.path)
 	a := Action{Op: OpUnmount, Path: t.path, DryRun: u.DryRun}
 	sp, err := OpenSafe(u.root(), t.path)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		a.Detail = "path gone: not mounted"
+		a.Detail = "path gone: " + notMounted
 		return a
 	case err != nil:
 		a.Err = fmt.Errorf("unmount %s: %w", t.path, err)
@@ -141,7 +157,7 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 	}
 	defer sp.Close()
 	if !sp.IsMountPoint() {
-		a.Detail = "not mounted"
+		a.Detail = notMounted
 		return a
 	}
 	if t.id != 0 && sp.MountID != t.id {
@@ -161,7 +177,7 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 	case errors.Is(err, unix.EINVAL):
 		// Not a mount point (any more), or a mount locked into a less
 		// privileged namespace; either way nothing is ours to unmount.
-		a.Detail += ": not mounted"
+		a.Detail += ": " + notMounted
 	case err != nil:
 		a.Err = fmt.Errorf("unmount %s: %w", t.path, err)
 		logger.Error(err, "Lazy unmount failed", "mountID", sp.MountID)

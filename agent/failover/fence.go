@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -185,14 +184,7 @@ func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []P
 			continue
 		}
 		actions, err := u.UnmountMounts(ctx, mounts)
-		for _, a := range actions {
-			// remount.Action says what was found only in Detail: "mount
-			// <id>" for a mount taken off (or, in a dry run, that would
-			// be), with a suffix when it was gone already.
-			if a.Err == nil && a.Op == remount.OpUnmount && strings.HasPrefix(a.Detail, "mount ") && !strings.HasSuffix(a.Detail, "not mounted") {
-				out[i].N++
-			}
-		}
+		out[i].N = remount.Unmounted(actions)
 		if err != nil {
 			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
 		}
