@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -223,7 +224,8 @@ type Restarter struct {
 }
 
 // Restart stops the running containers of pod podUID, only those named in
-// names when any are given, listing them once. It returns the containers it
+// names when any are given, listing them once and stopping them all at
+// once. It returns the containers it
 // stopped (in dry-run: would stop), for the caller to wait for them to run
 // again: a container that is gone by the time it is stopped counts as
 // stopped (kubelet starts it again all the same); one whose stop failed does
@@ -239,40 +241,55 @@ func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string)
 		a := Action{Op: OpStopContainer, Path: "pod " + podUID, DryRun: r.DryRun, Err: err}
 		return nil, []Action{a}, err
 	}
-	var stopped []Container
 	var actions []Action
 	for _, name := range names {
 		if !slices.ContainsFunc(ctrs, func(c Container) bool { return c.Name == name }) {
 			actions = append(actions, Action{Op: OpSkip, Path: "pod " + podUID, Detail: "container " + name + " is not running: nothing to stop"})
 		}
 	}
+	var todo []Container
 	for _, ct := range ctrs {
-		if len(names) > 0 && !slices.Contains(names, ct.Name) {
-			continue
+		if len(names) == 0 || slices.Contains(names, ct.Name) {
+			todo = append(todo, ct)
 		}
+	}
+	// All at once: each stop may take the whole grace period.
+	acts := make([]Action, len(todo))
+	done := make([]bool, len(todo))
+	var wg sync.WaitGroup
+	for i, ct := range todo {
 		a := Action{Op: OpStopContainer, Path: ct.ID, DryRun: r.DryRun,
 			Detail: fmt.Sprintf("container %s of pod %s/%s (attempt %d), grace %s", ct.Name, ct.PodNamespace, ct.PodName, ct.Attempt, grace)}
 		if r.DryRun {
 			logger.V(2).Info("Would stop container", "container", ct.Name, "containerID", ct.ID)
-			actions = append(actions, a)
-			stopped = append(stopped, ct)
+			acts[i], done[i] = a, true
 			continue
 		}
-		start := time.Now()
-		err := r.CRI.StopContainer(ctx, ct.ID, grace)
-		a.Took = time.Since(start)
-		switch {
-		case status.Code(err) == codes.NotFound:
-			a.Detail += ": already gone"
-			stopped = append(stopped, ct)
-		case err != nil:
-			a.Err = fmt.Errorf("stop container %s (%s): %w", ct.Name, ct.ID, err)
-			logger.Error(err, "Stopping container failed", "container", ct.Name, "containerID", ct.ID)
-		default:
-			logger.V(2).Info("Stopped container for kubelet to restart", "container", ct.Name, "containerID", ct.ID)
+		wg.Go(func() {
+			start := time.Now()
+			err := r.CRI.StopContainer(ctx, ct.ID, grace)
+			a.Took = time.Since(start)
+			switch {
+			case status.Code(err) == codes.NotFound:
+				a.Detail += ": already gone"
+				done[i] = true
+			case err != nil:
+				a.Err = fmt.Errorf("stop container %s (%s): %w", ct.Name, ct.ID, err)
+				logger.Error(err, "Stopping container failed", "container", ct.Name, "containerID", ct.ID)
+			default:
+				logger.V(2).Info("Stopped container for kubelet to restart", "container", ct.Name, "containerID", ct.ID)
+				done[i] = true
+			}
+			acts[i] = a
+		})
+	}
+	wg.Wait()
+	var stopped []Container
+	for i, ct := range todo {
+		if done[i] {
 			stopped = append(stopped, ct)
 		}
-		actions = append(actions, a)
 	}
+	actions = append(actions, acts...)
 	return stopped, actions, actionsErr(actions)
 }

@@ -122,7 +122,9 @@ func (rt *fakeRuntime) StopContainer(_ context.Context, req *runtimeapi.StopCont
 	was := c.running
 	c.running = false
 	rt.mu.Unlock()
-	c.c.Kill()
+	if c.c != nil {
+		c.c.Kill()
+	}
 	if was {
 		rt.stopped <- c
 	}
@@ -342,4 +344,49 @@ func testLiveSwapThroughCRI(t *testing.T, d *driverLab) {
 		t.Errorf("find-processes action %v: want processes from the runtime", o.Actions)
 	}
 	wantViews(t, rv.views(prefix))
+}
+
+// TestRestarterStopsNamedContainers: Restart stops the named running
+// containers of the pod (all at once), reports the ones it stopped in the
+// runtime's order, skips a name no running container has, and leaves the
+// pod's other containers and other pods alone.
+func TestRestarterStopsNamedContainers(t *testing.T) {
+	rt, endpoint := startFakeRuntime(t)
+	const pod, other = "11111111-2222-3333-4444-555555555555", "66666666-7777-8888-9999-000000000000"
+	for _, c := range []*fakeCtr{
+		{id: "ctr-app", name: "app", podUID: pod, running: true},
+		{id: "ctr-side", name: "side", podUID: pod, running: true},
+		{id: "ctr-keep", name: "keep", podUID: pod, running: true},
+		{id: "ctr-other", name: "app", podUID: other, running: true},
+	} {
+		rt.add(c)
+	}
+	ctx := context.Background()
+	cri, err := DialCRI(ctx, endpoint, CRIOptions{Timeout: failBound})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cri.Close()
+	r := &Restarter{CRI: cri, Grace: time.Second}
+	stopped, acts, err := r.Restart(ctx, pod, "app", "side", "absent")
+	if err != nil {
+		t.Fatalf("Restart = %v", err)
+	}
+	var ids []string
+	for _, c := range stopped {
+		ids = append(ids, c.ID)
+	}
+	if want := []string{"ctr-app", "ctr-side"}; !slices.Equal(ids, want) {
+		t.Errorf("stopped = %v, want %v", ids, want)
+	}
+	if n := ops(acts); n[OpStopContainer] != 2 || n[OpSkip] != 1 {
+		t.Errorf("actions = %v, want 2 stops and 1 skip", acts)
+	}
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	for id, want := range map[string]bool{"ctr-app": false, "ctr-side": false, "ctr-keep": true, "ctr-other": true} {
+		if got := rt.find(id).running; got != want {
+			t.Errorf("container %s running = %v, want %v", id, got, want)
+		}
+	}
 }

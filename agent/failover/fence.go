@@ -2,14 +2,10 @@ package failover
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"sync"
 	"time"
-
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
@@ -92,33 +88,15 @@ func (f *NodeFence) StopPodContainers(ctx context.Context, podUIDs []string, gra
 	return out
 }
 
+// stopPod stops the pod's running containers (remount.Restarter, which
+// stops them all at once and counts one gone already as stopped).
 func (f *NodeFence) stopPod(ctx context.Context, cri *remount.CRIClient, podUID string, grace time.Duration) PodResult {
-	ctrs, err := cri.PodContainers(ctx, podUID)
+	r := &remount.Restarter{CRI: cri, Grace: grace, DryRun: f.DryRun}
+	stopped, _, err := r.Restart(ctx, podUID)
 	if err != nil {
-		return PodResult{Err: fmt.Errorf("fence pod %s: %w", podUID, err)}
+		err = fmt.Errorf("fence pod %s: %w", podUID, err)
 	}
-	if f.DryRun {
-		return PodResult{N: len(ctrs)}
-	}
-	var mu sync.Mutex
-	var wg sync.WaitGroup
-	var errs []error
-	n := 0
-	for _, ct := range ctrs {
-		wg.Go(func() {
-			err := cri.StopContainer(ctx, ct.ID, grace)
-			mu.Lock()
-			defer mu.Unlock()
-			switch {
-			case err == nil || status.Code(err) == codes.NotFound:
-				n++
-			default:
-				errs = append(errs, fmt.Errorf("stop container %s (%s) of pod %s: %w", ct.Name, ct.ID, podUID, err))
-			}
-		})
-	}
-	wg.Wait()
-	return PodResult{N: n, Err: errors.Join(errs...)}
+	return PodResult{N: len(stopped), Err: err}
 }
 
 // podMounts picks from inv the mounts a fence unmounts for each pod of
