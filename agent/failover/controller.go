@@ -374,6 +374,7 @@ func (c *Controller) evaluate(ctx context.Context, t *term) {
 	for name := range t.state {
 		if !seen[name] {
 			delete(t.state, name)
+			t.obs.forgetNode(name)
 		}
 	}
 

@@ -67,6 +67,14 @@ func (o *observer) observe(key, version string, now time.Time) time.Time {
 
 func (o *observer) forget(key string) { delete(o.seen, key) }
 
+// forgetNode drops every signal of a node that left the scope or the
+// cluster.
+func (o *observer) forgetNode(node string) {
+	for _, k := range []string{kubeletKey(node), readyKey(node), heartbeatKey(node)} {
+		o.forget(k)
+	}
+}
+
 func kubeletKey(node string) string   { return "kubelet/" + node }
 func readyKey(node string) string     { return "ready/" + node }
 func heartbeatKey(node string) string { return "heartbeat/" + node }

@@ -122,4 +122,9 @@ func TestObserverChange(t *testing.T) {
 	if ev := c.gather(o, node, kl, hb3, t0.Add(100*time.Second)); ev.HeartbeatSilent != 0 {
 		t.Errorf("heartbeat silent %s after a new holder, want 0", ev.HeartbeatSilent)
 	}
+	// A node that leaves leaves nothing behind.
+	o.forgetNode(node.Name)
+	if len(o.seen) != 0 {
+		t.Errorf("signals kept after forgetNode(%s): %v", node.Name, o.seen)
+	}
 }
