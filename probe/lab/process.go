@@ -168,24 +168,3 @@ func (p *Process) WaitDial(network, address string, timeout time.Duration) error
 		time.Sleep(50 * time.Millisecond)
 	}
 }
-
-// FreePorts returns n distinct free TCP ports on the loopback interface.
-// Another process may take one before it is used.
-func FreePorts(n int) ([]int, error) {
-	var ports []int
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("find a free port: %w", err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
