@@ -31,7 +31,7 @@ import (
 	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
-var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml) and the metrics capture (testdata/metrics.txt)")
+var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml, the Helm chart's templates) and the metrics capture (testdata/metrics.txt)")
 
 func TestMain(m *testing.M) {
 	code := lab.Run(m)

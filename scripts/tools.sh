@@ -19,6 +19,7 @@ ETCD_VERSION=v3.6.16
 KUBE_VERSION=v1.37.1
 S3DRIVER_VERSION=v0.43.7
 VERSITYGW_VERSION=v1.8.0
+HELM_VERSION=v3.22.0
 
 TOOLS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tools
 CACHE=${MOUNTMEDIC_CACHE:-/var/cache/mountmedic}
@@ -37,6 +38,7 @@ COMPONENTS=(
 	"etcd|$ETCD_VERSION|etcd|go.etcd.io/etcd/server/v3"
 	"s3driver|$S3DRIVER_VERSION|s3driver|github.com/yandex-cloud/k8s-csi-s3/cmd/s3driver"
 	"versitygw|$VERSITYGW_VERSION|versitygw|github.com/versity/versitygw/cmd/versitygw"
+	"helm|$HELM_VERSION|helm|helm.sh/helm/v3/cmd/helm"
 )
 
 log() { printf '%s tools: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -56,6 +58,7 @@ module_of() {
 	go.etcd.io/etcd/server/v3) echo go.etcd.io/etcd/server/v3 ;;
 	github.com/yandex-cloud/k8s-csi-s3/*) echo github.com/yandex-cloud/k8s-csi-s3 ;;
 	github.com/versity/versitygw/*) echo github.com/versity/versitygw ;;
+	helm.sh/helm/v3/*) echo helm.sh/helm/v3 ;;
 	*) die "no module known for $1" ;;
 	esac
 }
