@@ -134,6 +134,9 @@ func TestNodeBlastRadius(t *testing.T) {
 	if err := agent.CheckNodeIdentity(ctx, asNode, nodeB); !errors.Is(err, agent.ErrNotNodeIdentity) {
 		t.Errorf("CheckNodeIdentity(node A's credentials, %s) = %v, want ErrNotNodeIdentity", nodeB, err)
 	}
+	if err := agent.CheckNodeIdentity(ctx, admin, nodeA); !errors.Is(err, agent.ErrNotNodeIdentity) {
+		t.Errorf("CheckNodeIdentity(the admin's credentials, %s) = %v, want ErrNotNodeIdentity", nodeA, err)
+	}
 	asSA := clientFor(t, c.PodTokenConfig(t, objs[nodeA].agentPod))
 	a, b := objs[nodeA], objs[nodeB]
 
