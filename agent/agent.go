@@ -155,7 +155,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 func (a *Agent) PodInformer() cache.SharedIndexInformer { return a.podInf }
 
 // NewClient makes a client from the kubeconfig file, or the in-cluster
-// configuration when kubeconfig is empty.
+// configuration when kubeconfig is empty: the agent's ServiceAccount, which
+// only the failover heartbeat's Lease uses (WithLeases). The agent's own
+// client is NewNodeClient's.
 func NewClient(kubeconfig, version string) (kubernetes.Interface, error) {
 	var rc *rest.Config
 	var err error

@@ -97,8 +97,8 @@ type agentProcess struct {
 }
 
 // startAgentProcess runs `mountmedic agent` with its default flags for the
-// lab node, as the mountmedic ServiceAccount, through a request-counting
-// proxy to the API server.
+// lab node, with the node's credentials (the proxy adds them), through a
+// request-counting proxy to the API server.
 func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
 	b.Helper()
 	p := &agentProcess{}
@@ -140,7 +140,7 @@ func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
 	p.metrics = mln.Addr().String()
 	mln.Close()
 
-	cmd := exec.Command(bin, "agent", "--kubeconfig", kubeconfig, "--node-name", e.node,
+	cmd := exec.Command(bin, "agent", "--node-kubeconfig", kubeconfig, "--node-name", e.node,
 		"--kubelet-root", e.kubelet.Root(), "--metrics-addr", p.metrics)
 	logf, err := os.Create(filepath.Join(b.TempDir(), "agent.log"))
 	if err != nil {

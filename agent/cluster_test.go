@@ -35,10 +35,8 @@ func TestMain(m *testing.M) {
 
 // Names of the fixtures.
 const (
-	agentNamespace = "mountmedic"
-	agentAccount   = "mountmedic"
-	testNamespace  = "apps"
-	labDriver      = "lab.csi.mountmedic.io"
+	testNamespace = "apps"
+	labDriver     = "lab.csi.mountmedic.io"
 )
 
 // env is a real control plane with mountmedic's manifests applied, a lab
@@ -47,8 +45,10 @@ type env struct {
 	t       testing.TB
 	cluster *kubetest.Cluster
 	admin   kubernetes.Interface
-	// agentConfig authenticates as the mountmedic ServiceAccount, under the
-	// RBAC of deploy/.
+	// agentConfig authenticates as the agent does in the shipped DaemonSet:
+	// with the lab node's own identity (system:node:<node>), read from a
+	// kubeconfig laid out as kubeadm's kubelet.conf (agent.NodeRESTConfig),
+	// under the Node authorizer and NodeRestriction.
 	agentConfig *rest.Config
 	kubelet     *lab.Kubelet
 	node        string
@@ -67,11 +67,26 @@ func newEnv(t testing.TB, controllers []string) *env {
 	c.CreateNamespace(t, testNamespace)
 	e := &env{
 		t: t, cluster: c, admin: c.Client,
-		agentConfig: c.ServiceAccountConfig(t, agentNamespace, agentAccount),
-		kubelet:     lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet")),
-		node:        lab.DefaultNodeName,
+		kubelet: lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet")),
+		node:    lab.DefaultNodeName,
 	}
+	e.agentConfig = nodeConfig(t, c, e.node)
 	return e
+}
+
+// nodeConfig is the agent's client configuration in the shipped DaemonSet:
+// node's own identity from a kubeconfig that names kubelet's certificate
+// file, checked as the command checks it.
+func nodeConfig(t testing.TB, c *kubetest.Cluster, node string) *rest.Config {
+	t.Helper()
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "etc", "kubernetes", "kubelet.conf")
+	c.WriteNodeKubeconfig(t, kubeconfig, filepath.Join(dir, "var", "lib", "kubelet"), node, "")
+	rc, err := agent.NodeRESTConfig(kubeconfig, node)
+	if err != nil {
+		t.Fatalf("node credentials: %v", err)
+	}
+	return rc
 }
 
 // config is the agent configuration of the tests: this lab's kubelet root,
@@ -97,7 +112,7 @@ type runningAgent struct {
 	done   chan error
 }
 
-// startAgent runs an agent as the mountmedic ServiceAccount until the test
+// startAgent runs an agent with the lab node's credentials until the test
 // ends.
 func (e *env) startAgent(cfg agent.Config, deps agent.Deps) *runningAgent {
 	e.t.Helper()
@@ -354,8 +369,8 @@ func (r *recorder) snapshot() map[string]int {
 	return out
 }
 
-// countingClient is a client as the mountmedic ServiceAccount that counts
-// its requests.
+// countingClient is a client with the agent's credentials that counts its
+// requests.
 func (e *env) countingClient() (kubernetes.Interface, *recorder) {
 	e.t.Helper()
 	cfg := rest.CopyConfig(e.agentConfig)

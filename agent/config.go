@@ -105,7 +105,13 @@ func (t Tiers) Names() []string {
 type Config struct {
 	// NodeName is this node (--node-name, default $NODE_NAME).
 	NodeName string
-	// Kubeconfig is a kubeconfig file; empty means the in-cluster config.
+	// NodeKubeconfig is the kubeconfig of the node's own identity (the
+	// kubelet's, system:node:<NodeName>): every API call of the agent but
+	// the heartbeat Lease goes with it (see NewNodeClient).
+	NodeKubeconfig string
+	// Kubeconfig holds the agent's ServiceAccount credentials, used only
+	// for the failover heartbeat Lease; empty means the pod's in-cluster
+	// token.
 	Kubeconfig string
 	// KubeletRoot is kubelet's --root-dir.
 	KubeletRoot string
@@ -171,6 +177,7 @@ type Config struct {
 func DefaultConfig() Config {
 	tiers, _ := ParseTiers(DefaultTiers)
 	return Config{
+		NodeKubeconfig:       DefaultNodeKubeconfig,
 		KubeletRoot:          probe.DefaultKubeletRoot,
 		HostTable:            "/proc/self/mountinfo",
 		ProbeInterval:        2 * time.Second,

@@ -4,9 +4,11 @@
 //
 // agent owns:
 //
-//   - the Kubernetes side: a pod informer scoped to this node (field selector
-//     spec.nodeName), GETs of the PersistentVolumes, PersistentVolumeClaims,
-//     CSIDrivers and VolumeAttachments a repair needs (kept in a small
+//   - the Kubernetes side, with the node's own identity (the kubelet's
+//     credentials, NewNodeClient; the Node authorizer and NodeRestriction
+//     confine it to this node's objects): a pod informer scoped to this
+//     node (field selector spec.nodeName), GETs of the PersistentVolumes,
+//     PersistentVolumeClaims, CSIDrivers and VolumeAttachments a repair needs (kept in a small
 //     bounded cache so that a re-stage still works while the API server is
 //     unreachable), Secrets fetched for one repair and dropped after it,
 //     evictions through the Eviction API, and events.k8s.io events;

@@ -38,7 +38,6 @@ var chartParts = []struct{ dir, file, enable string }{
 	{".", "agent.yaml", ""},
 	{"prometheus", "prometheus.yaml", "prometheus.enabled"},
 	{"grafana", "grafana.yaml", "grafana.enabled"},
-	{"csi-token-requests", "csi-token-requests.yaml", "csiTokenRequests.enabled"},
 }
 
 // The namespace every kustomization installs into: in the chart, the
@@ -322,7 +321,7 @@ func TestChartValues(t *testing.T) {
 		"agent.extraArgs={--probe-interval=5s}",
 		"agent.resources.limits.memory=256Mi",
 		"agent.nodeSelector.pool=storage",
-		"prometheus.enabled=true", "grafana.enabled=true", "csiTokenRequests.enabled=true")
+		"prometheus.enabled=true", "grafana.enabled=true")
 	var ds appsv1.DaemonSet
 	if err := yaml.Unmarshal(find(t, objs, "DaemonSet", "mountmedic").raw, &ds); err != nil {
 		t.Fatal(err)
@@ -358,7 +357,7 @@ func TestChartValues(t *testing.T) {
 func TestChartLint(t *testing.T) {
 	helm := lab.RequireTool(t, "helm")
 	run(t, ".", helm, "lint", "--strict", "--kube-version", kubeVersion, chartDir)
-	run(t, ".", helm, "lint", "--strict", "--kube-version", kubeVersion, chartDir, "--set", "failover.enabled=true,prometheus.enabled=true,grafana.enabled=true,csiTokenRequests.enabled=true")
+	run(t, ".", helm, "lint", "--strict", "--kube-version", kubeVersion, chartDir, "--set", "failover.enabled=true,prometheus.enabled=true,grafana.enabled=true")
 }
 
 // TestChartInstall installs the chart as a user would, with helm against the
@@ -383,7 +382,7 @@ func TestChartInstall(t *testing.T) {
 		return out
 	}
 	h("install", "mountmedic", chartDir, "--namespace", "storage-ops", "--create-namespace",
-		"--set", "prometheus.enabled=true,grafana.enabled=true,csiTokenRequests.enabled=true", "--wait=false")
+		"--set", "prometheus.enabled=true,grafana.enabled=true", "--wait=false")
 	ctx := context.Background()
 	ds, err := c.Client.AppsV1().DaemonSets("storage-ops").Get(ctx, "mountmedic", metav1.GetOptions{})
 	if err != nil {

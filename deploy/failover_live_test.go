@@ -82,7 +82,7 @@ type simNode struct {
 // while the node lives), a StatefulSet "db" whose pod db-0 runs there with
 // a ReadWriteOnce CSI claim, publishes that volume in a lab kubelet tree,
 // and starts the node's agent with args (the DaemonSet's and the failover
-// flags) behind a proxy, as the mountmedic ServiceAccount.
+// flags) behind a proxy, with the node's credentials and its pod's token.
 func startSimNode(ctx context.Context, t *testing.T, c *kubetest.Cluster, bin string, args []string) *simNode {
 	t.Helper()
 	cs := c.Client
@@ -162,8 +162,8 @@ func startSimNode(ctx context.Context, t *testing.T, c *kubetest.Cluster, bin st
 	}
 	n.proxy = lab.StartTCPProxy(t, u.Host)
 	n.metricsAddr = freeAddr(t)
-	kubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic", "https://"+n.proxy.Addr())
-	args = append(args, "--kubeconfig="+kubeconfig, "--node-name="+simNodeName, "--kubelet-root="+kl.Root(),
+	args = append(args, agentCredentials(ctx, t, c, simNodeName, "https://"+n.proxy.Addr())...)
+	args = append(args, "--node-name="+simNodeName, "--kubelet-root="+kl.Root(),
 		"--host-table=/proc/self/mountinfo", "--metrics-addr="+n.metricsAddr, "-v=2",
 		// The leader runs on the lab node; a partitioned node must not be
 		// the one to judge.

@@ -26,10 +26,12 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
@@ -115,12 +117,19 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
-	// The control plane, with deploy/ applied: the agent runs as its
-	// ServiceAccount, under its RBAC. The controllers: liveControllers.
+	// The control plane, with deploy/ applied: the agent runs with its
+	// node's credentials (Node authorizer, NodeRestriction) and its pod's
+	// ServiceAccount token, as the DaemonSet gives them. The controllers:
+	// liveControllers.
 	c := kubetest.Start(t, kubetest.Options{Controllers: liveControllers, ControllerManagerArgs: liveKCMArgs})
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
-	agentKubeconfig := writeKubeconfig(t, c, "mountmedic", "mountmedic", "")
 	c.CreateNamespace(t, appsNS)
+	credentials := agentCredentials(ctx, t, c, labNode, "")
+	// The lab agent also leads the failover duty, whose election Lease
+	// the heartbeat policy refuses to the agents' ServiceAccount: until
+	// that duty moves to mountmedic controller, the lab agent's
+	// ServiceAccount is one of its own (a later flag wins).
+	credentials = append(credentials, "--kubeconfig="+leaderKubeconfig(ctx, t, c))
 
 	// Pods in the API and their volumes in a lab kubelet tree.
 	kl := lab.NewKubelet(t, filepath.Join(t.TempDir(), "var", "lib", "kubelet"))
@@ -132,7 +141,7 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	ds, _ := daemonSet(t)
 	metricsAddr := freeAddr(t)
 	dsArgs := append(slices.Clone(ds.Spec.Template.Spec.Containers[0].Args), liveFailoverFlags...)
-	args := append(slices.Clone(dsArgs), "--kubeconfig="+agentKubeconfig, "--node-name="+labNode, "--kubelet-root="+kl.Root(),
+	args := append(append(slices.Clone(dsArgs), credentials...), "--node-name="+labNode, "--kubelet-root="+kl.Root(),
 		"--host-table=/proc/self/mountinfo", "--metrics-addr="+metricsAddr, "-v=2")
 	agent := startProcess(t, "agent", []string{"POD_NAMESPACE=mountmedic", "POD_NAME=mountmedic-" + labNode}, bin, args...)
 	started := time.Now()
@@ -445,25 +454,74 @@ func createClaim(ctx context.Context, t *testing.T, cs kubernetes.Interface, nam
 	}
 }
 
-// writeKubeconfig writes a kubeconfig that authenticates as the
-// ServiceAccount namespace/name with a real token, reaching the API server
-// at server (empty: directly).
-func writeKubeconfig(t *testing.T, c *kubetest.Cluster, namespace, name, server string) string {
+// writeKubeconfig writes a kubeconfig that authenticates with rc's bearer
+// token, reaching the API server at server (empty: rc's).
+func writeKubeconfig(t *testing.T, rc *rest.Config, server string) string {
 	t.Helper()
-	rc := c.ServiceAccountConfig(t, namespace, name)
 	if server == "" {
 		server = rc.Host
 	}
 	cfg := clientcmdapi.NewConfig()
 	cfg.Clusters["lab"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: rc.CAData}
-	cfg.AuthInfos[name] = &clientcmdapi.AuthInfo{Token: rc.BearerToken}
-	cfg.Contexts["lab"] = &clientcmdapi.Context{Cluster: "lab", AuthInfo: name}
+	cfg.AuthInfos["token"] = &clientcmdapi.AuthInfo{Token: rc.BearerToken}
+	cfg.Contexts["lab"] = &clientcmdapi.Context{Cluster: "lab", AuthInfo: "token"}
 	cfg.CurrentContext = "lab"
 	path := filepath.Join(t.TempDir(), "kubeconfig")
 	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
 		t.Fatal(err)
 	}
 	return path
+}
+
+// agentCredentials lays out what the DaemonSet gives node's agent and
+// returns the agent's flags for them: the kubelet's kubeconfig (node's own
+// identity, its certificate in a file, as kubeadm writes it) and the token
+// kubelet projects into the agent's pod (a pod mountmedic-<node> bound to
+// node, which this creates), both reaching the API server at server
+// (empty: directly).
+func agentCredentials(ctx context.Context, t *testing.T, c *kubetest.Cluster, node, server string) []string {
+	t.Helper()
+	dir := t.TempDir()
+	nodeKubeconfig := filepath.Join(dir, "etc", "kubernetes", "kubelet.conf")
+	c.WriteNodeKubeconfig(t, nodeKubeconfig, filepath.Join(dir, "var", "lib", "kubelet"), node, server)
+	pod, err := c.Client.CoreV1().Pods("mountmedic").Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "mountmedic-" + node, Labels: map[string]string{"app.kubernetes.io/name": "mountmedic"}},
+		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: "mountmedic",
+			Containers: []corev1.Container{{Name: "agent", Image: "mountmedic"}},
+			// The DaemonSet's: the taint eviction controller must leave it
+			// (and so its token) on an out-of-service node.
+			Tolerations: []corev1.Toleration{{Operator: corev1.TolerationOpExists}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create the agent's pod on %s: %v", node, err)
+	}
+	return []string{"--node-kubeconfig=" + nodeKubeconfig, "--kubeconfig=" + writeKubeconfig(t, c.PodTokenConfig(t, pod), server)}
+}
+
+// leaderKubeconfig is a kubeconfig of the ServiceAccount
+// mountmedic/mountmedic-leader, bound to the failover ClusterRole and the
+// Lease Role: the in-agent failover leader's account, until that duty moves
+// to mountmedic controller and its own account.
+func leaderKubeconfig(ctx context.Context, t *testing.T, c *kubetest.Cluster) string {
+	t.Helper()
+	const name = "mountmedic-leader"
+	rc := c.ServiceAccountConfig(t, "mountmedic", name) // creates the account
+	subjects := []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "mountmedic", Name: name}}
+	if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "mountmedic-failover"},
+		Subjects:   subjects,
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.RbacV1().RoleBindings("mountmedic").Create(ctx, &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "mountmedic"},
+		Subjects:   subjects,
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return writeKubeconfig(t, rc, "")
 }
 
 // freeAddr returns a loopback address with a port free right now.

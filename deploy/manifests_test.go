@@ -30,10 +30,10 @@ var kustomizations = []struct {
 	dir   string
 	kinds []string
 }{
-	{".", []string{"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Service"}},
+	{".", []string{"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Service",
+		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
-	{"csi-token-requests", []string{"ClusterRole", "ClusterRoleBinding"}},
 }
 
 func TestKustomizationsRender(t *testing.T) {
@@ -77,13 +77,13 @@ func decodeDaemonSet(t *testing.T, objs []object) *appsv1.DaemonSet {
 }
 
 // checkAgentArgs runs `mountmedic` with a DaemonSet's args, a node name and
-// a kubeconfig that does not exist. The agent validates its configuration
+// a node kubeconfig that does not exist. The agent validates its configuration
 // before it connects, so the only complaint must be about that kubeconfig:
 // the agent's own validation judges the args' values.
 func checkAgentArgs(t *testing.T, bin string, args []string) {
 	t.Helper()
 	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
-	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--kubeconfig="+missing)
+	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--node-kubeconfig="+missing)
 	out, err := exec.Command(bin, cmdArgs...).CombinedOutput()
 	if err == nil || !strings.Contains(string(out), missing) || strings.Count(strings.TrimSpace(string(out)), "\n") > 0 {
 		t.Errorf("mountmedic %s: want one error naming the missing kubeconfig, got %v:\n%s", strings.Join(cmdArgs, " "), err, out)
@@ -329,44 +329,54 @@ func TestApplyServerDryRun(t *testing.T) {
 }
 
 // checkAccess asks the API server what the agent's ServiceAccount may do:
-// what the agent needs must be allowed, the rest denied.
+// the heartbeat Lease in its namespace, nothing else. The agent's other API
+// calls go with its node's identity, which TestNodeBlastRadius judges with
+// real requests. The in-agent failover leader's binding is deleted first:
+// that cluster-wide duty moves to its own ServiceAccount (mountmedic
+// controller).
 func checkAccess(t *testing.T, c *kubetest.Cluster) {
 	t.Helper()
+	withoutFailoverLeader(context.Background(), t, c)
 	const user = "system:serviceaccount:mountmedic:mountmedic"
 	type ra = authorizationv1.ResourceAttributes
+	lease := func(verb, ns string) ra {
+		return ra{Verb: verb, Group: "coordination.k8s.io", Resource: "leases", Namespace: ns}
+	}
 	for _, tc := range []struct {
 		name  string
 		attrs ra
 		allow bool
 	}{
-		{"watch pods", ra{Verb: "watch", Resource: "pods"}, true},
-		{"list pods", ra{Verb: "list", Resource: "pods"}, true},
-		{"get pod", ra{Verb: "get", Resource: "pods", Namespace: "apps"}, true},
-		{"evict pod", ra{Verb: "create", Resource: "pods", Subresource: "eviction", Namespace: "apps"}, true},
-		{"delete pod (opt-in tiers)", ra{Verb: "delete", Resource: "pods", Namespace: "apps"}, true},
-		{"create events", ra{Verb: "create", Group: "events.k8s.io", Resource: "events", Namespace: "apps"}, true},
-		{"patch events", ra{Verb: "patch", Group: "events.k8s.io", Resource: "events", Namespace: "apps"}, true},
-		{"get pv", ra{Verb: "get", Resource: "persistentvolumes"}, true},
-		{"get pvc", ra{Verb: "get", Resource: "persistentvolumeclaims", Namespace: "apps"}, true},
-		{"get csidriver", ra{Verb: "get", Group: "storage.k8s.io", Resource: "csidrivers"}, true},
-		{"list volumeattachments", ra{Verb: "list", Group: "storage.k8s.io", Resource: "volumeattachments"}, true},
-		{"get secret", ra{Verb: "get", Resource: "secrets", Namespace: "apps"}, true},
-		{"mint token (csi-token-requests applied)", ra{Verb: "create", Resource: "serviceaccounts", Subresource: "token", Namespace: "apps"}, true},
-		{"patch node (failover taint)", ra{Verb: "patch", Resource: "nodes"}, true},
-		{"update own lease", ra{Verb: "update", Group: "coordination.k8s.io", Resource: "leases", Namespace: "mountmedic"}, true},
+		{"get leases", lease("get", "mountmedic"), true},
+		{"list leases", lease("list", "mountmedic"), true},
+		{"create a lease (its node's: the policy)", lease("create", "mountmedic"), true},
+		{"update a lease (its node's: the policy)", lease("update", "mountmedic"), true},
 
+		{"delete leases", lease("delete", "mountmedic"), false},
+		{"patch leases", lease("patch", "mountmedic"), false},
+		{"watch leases", lease("watch", "mountmedic"), false},
+		{"leases elsewhere", lease("update", "kube-node-lease"), false},
+		{"watch pods", ra{Verb: "watch", Resource: "pods"}, false},
+		{"list pods", ra{Verb: "list", Resource: "pods"}, false},
+		{"get pod", ra{Verb: "get", Resource: "pods", Namespace: "apps"}, false},
+		{"evict pod", ra{Verb: "create", Resource: "pods", Subresource: "eviction", Namespace: "apps"}, false},
+		{"delete pod", ra{Verb: "delete", Resource: "pods", Namespace: "apps"}, false},
+		{"create events", ra{Verb: "create", Group: "events.k8s.io", Resource: "events", Namespace: "apps"}, false},
+		{"get pv", ra{Verb: "get", Resource: "persistentvolumes"}, false},
+		{"get pvc", ra{Verb: "get", Resource: "persistentvolumeclaims", Namespace: "apps"}, false},
+		{"get csidriver", ra{Verb: "get", Group: "storage.k8s.io", Resource: "csidrivers"}, false},
+		{"list volumeattachments", ra{Verb: "list", Group: "storage.k8s.io", Resource: "volumeattachments"}, false},
+		{"delete volumeattachments", ra{Verb: "delete", Group: "storage.k8s.io", Resource: "volumeattachments"}, false},
+		{"get secret", ra{Verb: "get", Resource: "secrets", Namespace: "apps"}, false},
+		{"get secret in its namespace", ra{Verb: "get", Resource: "secrets", Namespace: "mountmedic"}, false},
 		{"list secrets", ra{Verb: "list", Resource: "secrets", Namespace: "apps"}, false},
-		{"watch secrets", ra{Verb: "watch", Resource: "secrets"}, false},
-		{"create pods", ra{Verb: "create", Resource: "pods", Namespace: "apps"}, false},
-		{"update pods", ra{Verb: "update", Resource: "pods", Namespace: "apps"}, false},
-		{"exec into pods", ra{Verb: "create", Resource: "pods", Subresource: "exec", Namespace: "apps"}, false},
-		{"update pv", ra{Verb: "update", Resource: "persistentvolumes"}, false},
-		{"list pv", ra{Verb: "list", Resource: "persistentvolumes"}, false},
+		{"mint token", ra{Verb: "create", Resource: "serviceaccounts", Subresource: "token", Namespace: "apps"}, false},
+		{"patch node", ra{Verb: "patch", Resource: "nodes"}, false},
 		{"delete nodes", ra{Verb: "delete", Resource: "nodes"}, false},
-		{"update nodes", ra{Verb: "update", Resource: "nodes"}, false},
-		{"leases elsewhere", ra{Verb: "update", Group: "coordination.k8s.io", Resource: "leases", Namespace: "kube-node-lease"}, false},
-		{"delete leases", ra{Verb: "delete", Group: "coordination.k8s.io", Resource: "leases", Namespace: "mountmedic"}, false},
+		{"create pods", ra{Verb: "create", Resource: "pods", Namespace: "mountmedic"}, false},
+		{"exec into pods", ra{Verb: "create", Resource: "pods", Subresource: "exec", Namespace: "mountmedic"}, false},
 		{"escalate", ra{Verb: "create", Group: "rbac.authorization.k8s.io", Resource: "clusterrolebindings"}, false},
+		{"change the lease policy", ra{Verb: "update", Group: "admissionregistration.k8s.io", Resource: "validatingadmissionpolicies"}, false},
 	} {
 		attrs := tc.attrs
 		sar, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), &authorizationv1.SubjectAccessReview{

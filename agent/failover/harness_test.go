@@ -25,6 +25,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	coordinationv1client "k8s.io/client-go/kubernetes/typed/coordination/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
@@ -212,6 +213,31 @@ func (h *harness) saClient(t testing.TB, host string) kubernetes.Interface {
 	return cl
 }
 
+// nodeClient is a client with node's own identity (system:node:<node>, as
+// the agent acts), through host when it is not empty (a proxy).
+func (h *harness) nodeClient(t testing.TB, node, host string) kubernetes.Interface {
+	cfg := h.c.NodeConfig(t, node)
+	if host != "" {
+		cfg.Host = host
+	}
+	cl, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatalf("node client: %v", err)
+	}
+	return cl
+}
+
+// leasesAs sends Lease requests through leases and the rest through the
+// embedded client, as agent.WithLeases does in the command.
+type leasesAs struct {
+	kubernetes.Interface
+	leases kubernetes.Interface
+}
+
+func (c leasesAs) CoordinationV1() coordinationv1client.CoordinationV1Interface {
+	return c.leases.CoordinationV1()
+}
+
 // fastConfig is a failover configuration with test timings (the
 // controller manager of the tests runs a 6 s node monitor grace period).
 func fastConfig(caseName string) Config {
@@ -374,11 +400,14 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 	}
 	cfg.NodeName = n.name
 	cfg.Identity = "agent-" + n.name
-	client := n.h.saClient(t, "https://"+n.proxy.Addr())
+	// As the command wires it: the node's pods with the node's own
+	// identity, the heartbeat Lease with the ServiceAccount.
+	node := n.h.nodeClient(t, n.name, "https://"+n.proxy.Addr())
+	client := leasesAs{Interface: node, leases: n.h.saClient(t, "https://"+n.proxy.Addr())}
 	ctx, cancel := context.WithCancel(n.h.ctx)
 	// The node's pod informer, which the agent owns in the command: started
 	// here, read by the heartbeat, stopped with it.
-	factory := informers.NewSharedInformerFactoryWithOptions(client, 0,
+	factory := informers.NewSharedInformerFactoryWithOptions(node, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", n.name).String()
 		}))

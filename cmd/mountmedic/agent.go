@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -10,6 +11,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
@@ -45,9 +48,13 @@ dead ones through the repair ladder (--tiers, least disruptive first):
   delete, force-delete   opt-in: delete with a UID precondition; force-delete
             pods stuck terminating
 
-It reads pods of this node only (a field selector on spec.nodeName) and gets
+It acts with its node's own identity, the kubelet's credentials
+(--node-kubeconfig, system:node:<node>), which the API server's Node
+authorizer and NodeRestriction confine to this node's objects: it reads pods
+of this node only (a field selector on spec.nodeName) and gets
 PersistentVolumes, claims, CSIDrivers, VolumeAttachments and Secrets by name
-when a repair needs them. With --dry-run it decides, records events (marked
+when a repair needs them. The ServiceAccount (--kubeconfig, default the pod's
+token) is used only for the failover heartbeat Lease. With --dry-run it decides, records events (marked
 [dry-run]) and metrics, and changes nothing.
 
 With --failover (off by default) it also renews a heartbeat Lease for its
@@ -68,7 +75,8 @@ of the cluster failover duty, which moves such pods off nodes confirmed dead
 func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	c := &f.cfg
 	fl.StringVar(&c.NodeName, "node-name", c.NodeName, "this node's name (default $NODE_NAME, from the downward API)")
-	fl.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty uses the in-cluster service account")
+	fl.StringVar(&c.NodeKubeconfig, "node-kubeconfig", c.NodeKubeconfig, "kubeconfig of this node's own identity (the kubelet's, system:node:<node>), with which the agent makes every API call but the heartbeat Lease")
+	fl.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's ServiceAccount, used only for the failover heartbeat Lease; empty uses the pod's in-cluster token")
 	fl.StringVar(&c.KubeletRoot, "kubelet-root", c.KubeletRoot, "kubelet root directory (kubelet --root-dir)")
 	fl.StringVar(&c.HostTable, "host-table", c.HostTable, "mount table to watch and probe (/proc/1/mountinfo with hostPID)")
 	fl.DurationVar(&c.ProbeInterval, "probe-interval", c.ProbeInterval, "time between probe cycles (jittered by 10%)")
@@ -110,6 +118,26 @@ func agentConfig(f *agentFlags) (agent.Config, error) {
 	return cfg, nil
 }
 
+// checkNodeIdentity asks the API server whether client is this node's own
+// identity. Credentials that are not fail the start; an API server that
+// does not answer within --api-timeout is let be (the agent detects and
+// reports without it, and a certificate was already judged by
+// NewNodeClient).
+func checkNodeIdentity(ctx context.Context, client kubernetes.Interface, cfg agent.Config) error {
+	cctx, cancel := context.WithTimeout(ctx, cfg.APITimeout)
+	defer cancel()
+	err := agent.CheckNodeIdentity(cctx, client, cfg.NodeName)
+	switch {
+	case errors.Is(err, agent.ErrNotNodeIdentity):
+		return fmt.Errorf("--node-kubeconfig %s: %w", cfg.NodeKubeconfig, err)
+	case apierrors.IsUnauthorized(err):
+		return fmt.Errorf("--node-kubeconfig %s: the API server rejects these credentials (an expired or foreign client certificate?): %w", cfg.NodeKubeconfig, err)
+	case err != nil:
+		klog.FromContext(ctx).Info("Cannot check the node credentials now; going on", "err", err)
+	}
+	return nil
+}
+
 func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	cfg, err := agentConfig(f)
 	if err != nil {
@@ -121,9 +149,19 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if err := fcfg.Validate(); err != nil {
 		return err
 	}
-	client, err := agent.NewClient(cfg.Kubeconfig, version)
+	client, err := agent.NewNodeClient(cfg.NodeKubeconfig, cfg.NodeName, version)
 	if err != nil {
 		return err
+	}
+	if err := checkNodeIdentity(cmd.Context(), client, cfg); err != nil {
+		return err
+	}
+	// The ServiceAccount: only the failover duties use it.
+	var sa kubernetes.Interface
+	if fcfg.Enabled {
+		if sa, err = agent.NewClient(cfg.Kubeconfig, version); err != nil {
+			return err
+		}
 	}
 	repairer, err := remount.New(remount.Config{
 		KubeletRoot: cfg.KubeletRoot,
@@ -160,12 +198,16 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
 			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
-		if hb, err = failover.NewHeartbeat(fcfg, client, a.PodInformer(), fence, fence, deps.Registry); err != nil {
+		// The heartbeat's Lease as the ServiceAccount (a node may write
+		// Leases only in kube-node-lease), its node's pods as the node.
+		if hb, err = failover.NewHeartbeat(fcfg, agent.WithLeases(client, sa), a.PodInformer(), fence, fence, deps.Registry); err != nil {
 			return err
 		}
 		duties = append(duties, hb.Run)
 		if fcfg.Candidate {
-			ctl, err := failover.NewController(fcfg, client, deps.Registry)
+			// The cluster side reaches other nodes: not with this
+			// node's identity.
+			ctl, err := failover.NewController(fcfg, sa, deps.Registry)
 			if err != nil {
 				return err
 			}

@@ -3,23 +3,52 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 )
 
 func TestAgentBadInput(t *testing.T) {
 	t.Setenv("NODE_NAME", "")
-	kubeconfig := filepath.Join(t.TempDir(), "missing-kubeconfig")
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "missing-kubeconfig")
+	// Node kubeconfigs whose API server does not answer (port 1): only the
+	// certificate can be judged, and the agent goes on to its next step.
+	n1 := nodeKubeconfig(t, dir, "n1", "system:node:n1", "system:nodes")
+	n2 := nodeKubeconfig(t, dir, "n2", "system:node:n2", "system:nodes")
+	admin := nodeKubeconfig(t, dir, "admin", "kubernetes-admin", "system:masters")
+	notNodes := nodeKubeconfig(t, dir, "no-group", "system:node:n1", "system:authenticated")
 	tests := map[string]struct {
 		args []string
 		want []string // substrings of stderr
 	}{
-		"no node name":      {[]string{"agent"}, []string{"--node-name is empty", "NODE_NAME"}},
-		"unknown tier":      {[]string{"agent", "--node-name", "n1", "--tiers", "restage,evcit"}, []string{"--tiers", `"evcit"`}},
-		"relative root":     {[]string{"agent", "--node-name", "n1", "--kubelet-root", "kubelet"}, []string{"--kubelet-root", "absolute"}},
-		"zero interval":     {[]string{"agent", "--node-name", "n1", "--probe-interval", "0s"}, []string{"--probe-interval 0s"}},
-		"missing config":    {[]string{"agent", "--node-name", "n1", "--kubeconfig", kubeconfig}, []string{"--kubeconfig", "missing-kubeconfig"}},
+		"no node name":  {[]string{"agent"}, []string{"--node-name is empty", "NODE_NAME"}},
+		"unknown tier":  {[]string{"agent", "--node-name", "n1", "--tiers", "restage,evcit"}, []string{"--tiers", `"evcit"`}},
+		"relative root": {[]string{"agent", "--node-name", "n1", "--kubelet-root", "kubelet"}, []string{"--kubelet-root", "absolute"}},
+		"zero interval": {[]string{"agent", "--node-name", "n1", "--probe-interval", "0s"}, []string{"--probe-interval 0s"}},
+		"missing node config": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", kubeconfig},
+			[]string{"--node-kubeconfig", "missing-kubeconfig", "kubelet's kubeconfig"}},
+		"empty node config": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", ""}, []string{"--node-kubeconfig is empty"}},
+		"admin, not a node": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", admin},
+			[]string{"not this node's identity", `"kubernetes-admin"`, `"system:node:n1"`}},
+		"another node": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", n2},
+			[]string{"not this node's identity", `"system:node:n2"`}},
+		"node name outside system:nodes": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", notNodes},
+			[]string{"not this node's identity", `"system:nodes"`}},
+		"missing service account config": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", n1, "--failover", "--kubeconfig", kubeconfig, "--api-timeout", "1s"},
+			[]string{"--kubeconfig", "missing-kubeconfig"}},
 		"stray argument":    {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
 		"bad failover mode": {[]string{"agent", "--node-name", "n1", "--failover", "--failover-mode", "bogus"}, []string{"--failover-mode", "bogus"}},
 		"two errors named":  {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
@@ -37,6 +66,47 @@ func TestAgentBadInput(t *testing.T) {
 			}
 		})
 	}
+}
+
+// nodeKubeconfig writes a kubeconfig whose client certificate (a file, as
+// kubeadm's kubelet.conf names kubelet's) is user's in groups, self-signed,
+// for an API server that does not answer.
+func nodeKubeconfig(t *testing.T, dir, name, user string, groups ...string) string {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1),
+		Subject:      pkix.Name{CommonName: user, Organization: groups},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pemFile := filepath.Join(dir, name+".pem")
+	data := append(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER})...)
+	if err := os.WriteFile(pemFile, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["c"] = &clientcmdapi.Cluster{Server: "https://127.0.0.1:1", InsecureSkipTLSVerify: true}
+	cfg.AuthInfos["a"] = &clientcmdapi.AuthInfo{ClientCertificate: pemFile, ClientKey: pemFile}
+	cfg.Contexts["c"] = &clientcmdapi.Context{Cluster: "c", AuthInfo: "a"}
+	cfg.CurrentContext = "c"
+	path := filepath.Join(dir, name+".conf")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 func TestAgentNodeNameFromEnvironment(t *testing.T) {

@@ -7,6 +7,11 @@
 // real k8s-csi-s3 node plugin (scripts/csilab: s3driver and s3fs against
 // versitygw on loopback) registered with kubelet through a registration
 // socket in plugins_registry (registrar.go plays node-driver-registrar).
+// kubelet has a node's own identity (a client certificate for
+// system:node:<name>, laid out as kubeadm does: /etc/kubernetes/kubelet.conf
+// naming /var/lib/kubelet/pki/kubelet-client-current.pem), which the API
+// server confines with the Node authorizer and NodeRestriction; the
+// DaemonSet's agent reads the same file, as shipped.
 // Images are packed here (image.go: a static pause program, Debian's
 // busybox-static) and imported with ctr; mountmedic runs as the DaemonSet of
 // deploy/, its image built by scripts/image.sh, through the overlay in

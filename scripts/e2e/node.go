@@ -39,6 +39,9 @@ const (
 	ContainerdSocket = ContainerdState + "/containerd.sock"
 	PodLogs          = "/var/log/pods"
 	ContainerLogs    = "/var/log/containers"
+	// KubeletKubeconfig is kubelet's kubeconfig where kubeadm writes it, and
+	// where the DaemonSet mounts it from: the node's own identity.
+	KubeletKubeconfig = "/etc/kubernetes/kubelet.conf"
 )
 
 // Controllers are the kube-controller-manager controllers a node with
@@ -132,6 +135,9 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	if err := n.bindPaths(); err != nil {
 		t.Fatal(err)
 	}
+	// The node's own identity, system:node:<name>, laid out as kubeadm
+	// does: kubelet and the DaemonSet's agent both use it.
+	c.WriteNodeKubeconfig(t, KubeletKubeconfig, KubeletRoot, n.Name, "")
 	// Images first: a failed build costs no daemon.
 	archives := []string{filepath.Join(n.Dir, "images", "pause.tar"), filepath.Join(n.Dir, "images", "busybox.tar")}
 	if err := buildPauseImage(filepath.Join(n.Dir, "images"), archives[0]); err != nil {
@@ -194,7 +200,7 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 // makes the bind shared, so that mounts made under it by the node (in its
 // own mount namespace) and by the CSI driver (in the test's) reach both.
 func (n *Node) bindPaths() error {
-	for _, p := range []string{KubeletRoot, ContainerdRoot, ContainerdState, PodLogs, ContainerLogs} {
+	for _, p := range []string{KubeletRoot, ContainerdRoot, ContainerdState, PodLogs, ContainerLogs, filepath.Dir(KubeletKubeconfig)} {
 		src := filepath.Join(n.Dir, "root", p)
 		if err := os.MkdirAll(src, 0o755); err != nil {
 			return err
@@ -277,7 +283,10 @@ func (n *Node) initSpec(kubelet string) (initSpec, error) {
 			Name: "kubelet",
 			Argv: []string{kubelet,
 				"--config=" + kubeletConfig,
-				"--kubeconfig=" + n.Cluster.Kubeconfig,
+				// The node's own identity: the Node authorizer and
+				// NodeRestriction confine kubelet (and the agent, which
+				// reads the same file) to this node's objects.
+				"--kubeconfig=" + KubeletKubeconfig,
 				"--hostname-override=" + n.Name,
 				"--node-ip=" + n.IP,
 				"--root-dir=" + KubeletRoot,

@@ -156,6 +156,11 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--tls-private-key-file=" + c.pki.servingKeyFile,
 		"--client-ca-file=" + c.pki.caFile,
 		"--authorization-mode=Node,RBAC",
+		// With the Node authorizer, what makes a node identity
+		// (system:node:<name> in system:nodes) a node's own: it may write
+		// only its own Node and Lease, evict and delete only pods bound
+		// to it, mint tokens only bound to them (NodeCredentials).
+		"--enable-admission-plugins=NodeRestriction",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file=" + c.pki.saPubFile,
 		"--service-account-signing-key-file=" + c.pki.saKeyFile,
@@ -311,6 +316,111 @@ func (c *Cluster) ImpersonateConfig(user string, groups ...string) *rest.Config 
 	cfg := rest.CopyConfig(c.Config)
 	cfg.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: groups}
 	return cfg
+}
+
+// NodeGroup is the group of every node identity.
+const NodeGroup = "system:nodes"
+
+// NodeUser is the user name of node's identity.
+func NodeUser(node string) string { return "system:node:" + node }
+
+// ClientCredentials mints a client certificate and key (PEM) for user in
+// groups, signed by the cluster's CA and valid for a day.
+func (c *Cluster) ClientCredentials(t testing.TB, user string, groups ...string) (cert, key []byte) {
+	t.Helper()
+	cert, key, err := c.pki.clientCert(user, groups)
+	if err != nil {
+		t.Fatalf("issue a client certificate for %s: %v", user, err)
+	}
+	return cert, key
+}
+
+// NodeCredentials mints the client certificate and key (PEM) of node's own
+// identity, system:node:<node> in group system:nodes: what a kubelet holds
+// after TLS bootstrap or kubeadm join. Under the Node authorizer and
+// NodeRestriction it reaches only that node's objects.
+func (c *Cluster) NodeCredentials(t testing.TB, node string) (cert, key []byte) {
+	t.Helper()
+	return c.ClientCredentials(t, NodeUser(node), NodeGroup)
+}
+
+// NodeConfig returns a config that authenticates as node (NodeCredentials).
+func (c *Cluster) NodeConfig(t testing.TB, node string) *rest.Config {
+	t.Helper()
+	cert, key := c.NodeCredentials(t, node)
+	return &rest.Config{
+		Host:            c.Server,
+		TLSClientConfig: rest.TLSClientConfig{CAData: c.pki.caCert, CertData: cert, KeyData: key},
+		QPS:             c.Config.QPS,
+		Burst:           c.Config.Burst,
+	}
+}
+
+// KubeletClientFile is where a kubelet keeps its rotating client certificate
+// and key (one PEM file) under its root directory, and where kubeadm's
+// kubelet.conf points.
+const KubeletClientFile = "pki/kubelet-client-current.pem"
+
+// WriteNodeKubeconfig writes node's credentials as kubeadm lays them out on a
+// node: the certificate and key in one PEM file, kubeletRoot/KubeletClientFile,
+// and a kubeconfig at path that names that file (not its data, so that a
+// client reloads it when kubelet rotates it). server "" is the API server
+// itself; another address (a proxy) goes in the kubeconfig instead.
+func (c *Cluster) WriteNodeKubeconfig(t testing.TB, path, kubeletRoot, node, server string) {
+	t.Helper()
+	cert, key := c.NodeCredentials(t, node)
+	pemFile := filepath.Join(kubeletRoot, KubeletClientFile)
+	if err := os.MkdirAll(filepath.Dir(pemFile), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(pemFile, append(cert, key...), 0o600); err != nil {
+		t.Fatalf("write node client certificate: %v", err)
+	}
+	if server == "" {
+		server = c.Server
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["default-cluster"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: c.pki.caCert}
+	cfg.AuthInfos["default-auth"] = &clientcmdapi.AuthInfo{ClientCertificate: pemFile, ClientKey: pemFile}
+	cfg.Contexts["default-context"] = &clientcmdapi.Context{Cluster: "default-cluster", AuthInfo: "default-auth"}
+	cfg.CurrentContext = "default-context"
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatalf("write node kubeconfig: %v", err)
+	}
+}
+
+// PodTokenConfig returns a config that authenticates with a token of pod's
+// ServiceAccount bound to pod (TokenRequest with a boundObjectRef, one
+// hour), as kubelet projects one into every pod. The API server adds the
+// pod's node to a pod-bound token: its user carries the extra
+// authentication.kubernetes.io/node-name, which admission policies can
+// match. The pod must exist.
+func (c *Cluster) PodTokenConfig(t testing.TB, pod *corev1.Pod) *rest.Config {
+	t.Helper()
+	sa := pod.Spec.ServiceAccountName
+	if sa == "" {
+		sa = "default"
+	}
+	seconds := int64(3600)
+	tr, err := c.Client.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(context.Background(), sa, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{
+			ExpirationSeconds: &seconds,
+			BoundObjectRef:    &authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Pod", Name: pod.Name, UID: pod.UID},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("request a token of %s/%s bound to pod %s: %v", pod.Namespace, sa, pod.Name, err)
+	}
+	return &rest.Config{
+		Host:            c.Server,
+		BearerToken:     tr.Status.Token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: c.pki.caCert},
+		QPS:             c.Config.QPS,
+		Burst:           c.Config.Burst,
+	}
 }
 
 // ServiceAccountConfig returns a config that authenticates with a real token of the

@@ -2,10 +2,12 @@ package kubetest_test
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -14,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
@@ -67,6 +70,30 @@ func TestControlPlane(t *testing.T) {
 		}
 		if _, err := imp.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
 			t.Fatalf("list pods as impersonated user: err = %v, want forbidden", err)
+		}
+	})
+
+	t.Run("identities", func(t *testing.T) {
+		whoami := func(rc *rest.Config) authenticationv1.UserInfo {
+			t.Helper()
+			cs, err := kubernetes.NewForConfig(rc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ssr, err := cs.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+			if err != nil {
+				t.Fatalf("SelfSubjectReview: %v", err)
+			}
+			return ssr.Status.UserInfo
+		}
+		node := whoami(c.NodeConfig(t, "node-1"))
+		if node.Username != kubetest.NodeUser("node-1") || !slices.Contains(node.Groups, kubetest.NodeGroup) {
+			t.Errorf("NodeConfig(node-1) is %q in %q, want %q in %q", node.Username, node.Groups, kubetest.NodeUser("node-1"), kubetest.NodeGroup)
+		}
+		// The pod above is bound to node-1: a token bound to it names the node.
+		tok := whoami(c.PodTokenConfig(t, pod))
+		if got := tok.Extra["authentication.kubernetes.io/node-name"]; !slices.Equal(got, []string{"node-1"}) {
+			t.Errorf("PodTokenConfig(pod on node-1) extra node-name = %q, want [node-1] (user %q, extra %v)", got, tok.Username, tok.Extra)
 		}
 	})
 

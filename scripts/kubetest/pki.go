@@ -18,9 +18,13 @@ import (
 
 // pki is the throwaway key material of one cluster: a CA, the apiserver's serving
 // certificate, the admin client certificate and the service-account signing key.
+// The CA's key stays in memory so that tests can mint more client certificates
+// (nodes' identities: clientCert).
 type pki struct {
 	caCert []byte // PEM
 	caFile string
+	ca     *x509.Certificate
+	caKey  crypto.Signer
 
 	servingCertFile, servingKeyFile string
 
@@ -52,6 +56,7 @@ func newPKI(dir string) (*pki, error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse ca certificate: %w", err)
 	}
+	p.ca, p.caKey = ca, caKey
 	p.caCert = pemBlock("CERTIFICATE", caDER)
 	p.caFile = filepath.Join(dir, "ca.crt")
 	if err := os.WriteFile(p.caFile, p.caCert, 0o600); err != nil {
@@ -105,6 +110,22 @@ func newPKI(dir string) (*pki, error) {
 		return nil, err
 	}
 	return p, nil
+}
+
+// clientCert issues a client certificate for user in groups (the subject's
+// common name and organizations, as the API server's x509 authenticator reads
+// them), valid for a day.
+func (p *pki) clientCert(user string, groups []string) (certPEM, keyPEM []byte, err error) {
+	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 62))
+	if err != nil {
+		return nil, nil, fmt.Errorf("generate serial: %w", err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial,
+		Subject:      pkix.Name{CommonName: user, Organization: groups},
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	return issue(tmpl, p.ca, p.caKey)
 }
 
 // issue signs tmpl with the CA and returns the certificate and a new key, both PEM.

@@ -1,0 +1,485 @@
+package deploy_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"testing"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
+)
+
+// The two nodes of the blast-radius test and the CSI driver of their
+// volumes.
+const (
+	nodeA, nodeB = "node-a", "node-b"
+	radiusCSI    = "radius.csi.lab.mountmedic.io"
+)
+
+// TestNodeBlastRadius applies deploy/ to a real kube-apiserver
+// (--authorization-mode=Node,RBAC, NodeRestriction on) and checks, with real
+// requests, what the credentials the shipped DaemonSet gives node A's agent
+// reach: its node's identity, read from a kubeconfig laid out as kubeadm
+// does (agent.NewNodeClient, as the command does), and its pod's
+// ServiceAccount token bound to the pod on node A (as kubelet projects it).
+// Node B has the same objects: a pod with a CSI volume whose PV names a
+// node-stage and a node-publish Secret, a VolumeAttachment, its Node. From
+// node A's credentials every object of node B is refused and node A's own
+// are allowed; the ServiceAccount writes only node A's heartbeat Lease.
+func TestNodeBlastRadius(t *testing.T) {
+	kc := kubectl(t)
+	c := kubetest.Start(t, kubetest.Options{})
+	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	withoutFailoverLeader(ctx, t, c)
+	c.CreateNamespace(t, appsNS)
+	admin := c.Client
+
+	type nodeObjects struct {
+		pod, pod2, agentPod *corev1.Pod
+		stage, publish      string // the Secrets the node's PV names
+		pv, pvc, va         string
+	}
+	objs := map[string]*nodeObjects{}
+	for _, node := range []string{nodeA, nodeB} {
+		o := &nodeObjects{stage: "stage-" + node, publish: "publish-" + node, pv: "pv-" + node, pvc: "data-" + node}
+		objs[node] = o
+		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create node %s: %v", node, err)
+		}
+		for _, s := range []string{o.stage, o.publish} {
+			if _, err := admin.CoreV1().Secrets(appsNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: s},
+				StringData: map[string]string{"key": s}}, metav1.CreateOptions{}); err != nil {
+				t.Fatalf("create secret %s: %v", s, err)
+			}
+		}
+		handle := "vol-" + node
+		empty := ""
+		if _, err := admin.CoreV1().PersistentVolumes().Create(ctx, &corev1.PersistentVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: o.pv},
+			Spec: corev1.PersistentVolumeSpec{
+				Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+				AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+				PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+				PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+					Driver: radiusCSI, VolumeHandle: handle,
+					NodeStageSecretRef:   &corev1.SecretReference{Namespace: appsNS, Name: o.stage},
+					NodePublishSecretRef: &corev1.SecretReference{Namespace: appsNS, Name: o.publish},
+				}},
+				ClaimRef: &corev1.ObjectReference{Namespace: appsNS, Name: o.pvc},
+			},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create PV: %v", err)
+		}
+		if _, err := admin.CoreV1().PersistentVolumeClaims(appsNS).Create(ctx, &corev1.PersistentVolumeClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: o.pvc},
+			Spec: corev1.PersistentVolumeClaimSpec{
+				AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+				Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+				VolumeName:       o.pv,
+				StorageClassName: &empty,
+			},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create PVC: %v", err)
+		}
+		o.va = remount.AttachmentName(handle, radiusCSI, node)
+		if _, err := admin.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+			ObjectMeta: metav1.ObjectMeta{Name: o.va},
+			Spec: storagev1.VolumeAttachmentSpec{Attacher: radiusCSI, NodeName: node,
+				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: ptr.To(o.pv)}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create VolumeAttachment: %v", err)
+		}
+		o.pod = createRadiusPod(ctx, t, admin, appsNS, "app-"+node, node, "", o.pvc)
+		o.pod2 = createRadiusPod(ctx, t, admin, appsNS, "app2-"+node, node, "", o.pvc)
+		o.agentPod = createRadiusPod(ctx, t, admin, "mountmedic", "mountmedic-"+node, node, "mountmedic", "")
+	}
+	// A Secret no PV and no pod names.
+	if _, err := admin.CoreV1().Secrets(appsNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "unreferenced"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Node A's agent: its node's identity as the DaemonSet finds it (a
+	// kubeconfig naming kubelet's certificate file), and its pod's token.
+	dir := t.TempDir()
+	nodeKubeconfig := filepath.Join(dir, "etc", "kubernetes", "kubelet.conf")
+	c.WriteNodeKubeconfig(t, nodeKubeconfig, filepath.Join(dir, "var", "lib", "kubelet"), nodeA, "")
+	asNode, err := agent.NewNodeClient(nodeKubeconfig, nodeA, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := agent.CheckNodeIdentity(ctx, asNode, nodeA); err != nil {
+		t.Fatalf("CheckNodeIdentity(node A's credentials, %s) = %v, want nil", nodeA, err)
+	}
+	if err := agent.CheckNodeIdentity(ctx, asNode, nodeB); !errors.Is(err, agent.ErrNotNodeIdentity) {
+		t.Errorf("CheckNodeIdentity(node A's credentials, %s) = %v, want ErrNotNodeIdentity", nodeB, err)
+	}
+	if err := agent.CheckNodeIdentity(ctx, admin, nodeA); !errors.Is(err, agent.ErrNotNodeIdentity) {
+		t.Errorf("CheckNodeIdentity(the admin's credentials, %s) = %v, want ErrNotNodeIdentity", nodeA, err)
+	}
+	asSA := clientFor(t, c.PodTokenConfig(t, objs[nodeA].agentPod))
+	a, b := objs[nodeA], objs[nodeB]
+
+	// The Node authorizer learns the pods, claims and volumes from its
+	// own informers: wait until node A reads its own Secret, then judge.
+	waitAllowed(ctx, t, "node A gets the node-stage Secret of its pod's PV", func() error {
+		_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
+		return err
+	})
+	waitAllowed(ctx, t, "node A gets the VolumeAttachment of its node", func() error {
+		_, err := asNode.StorageV1().VolumeAttachments().Get(ctx, a.va, metav1.GetOptions{})
+		return err
+	})
+
+	ownNode := func(node string) metav1.ListOptions {
+		return metav1.ListOptions{FieldSelector: "spec.nodeName=" + node}
+	}
+	annotate := []byte(`{"metadata":{"annotations":{"mountmedic.io/test":"x"}}}`)
+	lease := func(name string) *coordinationv1.Lease {
+		return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "mountmedic"},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To("mountmedic-" + nodeA)}}
+	}
+	// The ValidatingAdmissionPolicy is enforced once the API server has
+	// loaded it: wait for its first refusal.
+	refusal := waitRefused(ctx, t, "the ServiceAccount creates node B's heartbeat Lease", func() error {
+		_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err
+	})
+	t.Logf("node A's ServiceAccount writing node B's Lease: %v", refusal)
+	if _, err := admin.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create node B's Lease as admin: %v", err)
+	}
+
+	for _, tc := range []struct {
+		name  string
+		allow bool
+		do    func() error
+	}{
+		// Secrets: only those a PV of a pod on node A names.
+		{"get the node-stage Secret of node A's PV", true, func() error {
+			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
+			return err
+		}},
+		{"get the node-publish Secret of node A's PV", true, func() error {
+			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, a.publish, metav1.GetOptions{})
+			return err
+		}},
+		{"get the node-stage Secret of node B's PV", false, func() error {
+			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, b.stage, metav1.GetOptions{})
+			return err
+		}},
+		{"get the node-publish Secret of node B's PV", false, func() error {
+			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, b.publish, metav1.GetOptions{})
+			return err
+		}},
+		{"get a Secret nothing names", false, func() error {
+			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, "unreferenced", metav1.GetOptions{})
+			return err
+		}},
+		{"list Secrets", false, func() error {
+			_, err := asNode.CoreV1().Secrets(appsNS).List(ctx, metav1.ListOptions{})
+			return err
+		}},
+		// Claims, volumes, attachments.
+		{"get node A's PVC and PV", true, func() error {
+			if _, err := asNode.CoreV1().PersistentVolumeClaims(appsNS).Get(ctx, a.pvc, metav1.GetOptions{}); err != nil {
+				return err
+			}
+			_, err := asNode.CoreV1().PersistentVolumes().Get(ctx, a.pv, metav1.GetOptions{})
+			return err
+		}},
+		{"get node B's PVC", false, func() error {
+			_, err := asNode.CoreV1().PersistentVolumeClaims(appsNS).Get(ctx, b.pvc, metav1.GetOptions{})
+			return err
+		}},
+		{"get node B's PV", false, func() error {
+			_, err := asNode.CoreV1().PersistentVolumes().Get(ctx, b.pv, metav1.GetOptions{})
+			return err
+		}},
+		{"get node A's VolumeAttachment", true, func() error {
+			_, err := asNode.StorageV1().VolumeAttachments().Get(ctx, a.va, metav1.GetOptions{})
+			return err
+		}},
+		{"get node B's VolumeAttachment", false, func() error {
+			_, err := asNode.StorageV1().VolumeAttachments().Get(ctx, b.va, metav1.GetOptions{})
+			return err
+		}},
+		{"list VolumeAttachments", false, func() error {
+			_, err := asNode.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+			return err
+		}},
+		{"delete node A's VolumeAttachment", false, func() error {
+			return asNode.StorageV1().VolumeAttachments().Delete(ctx, a.va, metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}})
+		}},
+		{"get a CSIDriver", true, func() error {
+			_, err := asNode.StorageV1().CSIDrivers().Get(ctx, radiusCSI, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				return nil // allowed to ask; there is none
+			}
+			return err
+		}},
+		// Pods: the agent's informer, its GETs, evictions and deletions.
+		{"list and watch node A's pods", true, func() error {
+			if _, err := asNode.CoreV1().Pods("").List(ctx, ownNode(nodeA)); err != nil {
+				return err
+			}
+			w, err := asNode.CoreV1().Pods("").Watch(ctx, ownNode(nodeA))
+			if err == nil {
+				w.Stop()
+			}
+			return err
+		}},
+		{"list node B's pods", false, func() error {
+			_, err := asNode.CoreV1().Pods("").List(ctx, ownNode(nodeB))
+			return err
+		}},
+		{"list every pod", false, func() error {
+			_, err := asNode.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+			return err
+		}},
+		{"get node A's pod", true, func() error {
+			_, err := asNode.CoreV1().Pods(appsNS).Get(ctx, a.pod.Name, metav1.GetOptions{})
+			return err
+		}},
+		{"get node B's pod", false, func() error {
+			_, err := asNode.CoreV1().Pods(appsNS).Get(ctx, b.pod.Name, metav1.GetOptions{})
+			return err
+		}},
+		{"evict node B's pod", false, func() error { return evict(ctx, asNode, b.pod) }},
+		{"delete node B's pod", false, func() error { return deleteUID(ctx, asNode, b.pod2) }},
+		{"create a pod", false, func() error {
+			_, err := asNode.CoreV1().Pods(appsNS).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "intruder"},
+				Spec: corev1.PodSpec{NodeName: nodeA, Containers: []corev1.Container{{Name: "c", Image: "busybox"}}}}, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+			return err
+		}},
+		// Nodes.
+		{"patch node A", true, func() error {
+			_, err := asNode.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType, annotate, metav1.PatchOptions{})
+			return err
+		}},
+		{"patch node B", false, func() error {
+			_, err := asNode.CoreV1().Nodes().Patch(ctx, nodeB, types.MergePatchType, annotate, metav1.PatchOptions{})
+			return err
+		}},
+		{"taint node A", false, func() error {
+			_, err := asNode.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType,
+				[]byte(`{"spec":{"taints":[{"key":"mountmedic.io/test","effect":"NoSchedule"}]}}`), metav1.PatchOptions{})
+			return err
+		}},
+		{"get node B", false, func() error {
+			_, err := asNode.CoreV1().Nodes().Get(ctx, nodeB, metav1.GetOptions{})
+			return err
+		}},
+		// Events: not confined to the node (kubelet's grant too).
+		{"create an event about node A's pod", true, func() error {
+			_, err := asNode.EventsV1().Events(appsNS).Create(ctx, &eventsv1.Event{
+				ObjectMeta: metav1.ObjectMeta{GenerateName: "radius-"}, EventTime: metav1.NowMicro(),
+				ReportingController: agent.ReportingController, ReportingInstance: "mountmedic-" + nodeA,
+				Action: "Test", Reason: "Test", Type: corev1.EventTypeNormal,
+				Regarding: corev1.ObjectReference{Kind: "Pod", Namespace: appsNS, Name: a.pod.Name, UID: a.pod.UID},
+			}, metav1.CreateOptions{})
+			return err
+		}},
+		// Tokens: only bound to its own pods (the agent mints none).
+		{"mint a token bound to node B's pod", false, func() error {
+			_, err := asNode.CoreV1().ServiceAccounts(appsNS).CreateToken(ctx, "default", &authenticationv1.TokenRequest{
+				Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: &authenticationv1.BoundObjectReference{
+					APIVersion: "v1", Kind: "Pod", Name: b.pod.Name, UID: b.pod.UID}},
+			}, metav1.CreateOptions{})
+			return err
+		}},
+		{"mint an unbound token of the agent's ServiceAccount", false, func() error {
+			_, err := asNode.CoreV1().ServiceAccounts("mountmedic").CreateToken(ctx, "mountmedic", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+			return err
+		}},
+		// Leases: a node writes only its own in kube-node-lease, the
+		// ServiceAccount only its node's heartbeat.
+		{"node identity: create a heartbeat Lease", false, func() error {
+			_, err := asNode.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+			return err
+		}},
+		{"ServiceAccount: create node A's heartbeat Lease", true, func() error {
+			_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{})
+			return err
+		}},
+		{"ServiceAccount: renew node A's heartbeat Lease", true, func() error {
+			l, err := asSA.CoordinationV1().Leases("mountmedic").Get(ctx, nodeA, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			l.Spec.RenewTime = &metav1.MicroTime{Time: time.Now()}
+			_, err = asSA.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
+			return err
+		}},
+		{"ServiceAccount: list the heartbeat Leases", true, func() error {
+			_, err := asSA.CoordinationV1().Leases("mountmedic").List(ctx, metav1.ListOptions{})
+			return err
+		}},
+		{"ServiceAccount: create node B's heartbeat Lease", false, func() error {
+			_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{})
+			return err
+		}},
+		{"ServiceAccount: renew node B's heartbeat Lease", false, func() error {
+			l, err := asSA.CoordinationV1().Leases("mountmedic").Get(ctx, nodeB, metav1.GetOptions{})
+			if err != nil {
+				return fmt.Errorf("get: %w (a get is allowed: the write is what must be refused)", err)
+			}
+			l.Spec.HolderIdentity = ptr.To("mountmedic-" + nodeA)
+			_, err = asSA.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
+			return err
+		}},
+		{"ServiceAccount: delete node B's heartbeat Lease", false, func() error {
+			return asSA.CoordinationV1().Leases("mountmedic").Delete(ctx, nodeB, metav1.DeleteOptions{})
+		}},
+		{"ServiceAccount: a Lease in kube-node-lease", false, func() error {
+			_, err := asSA.CoordinationV1().Leases(corev1.NamespaceNodeLease).Create(ctx, lease(nodeA), metav1.CreateOptions{})
+			return err
+		}},
+		{"ServiceAccount: get a Secret", false, func() error {
+			_, err := asSA.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
+			return err
+		}},
+		{"ServiceAccount: evict node A's pod", false, func() error { return evict(ctx, asSA, a.pod) }},
+		{"ServiceAccount: get a PV", false, func() error {
+			_, err := asSA.CoreV1().PersistentVolumes().Get(ctx, a.pv, metav1.GetOptions{})
+			return err
+		}},
+		{"ServiceAccount: delete node B's pod", false, func() error { return deleteUID(ctx, asSA, b.pod2) }},
+		{"ServiceAccount: patch node B", false, func() error {
+			_, err := asSA.CoreV1().Nodes().Patch(ctx, nodeB, types.MergePatchType, annotate, metav1.PatchOptions{})
+			return err
+		}},
+		{"ServiceAccount: list pods", false, func() error {
+			_, err := asSA.CoreV1().Pods("").List(ctx, ownNode(nodeA))
+			return err
+		}},
+		// Last: they remove node A's pods.
+		{"evict node A's pod", true, func() error { return evict(ctx, asNode, a.pod) }},
+		{"delete node A's pod", true, func() error { return deleteUID(ctx, asNode, a.pod2) }},
+	} {
+		err := tc.do()
+		switch {
+		case tc.allow && err != nil:
+			t.Errorf("node A's agent: %s: %v, want it allowed", tc.name, err)
+		case !tc.allow && err == nil:
+			t.Errorf("node A's agent: %s: allowed, want it refused", tc.name)
+		case !tc.allow && !apierrors.IsForbidden(err):
+			t.Errorf("node A's agent: %s: %v, want 403 Forbidden", tc.name, err)
+		}
+	}
+
+	// A token of the same ServiceAccount that names no node (minted
+	// without a pod binding) writes no Lease at all.
+	unbound := clientFor(t, c.ServiceAccountConfig(t, "mountmedic", "mountmedic"))
+	if _, err := unbound.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA+"-unbound"), metav1.CreateOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("an unbound token of the agent's ServiceAccount creates a Lease: %v, want 403 Forbidden", err)
+	}
+}
+
+// createRadiusPod creates a pod bound to node (claim: a PVC volume, when
+// not empty) with serviceAccount (empty: default).
+func createRadiusPod(ctx context.Context, t *testing.T, cs kubernetes.Interface, ns, name, node, serviceAccount, claim string) *corev1.Pod {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.PodSpec{
+			NodeName:           node,
+			ServiceAccountName: serviceAccount,
+			Containers:         []corev1.Container{{Name: "c", Image: "busybox"}},
+		},
+	}
+	if claim != "" {
+		pod.Spec.Volumes = []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+			PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}}
+		pod.Spec.Containers[0].VolumeMounts = []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}
+	}
+	pod, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod %s/%s: %v", ns, name, err)
+	}
+	return pod
+}
+
+// clientFor makes a clientset or fails the test.
+func clientFor(t *testing.T, rc *rest.Config) kubernetes.Interface {
+	t.Helper()
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cs
+}
+
+// evict evicts pod with a UID precondition, as the agent does.
+func evict(ctx context.Context, cs kubernetes.Interface, pod *corev1.Pod) error {
+	return cs.PolicyV1().Evictions(pod.Namespace).Evict(ctx, &policyv1.Eviction{
+		ObjectMeta:    metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name},
+		DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &pod.UID}},
+	})
+}
+
+// deleteUID deletes pod with a UID precondition, as the agent does.
+func deleteUID(ctx context.Context, cs kubernetes.Interface, pod *corev1.Pod) error {
+	return cs.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &pod.UID}})
+}
+
+// waitAllowed polls do until it succeeds (the Node authorizer's graph
+// follows the API objects through informers).
+func waitAllowed(ctx context.Context, t *testing.T, what string, do func() error) {
+	t.Helper()
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		last = do()
+		return last == nil, nil
+	})
+	if err != nil {
+		t.Fatalf("%s: never allowed: %v", what, last)
+	}
+}
+
+// waitRefused polls do until it is refused with 403, and returns the
+// refusal.
+func waitRefused(ctx context.Context, t *testing.T, what string, do func() error) error {
+	t.Helper()
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		last = do()
+		return apierrors.IsForbidden(last), nil
+	})
+	if err != nil {
+		t.Fatalf("%s: never refused (last: %v)", what, last)
+	}
+	return last
+}
+
+// withoutFailoverLeader deletes the ClusterRoleBinding of the in-agent
+// failover leader (mountmedic-failover), if deploy/ still has it: that
+// cluster-wide duty moves to its own Deployment and ServiceAccount
+// (mountmedic controller), and what is judged here is the agent without it.
+func withoutFailoverLeader(ctx context.Context, t *testing.T, c *kubetest.Cluster) {
+	t.Helper()
+	err := c.Client.RbacV1().ClusterRoleBindings().Delete(ctx, "mountmedic-failover", metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Fatalf("delete ClusterRoleBinding mountmedic-failover: %v", err)
+	}
+}
