@@ -156,6 +156,11 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--tls-private-key-file=" + c.pki.servingKeyFile,
 		"--client-ca-file=" + c.pki.caFile,
 		"--authorization-mode=Node,RBAC",
+		// With the Node authorizer, what makes a node identity
+		// (system:node:<name> in system:nodes) a node's own: it may write
+		// only its own Node and Lease, evict and delete only pods bound
+		// to it, mint tokens only bound to them (NodeCredentials).
+		"--enable-admission-plugins=NodeRestriction",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file=" + c.pki.saPubFile,
 		"--service-account-signing-key-file=" + c.pki.saKeyFile,
