@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -229,4 +230,53 @@ func boolGauge(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// MountCount is one driver's broken mounts in one state, as the condition's
+// message gives them.
+type MountCount struct {
+	Driver string `json:"driver"`
+	State  string `json:"state"`
+	Count  int    `json:"count"`
+}
+
+// ConditionSummary is what a PodVolumeMountsBroken condition's message says.
+type ConditionSummary struct {
+	Broken int          `json:"broken"`
+	Total  int          `json:"total"`
+	Counts []MountCount `json:"counts,omitempty"`
+	// Truncated: the message was cut (more drivers and states than fit).
+	Truncated bool `json:"truncated,omitempty"`
+}
+
+// ParseConditionMessage reads the message conditionOf writes; readers
+// (mountmedic status) use it instead of a second copy of the format.
+func ParseConditionMessage(msg string) (ConditionSummary, error) {
+	var s ConditionSummary
+	if _, err := fmt.Sscanf(msg, "%d pod volume mounts healthy", &s.Total); err == nil && !strings.Contains(msg, "broken") {
+		return s, nil
+	}
+	head, list, ok := strings.Cut(msg, " pod volume mounts broken:")
+	if !ok {
+		return s, fmt.Errorf("condition message %q: not a mountmedic message", msg)
+	}
+	if _, err := fmt.Sscanf(head, "%d of %d", &s.Broken, &s.Total); err != nil {
+		return s, fmt.Errorf("condition message %q: %w", msg, err)
+	}
+	for part := range strings.SplitSeq(list, ",") {
+		f := strings.Fields(part)
+		if len(f) == 1 && f[0] == "..." {
+			s.Truncated = true
+			continue
+		}
+		if len(f) != 3 {
+			return s, fmt.Errorf("condition message %q: count %q is not 'driver state n'", msg, part)
+		}
+		n, err := strconv.Atoi(f[2])
+		if err != nil {
+			return s, fmt.Errorf("condition message %q: count %q: %w", msg, part, err)
+		}
+		s.Counts = append(s.Counts, MountCount{Driver: f[0], State: f[1], Count: n})
+	}
+	return s, nil
 }

@@ -204,3 +204,37 @@ func counterValue(t *testing.T, c prometheus.Counter) float64 {
 	}
 	return m.GetCounter().GetValue()
 }
+
+// The message conditionOf writes reads back to its counts.
+func TestParseConditionMessage(t *testing.T) {
+	for name, rep := range map[string]*probe.Report{
+		"healthy": conditionReport(ds{"s3", probe.Healthy}),
+		"none":    conditionReport(),
+		"broken":  conditionReport(ds{"s3", probe.Healthy}, ds{"s3", probe.Hung}, ds{"rbd", probe.IOError}, ds{"rbd", probe.IOError}),
+	} {
+		t.Run(name, func(t *testing.T) {
+			st := conditionOf(rep)
+			got, err := ParseConditionMessage(st.message)
+			if err != nil {
+				t.Fatalf("ParseConditionMessage(%q): %v", st.message, err)
+			}
+			broken, n := 0, 0
+			for _, c := range got.Counts {
+				n += c.Count
+			}
+			for _, r := range rep.Mounts {
+				if r.State.Broken() {
+					broken++
+				}
+			}
+			if got.Total != len(rep.Mounts) || got.Broken != broken || n != broken {
+				t.Errorf("ParseConditionMessage(%q) = %+v, want total %d, broken %d", st.message, got, len(rep.Mounts), broken)
+			}
+		})
+	}
+	for _, bad := range []string{"", "kubelet is posting ready status", "2 of 3 pod volume mounts broken: s3 Hung"} {
+		if _, err := ParseConditionMessage(bad); err == nil {
+			t.Errorf("ParseConditionMessage(%q): no error", bad)
+		}
+	}
+}
