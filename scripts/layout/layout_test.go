@@ -37,8 +37,7 @@ var forbidden = map[string][]string{
 	// reverse.
 	"agent":          {module + "/cmd"},
 	"agent/failover": {module + "/cmd"},
-	// status: reads the cluster for the CLI; it never acts.
-	"agent/status": {module + "/cmd", module + "/remount"},
+	"agent/status":   {module + "/cmd"},
 }
 
 // deps is the transitive, non-test dependency list of pkg (go list -deps).
