@@ -69,11 +69,13 @@ type Agent struct {
 	kube     *kube
 	caps     *capsCache
 	metrics  *metrics
-	report   reporter
-	notes    *noteBook
-	budget   *budget
-	decider  *decider
-	events   eventRecorder
+	// condition writes the node condition; nil with --node-condition=false.
+	condition *conditionWriter
+	report    reporter
+	notes     *noteBook
+	budget    *budget
+	decider   *decider
+	events    eventRecorder
 
 	// factory and the pod informer are made in New, started by Run, so
 	// that /readyz (served before the informer starts) reads them safely.
@@ -140,6 +142,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
 	a.report = reporter{rec: deps.Events, dryRun: cfg.DryRun}
+	if cfg.NodeCondition {
+		a.condition = newConditionWriter(deps.Client, cfg.NodeName, cfg.APITimeout, a.metrics.reg)
+	}
 	factory, inf, err := podInformer(a.client, cfg.NodeName)
 	if err != nil {
 		return nil, err
@@ -264,6 +269,13 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 
 	a.factory.Start(ctx.Done())
+	if a.condition != nil {
+		a.workers.Add(1)
+		go func() {
+			defer a.workers.Done()
+			a.condition.run(ctx)
+		}()
+	}
 
 	tw, err := watchTable(ctx, a.cfg.HostTable)
 	if err != nil {
@@ -376,6 +388,9 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 	rep := a.prober.Probe(ctx, inv)
 	end := time.Now()
 	a.metrics.observeScan(inv, rep, end.Sub(start), end)
+	if a.condition != nil {
+		a.condition.observe(rep)
+	}
 	a.lastScan.Store(end.UnixNano())
 	a.scanned.Store(true)
 

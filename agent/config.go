@@ -158,6 +158,9 @@ type Config struct {
 
 	// DryRun: decide and report (events say "[dry-run]"), change nothing.
 	DryRun bool
+	// NodeCondition keeps the PodVolumeMountsBroken condition on the
+	// agent's own Node (condition.go).
+	NodeCondition bool
 	// MetricsAddr serves /metrics, /healthz and /readyz; empty disables it.
 	MetricsAddr string
 	// CRISocket is the container runtime's socket, for the repairer's
@@ -199,6 +202,7 @@ func DefaultConfig() Config {
 		CacheSize:            256,
 		CacheTTL:             5 * time.Minute,
 		Version:              "dev",
+		NodeCondition:        true,
 	}
 }
 

@@ -294,6 +294,14 @@ func liveQueries(t *testing.T) []liveQuery {
 	} {
 		qs = append(qs, liveQuery{name: "scenario: failover: " + name, want: true, expr: expr})
 	}
+	// The node condition: the lab's broken mounts set it True on the
+	// agent's own Node.
+	for name, expr := range map[string]string{
+		"condition True":    fmt.Sprintf(`mountmedic_node_condition_broken{node=%q} == 1`, labNode),
+		"condition written": fmt.Sprintf(`mountmedic_node_condition_writes_total{node=%q, result="success"} > 0`, labNode),
+	} {
+		qs = append(qs, liveQuery{name: "scenario: node condition: " + name, want: true, expr: expr})
+	}
 	add := func(q liveQuery) { qs = append(qs, q) }
 	for _, tg := range dashboardTargets(t) {
 		add(liveQuery{name: fmt.Sprintf("panel %q query %s", tg.panel, tg.ref), expr: subst.Replace(tg.expr), want: true})
@@ -307,6 +315,10 @@ func liveQueries(t *testing.T) []liveQuery {
 		switch a.Alert {
 		case "MountmedicAgentDown":
 			add(liveQuery{name: "alert " + a.Alert + " while the agent runs", expr: a.Expr, want: false})
+		case "MountmedicNodeConditionFailing":
+			// The lab agent writes its Node with the node's identity, as
+			// shipped: its writes succeed.
+			add(liveQuery{name: "alert " + a.Alert + " while the agent writes its node", expr: a.Expr, want: false})
 		case "MountmedicScanStalled":
 			add(liveQuery{name: "alert " + a.Alert + " now", expr: a.Expr, want: false})
 			add(liveQuery{name: "alert " + a.Alert + " 125 s after the last scrape", expr: a.Expr, shift: 125 * time.Second, want: true})

@@ -96,6 +96,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.StringSliceVar(&c.IncludeNamespaces, "include-namespaces", nil, "repair only pods in these namespaces (default all)")
 	fl.StringSliceVar(&c.ExcludeNamespaces, "exclude-namespaces", nil, "never repair pods in these namespaces")
 	fl.BoolVar(&c.DryRun, "dry-run", false, "decide and report (events marked [dry-run], metrics), change nothing")
+	fl.BoolVar(&c.NodeCondition, "node-condition", c.NodeCondition, "keep the PodVolumeMountsBroken condition on this node's Node object (True while pod volume mounts are broken)")
 	fl.StringVar(&c.MetricsAddr, "metrics-addr", c.MetricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
 	fl.StringVar(&c.CRISocket, "cri-socket", c.CRISocket, "container runtime socket, for the restart and live-swap tiers")
 	fl.DurationVar(&c.APITimeout, "api-timeout", c.APITimeout, "deadline of each API server call")

@@ -14,5 +14,5 @@ func main() { os.Exit(run()) }
 func run() int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	return execute(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	return execute(ctx, commandArgs(os.Args), os.Stdout, os.Stderr)
 }

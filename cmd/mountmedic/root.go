@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"path/filepath"
 
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
@@ -39,7 +40,7 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
 	root.PersistentFlags().AddGoFlagSet(klogFlags)
-	root.AddCommand(newAgentCommand(), newScanCommand(), newVersionCommand())
+	root.AddCommand(newAgentCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
 	return root
 }
 
@@ -58,4 +59,28 @@ func execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stderr, "mountmedic: %v\n", err)
 	return exitError
+}
+
+// pluginName is the name kubectl finds the plugin "kubectl mountmedic" by.
+const pluginName = "kubectl-mountmedic"
+
+// commandArgs are the arguments to run: as the kubectl plugin (argv[0]
+// kubectl-mountmedic), "kubectl mountmedic [flags]" means status unless a
+// subcommand is named.
+func commandArgs(argv []string) []string {
+	if len(argv) == 0 {
+		return nil
+	}
+	args := argv[1:]
+	if filepath.Base(argv[0]) != pluginName {
+		return args
+	}
+	if len(args) > 0 {
+		for _, c := range newRootCommand(io.Discard, io.Discard).Commands() {
+			if c.Name() == args[0] || args[0] == "help" || args[0] == "completion" {
+				return args
+			}
+		}
+	}
+	return append([]string{"status"}, args...)
 }

@@ -12,7 +12,7 @@ const module = "github.com/mountmedic/mountmedic"
 
 // production are the packages that ship in the binary. Test support
 // (probe/lab, scripts/...) is not among them.
-var production = []string{"probe", "remount", "agent", "agent/failover", "cmd/mountmedic"}
+var production = []string{"probe", "remount", "agent", "agent/failover", "agent/status", "cmd/mountmedic"}
 
 // testSupport is what no production package may depend on, directly or
 // through another package.
@@ -37,6 +37,7 @@ var forbidden = map[string][]string{
 	// reverse.
 	"agent":          {module + "/cmd"},
 	"agent/failover": {module + "/cmd"},
+	"agent/status":   {module + "/cmd"},
 }
 
 // deps is the transitive, non-test dependency list of pkg (go list -deps).
