@@ -1,7 +1,10 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -9,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/mountmedic/mountmedic/probe"
 )
@@ -17,6 +21,7 @@ type scanFlags struct {
 	capture   string // --mountinfo: an offline capture
 	hostTable string // --host-table: the live table to read and probe
 	output    string
+	maxSize   string // --max-table-size, a quantity such as 64Mi
 	opts      probe.Options
 	cfg       probe.Config
 }
@@ -37,7 +42,14 @@ Hung, never waited for. With --mountinfo FILE it analyses a captured table
 from the table alone (shutdown, emergency_ro, deleted subPath roots), the rest
 is Unknown.
 
-Exit status: 0 nothing broken, 1 the scan failed, 2 at least one mount is broken.`,
+Only a regular file (or a procfs table) is read, at most --max-table-size
+bytes of it: a FIFO, a device or a directory is refused. Text from the table
+is escaped in every output format (\012 for a newline in a path, \033 for
+ESC, \u202e for a bidi override), so that a hostile path can neither forge a
+row nor drive the terminal.
+
+Exit status: 0 nothing broken, 1 the scan failed, 2 at least one mount is
+broken, 130 or 143 stopped by SIGINT or SIGTERM.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runScan(cmd, f)
@@ -48,6 +60,8 @@ Exit status: 0 nothing broken, 1 the scan failed, 2 at least one mount is broken
 	fl.StringVar(&f.hostTable, "host-table", "/proc/self/mountinfo", "live mount table to read and probe (/proc/1/mountinfo with hostPID)")
 	fl.StringVarP(&f.output, "output", "o", "table", "output format: table, wide or json")
 	fl.StringVar(&f.opts.Root, "kubelet-root", probe.DefaultKubeletRoot, "kubelet root directory (kubelet --root-dir)")
+	fl.StringVar(&f.maxSize, "max-table-size", resource.NewQuantity(probe.DefaultMaxTableSize, resource.BinarySI).String(),
+		"read at most this much of a mount table (a quantity: 64Mi, 200M)")
 	fl.DurationVar(&f.cfg.Timeout, "timeout", f.cfg.Timeout, "deadline of each probe; past it a mount is Hung")
 	fl.IntVar(&f.cfg.Parallel, "parallel", f.cfg.Parallel, "probes run at once")
 	fl.BoolVar(&f.cfg.ReadDevice, "read-device", f.cfg.ReadDevice, "read one block (O_DIRECT) of block-backed volumes' devices")
@@ -66,27 +80,23 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 	if f.cfg.Parallel <= 0 {
 		return fmt.Errorf("--parallel %d: must be at least 1", f.cfg.Parallel)
 	}
-	var (
-		inv *probe.Inventory
-		rep *probe.Report
-		err error
-	)
-	if f.capture != "" {
-		if cmd.Flags().Changed("host-table") {
-			return fmt.Errorf("--mountinfo and --host-table both given: use one")
+	if err := probe.CheckKubeletRoot(f.opts.Root, f.capture == ""); err != nil {
+		return fmt.Errorf("--kubelet-root: %w", err)
+	}
+	q, err := resource.ParseQuantity(f.maxSize)
+	if err != nil || q.Value() <= 0 {
+		return fmt.Errorf("--max-table-size %q: give a positive size such as 64Mi or 200M", f.maxSize)
+	}
+	f.opts.MaxSize = q.Value()
+	if f.capture != "" && cmd.Flags().Changed("host-table") {
+		return fmt.Errorf("--mountinfo and --host-table both given: use one")
+	}
+	inv, rep, err := scanTable(cmd.Context(), f)
+	if err != nil {
+		if errors.Is(err, probe.ErrTableTooLarge) {
+			return fmt.Errorf("%w: raise --max-table-size if the table is real", err)
 		}
-		inv, err = probe.ReadFile(f.capture, f.opts)
-		if err != nil {
-			return err
-		}
-		rep = probe.Assess(inv)
-	} else {
-		f.opts.Live = true
-		inv, err = probe.ReadFile(f.hostTable, f.opts)
-		if err != nil {
-			return err
-		}
-		rep = probe.NewProber(f.cfg).Probe(cmd.Context(), inv)
+		return err
 	}
 	out := cmd.OutOrStdout()
 	if f.output == "json" {
@@ -101,6 +111,43 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 		return exitCodeError{exitBroken}
 	}
 	return nil
+}
+
+// scanTable reads the table and probes it (or assesses a capture) on its
+// own goroutine, and returns as soon as ctx ends: a read from a slow file or
+// a probe of a hung mount can block in the kernel beyond any cancellation,
+// and must not keep scan from exiting on SIGINT or SIGTERM.
+func scanTable(ctx context.Context, f scanFlags) (*probe.Inventory, *probe.Report, error) {
+	type result struct {
+		inv *probe.Inventory
+		rep *probe.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		var r result
+		if f.capture != "" {
+			if r.inv, r.err = probe.ReadTable(ctx, f.capture, f.opts); r.err == nil {
+				r.rep = probe.Assess(r.inv)
+			}
+		} else {
+			f.opts.Live = true
+			if r.inv, r.err = probe.ReadTable(ctx, f.hostTable, f.opts); r.err == nil {
+				r.rep = probe.NewProber(f.cfg).Probe(ctx, r.inv)
+			}
+		}
+		done <- r
+	}()
+	select {
+	case r := <-done:
+		if ctx.Err() != nil {
+			// Cut short: the report may hold probes the context ended.
+			return nil, nil, context.Cause(ctx)
+		}
+		return r.inv, r.rep, r.err
+	case <-ctx.Done():
+		return nil, nil, context.Cause(ctx)
+	}
 }
 
 // scanRow is one mount in scan's JSON output.
@@ -153,9 +200,14 @@ func rows(rep *probe.Report) []scanRow {
 func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline bool) error {
 	doc := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
 		Backends: len(inv.Backends), Broken: len(rep.Broken()), Mounts: rows(rep)}
-	enc := json.NewEncoder(w)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
 	enc.SetIndent("", "  ")
-	return enc.Encode(doc)
+	if err := enc.Encode(doc); err != nil {
+		return err
+	}
+	_, err := w.Write(jsonSafe(buf.Bytes()))
+	return err
 }
 
 // describeBackend says what serves a mount: "fuse conn 45", "ext4 on loop0
@@ -191,7 +243,7 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	broken := len(rep.Broken())
 	if len(rep.Mounts) == 0 {
 		_, err := fmt.Fprintf(w, "no kubelet volume mounts under %s in %s (%d mounts read): nothing to check\n",
-			inv.Root, inv.Source, inv.Total)
+			printable(inv.Root), printable(inv.Source), inv.Total)
 		return err
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
@@ -219,12 +271,16 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 		if !offline && r.ProbeSeconds > 0 {
 			took = time.Duration(r.ProbeSeconds * float64(time.Second)).Round(time.Microsecond).String()
 		}
-		line := strings.Join([]string{r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
-			orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error)}, "\t")
+		cells := []string{r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
+			orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error)}
 		if wide {
-			line += "\t" + r.Path + "\t" + orDash(r.From)
+			cells = append(cells, r.Path, orDash(r.From))
 		}
-		fmt.Fprintln(tw, line)
+		// One row per line, one cell per tab: every cell escaped.
+		for i, c := range cells {
+			cells[i] = printable(c)
+		}
+		fmt.Fprintln(tw, strings.Join(cells, "\t"))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -234,7 +290,7 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 		mode = "offline: states from the table only, no path touched"
 	}
 	_, err := fmt.Fprintf(w, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
-		len(rep.Mounts), len(inv.Backends), inv.Root, inv.Total, inv.Source, mode, broken)
+		len(rep.Mounts), len(inv.Backends), printable(inv.Root), inv.Total, printable(inv.Source), mode, broken)
 	return err
 }
 
