@@ -230,6 +230,7 @@ func read(ctx context.Context, r io.Reader, source string, limit int64, opts Opt
 // rawLine is one mountinfo line split into its fields, which point into the
 // line (still escaped); numbers are parsed.
 type rawLine struct {
+	line         []byte
 	id, parent   int32
 	major, minor uint32
 	root         []byte
@@ -252,7 +253,10 @@ type rawLine struct {
 // \377 is an error. Mount IDs are positive decimal numbers below 2^31, the
 // parent ID a decimal number, the device decimal major:minor.
 func parseLine(line []byte) (rawLine, error) {
-	var r rawLine
+	r := rawLine{line: line}
+	if n := bytes.Count(line, []byte{' '}) + 1; n < 10 {
+		return r, fmt.Errorf("not enough fields (%d): want at least 10", n)
+	}
 	var f [6][]byte
 	rest := line
 	for i := range f {
@@ -262,19 +266,19 @@ func parseLine(line []byte) (rawLine, error) {
 			return r, fmt.Errorf("not enough fields (%d): want at least 10", i+1)
 		}
 	}
-	id, err := strconv.ParseUint(string(f[0]), 10, 31)
-	if err != nil || id == 0 {
+	id, ok := decimal(f[0], 1<<31-1)
+	if !ok || id == 0 {
 		return r, fmt.Errorf("mount ID %q: want a positive decimal number", f[0])
 	}
-	parent, err := strconv.ParseUint(string(f[1]), 10, 31)
-	if err != nil {
+	parent, ok := decimal(f[1], 1<<31-1)
+	if !ok {
 		return r, fmt.Errorf("parent ID %q: want a decimal number", f[1])
 	}
 	r.id, r.parent = int32(id), int32(parent)
 	maj, min, ok := bytes.Cut(f[2], []byte{':'})
-	major, err1 := strconv.ParseUint(string(maj), 10, 32)
-	minor, err2 := strconv.ParseUint(string(min), 10, 32)
-	if !ok || err1 != nil || err2 != nil {
+	major, ok1 := decimal(maj, 1<<32-1)
+	minor, ok2 := decimal(min, 1<<32-1)
+	if !ok || !ok1 || !ok2 {
 		return r, fmt.Errorf("device %q: want major:minor in decimal, such as 0:52 or 259:1", f[2])
 	}
 	r.major, r.minor = uint32(major), uint32(minor)
@@ -308,10 +312,13 @@ func parseLine(line []byte) (rawLine, error) {
 		}
 	}
 	r.fsType, r.source, r.superOptions = tail[0], tail[1], tail[2]
-	for name, v := range map[string][]byte{"root": r.root, "mount point": r.mountpoint, "options": r.options,
-		"file system type": r.fsType, "source": r.source, "super options": r.superOptions} {
-		if len(v) == 0 {
-			return r, fmt.Errorf("empty %s field (two spaces in a row?)", name)
+	for _, f := range [...]struct {
+		name string
+		v    []byte
+	}{{"root", r.root}, {"mount point", r.mountpoint}, {"options", r.options},
+		{"file system type", r.fsType}, {"source", r.source}, {"super options", r.superOptions}} {
+		if len(f.v) == 0 {
+			return r, fmt.Errorf("empty %s field (two spaces in a row?)", f.name)
 		}
 	}
 	if r.mountpoint[0] != '/' {
@@ -323,6 +330,25 @@ func parseLine(line []byte) (rawLine, error) {
 		}
 	}
 	return r, nil
+}
+
+// decimal parses the unsigned decimal number b, at most max; no sign, no
+// space, at least one digit.
+func decimal(b []byte, max uint64) (uint64, bool) {
+	if len(b) == 0 || len(b) > 20 {
+		return 0, false
+	}
+	var n uint64
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + uint64(c-'0')
+		if n > max {
+			return 0, false
+		}
+	}
+	return n, true
 }
 
 // checkEscapes reports a backslash in s not followed by three octal digits
@@ -357,20 +383,32 @@ func unescapeTo(dst, s []byte) []byte {
 	return dst
 }
 
-func unescape(s []byte) string {
-	if bytes.IndexByte(s, '\\') < 0 {
-		return string(s)
-	}
-	return string(unescapeTo(make([]byte, 0, len(s)), s))
-}
-
-// info makes the mountinfo.Info of a parsed line.
+// info makes the mountinfo.Info of a parsed line. Fields without an escape
+// share one copy of the line (one allocation per kept mount, not seven);
+// mountpoint is the unescaped mount point, or "" to decode it here.
 func (r *rawLine) info(mountpoint string) *mountinfo.Info {
+	text := string(r.line)
+	field := func(f []byte, escaped bool) string {
+		if escaped && bytes.IndexByte(f, '\\') >= 0 {
+			return string(unescapeTo(make([]byte, 0, len(f)), f))
+		}
+		// f is a subslice of r.line: its offset is the difference of the
+		// capacities, both running to the end of the same array.
+		off := cap(r.line) - cap(f)
+		return text[off : off+len(f)]
+	}
+	if mountpoint == "" {
+		mountpoint = field(r.mountpoint, true)
+	}
+	var optional string
+	if len(r.optional) > 0 {
+		optional = field(r.optional, false)
+	}
 	return &mountinfo.Info{
 		ID: int(r.id), Parent: int(r.parent), Major: int(r.major), Minor: int(r.minor),
-		Root: unescape(r.root), Mountpoint: mountpoint, Options: string(r.options),
-		Optional: string(r.optional), FSType: unescape(r.fsType), Source: unescape(r.source),
-		VFSOptions: string(r.superOptions),
+		Root: field(r.root, true), Mountpoint: mountpoint, Options: field(r.options, false),
+		Optional: optional, FSType: field(r.fsType, true), Source: field(r.source, true),
+		VFSOptions: field(r.superOptions, false),
 	}
 }
 
@@ -402,7 +440,7 @@ func (b *tableBuilder) add(line int, r *rawLine) {
 	b.ids = append(b.ids, idLine{id: r.id, parent: r.parent, line: int32(min(line, 1<<31-1))})
 	b.buf = unescapeTo(b.buf[:0], r.mountpoint)
 	if b.all || bytes.HasPrefix(b.buf, b.prefix) {
-		b.kept = append(b.kept, r.info(string(b.buf)))
+		b.kept = append(b.kept, r.info(""))
 	}
 }
 

@@ -23,7 +23,10 @@ import (
 
 // needsEscape reports whether rune r (from valid UTF-8) must be escaped.
 func needsEscape(r rune) bool {
-	return r < 0x20 || r == 0x7f || r == '\\' || (r >= 0x80 && r <= 0x9f) || unicode.Is(unicode.Cf, r)
+	if r < utf8.RuneSelf {
+		return r < 0x20 || r == 0x7f || r == '\\'
+	}
+	return r <= 0x9f || unicode.Is(unicode.Cf, r)
 }
 
 // printable returns s with every byte or character that could move the

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -173,41 +174,59 @@ type scanDoc struct {
 	TableMounts int       `json:"tableMounts"`
 	Backends    int       `json:"backends"`
 	Broken      int       `json:"broken"`
-	Mounts      []scanRow `json:"mounts"`
+	Mounts      []scanRow `json:"mounts"` // written one at a time by writeJSON
 }
 
-func rows(rep *probe.Report) []scanRow {
-	out := make([]scanRow, 0, len(rep.Mounts))
-	for _, r := range rep.Mounts {
-		m := r.Mount
-		row := scanRow{Path: m.Path, Target: m.Target, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
-			Root: m.Root, FSType: m.FSType, State: r.State, ProbeSeconds: r.Took.Seconds()}
-		if m.From != nil {
-			row.From = m.From.Path
-		}
-		if m.Backend != nil {
-			row.Dev = m.Dev.String()
-			row.Backend = describeBackend(m.Backend)
-		}
-		if r.Err != nil {
-			row.Error = r.Err.Error()
-		}
-		out = append(out, row)
+func scanRowOf(r probe.Result) scanRow {
+	m := r.Mount
+	row := scanRow{Path: m.Path, Target: m.Target, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
+		Root: m.Root, FSType: m.FSType, State: r.State, ProbeSeconds: r.Took.Seconds()}
+	if m.From != nil {
+		row.From = m.From.Path
 	}
-	return out
+	if m.Backend != nil {
+		row.Dev = m.Dev.String()
+		row.Backend = describeBackend(m.Backend)
+	}
+	if r.Err != nil {
+		row.Error = r.Err.Error()
+	}
+	return row
 }
 
+// writeJSON writes the scanDoc of the report, as encoding/json would
+// indent it, one mount at a time: a table of a hundred thousand mounts is
+// never held twice in memory.
 func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline bool) error {
-	doc := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
-		Backends: len(inv.Backends), Broken: len(rep.Broken()), Mounts: rows(rep)}
-	var buf bytes.Buffer
-	enc := json.NewEncoder(&buf)
-	enc.SetIndent("", "  ")
-	if err := enc.Encode(doc); err != nil {
+	head := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
+		Backends: len(inv.Backends), Broken: len(rep.Broken())}
+	data, err := json.MarshalIndent(head, "", "  ")
+	if err != nil {
 		return err
 	}
-	_, err := w.Write(jsonSafe(buf.Bytes()))
-	return err
+	// Everything but the empty mounts list and the closing brace.
+	data = bytes.TrimSuffix(data, []byte("\n  \"mounts\": null\n}"))
+	bw := bufio.NewWriterSize(w, 64<<10)
+	bw.Write(jsonSafe(data))
+	if len(rep.Mounts) == 0 {
+		bw.WriteString("\n  \"mounts\": []\n}\n")
+		return bw.Flush()
+	}
+	bw.WriteString("\n  \"mounts\": [\n")
+	for i, r := range rep.Mounts {
+		row, err := json.MarshalIndent(scanRowOf(r), "    ", "  ")
+		if err != nil {
+			return err
+		}
+		bw.WriteString("    ")
+		bw.Write(jsonSafe(row))
+		if i < len(rep.Mounts)-1 {
+			bw.WriteByte(',')
+		}
+		bw.WriteByte('\n')
+	}
+	bw.WriteString("  ]\n}\n")
+	return bw.Flush()
 }
 
 // describeBackend says what serves a mount: "fuse conn 45", "ext4 on loop0
@@ -252,7 +271,8 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 		header += "\tPATH\tFROM"
 	}
 	fmt.Fprintln(tw, header)
-	for _, r := range rows(rep) {
+	for _, res := range rep.Mounts {
+		r := scanRowOf(res)
 		vol := r.Target.Volume
 		switch r.Target.Kind {
 		case probe.KindSubPath:
