@@ -8,9 +8,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
-	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -213,13 +212,16 @@ func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline boo
 		return bw.Flush()
 	}
 	bw.WriteString("\n  \"mounts\": [\n")
+	var row bytes.Buffer // one encoder and buffer for every row
+	enc := json.NewEncoder(&row)
+	enc.SetIndent("    ", "  ")
 	for i, r := range rep.Mounts {
-		row, err := json.MarshalIndent(scanRowOf(r), "    ", "  ")
-		if err != nil {
+		row.Reset()
+		if err := enc.Encode(scanRowOf(r)); err != nil {
 			return err
 		}
 		bw.WriteString("    ")
-		bw.Write(jsonSafe(row))
+		bw.Write(jsonSafe(bytes.TrimSuffix(row.Bytes(), []byte("\n"))))
 		if i < len(rep.Mounts)-1 {
 			bw.WriteByte(',')
 		}
@@ -258,6 +260,11 @@ func describeBackend(b *probe.Backend) string {
 	return s
 }
 
+// writeTable writes the report as an aligned table: a header, one row per
+// mount, then a summary. Columns are as wide as their widest cell plus two
+// spaces (text/tabwriter's layout), measured in a first pass over the
+// report, so that no row is held in memory: a table of a hundred thousand
+// mounts costs what its report costs.
 func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offline bool) error {
 	broken := len(rep.Broken())
 	if len(rep.Mounts) == 0 {
@@ -265,53 +272,79 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 			printable(inv.Root), printable(inv.Source), inv.Total)
 		return err
 	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	header := "STATE\tKIND\tPOD\tVOLUME\tDRIVER\tBACKEND\tDEV\tPROBE\tERROR"
+	header := []string{"STATE", "KIND", "POD", "VOLUME", "DRIVER", "BACKEND", "DEV", "PROBE", "ERROR"}
 	if wide {
-		header += "\tPATH\tFROM"
+		header = append(header, "PATH", "FROM")
 	}
-	fmt.Fprintln(tw, header)
-	for _, res := range rep.Mounts {
-		r := scanRowOf(res)
-		vol := r.Target.Volume
-		switch r.Target.Kind {
-		case probe.KindSubPath:
-			vol = fmt.Sprintf("%s [%s/%d]", vol, r.Target.Container, r.Target.Index)
-		case probe.KindStaging:
-			vol = r.Target.PV
-			if vol == "" {
-				vol = short(r.Target.HandleHash, 12)
-			}
-		case probe.KindBlock:
-			if vol == "" {
-				vol = r.Target.PV
-			}
-		}
-		took := "-"
-		if !offline && r.ProbeSeconds > 0 {
-			took = time.Duration(r.ProbeSeconds * float64(time.Second)).Round(time.Microsecond).String()
-		}
-		cells := []string{r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
-			orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error)}
-		if wide {
-			cells = append(cells, r.Path, orDash(r.From))
-		}
-		// One row per line, one cell per tab: every cell escaped.
+	widths := make([]int, len(header))
+	measure := func(cells []string) {
 		for i, c := range cells {
-			cells[i] = printable(c)
+			widths[i] = max(widths[i], utf8.RuneCountInString(c))
 		}
-		fmt.Fprintln(tw, strings.Join(cells, "\t"))
 	}
-	if err := tw.Flush(); err != nil {
-		return err
+	measure(header)
+	cells := make([]string, 0, len(header))
+	for _, res := range rep.Mounts {
+		cells = tableCells(cells[:0], res, wide, offline)
+		measure(cells)
+	}
+	bw := bufio.NewWriterSize(w, 64<<10)
+	writeRow := func(cells []string) {
+		for i, c := range cells {
+			bw.WriteString(c)
+			if i < len(cells)-1 {
+				for pad := widths[i] - utf8.RuneCountInString(c) + 2; pad > 0; pad-- {
+					bw.WriteByte(' ')
+				}
+			}
+		}
+		bw.WriteByte('\n')
+	}
+	writeRow(header)
+	for _, res := range rep.Mounts {
+		cells = tableCells(cells[:0], res, wide, offline)
+		writeRow(cells)
 	}
 	mode := "probed"
 	if offline {
 		mode = "offline: states from the table only, no path touched"
 	}
-	_, err := fmt.Fprintf(w, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
+	fmt.Fprintf(bw, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
 		len(rep.Mounts), len(inv.Backends), printable(inv.Root), inv.Total, printable(inv.Source), mode, broken)
-	return err
+	return bw.Flush()
+}
+
+// tableCells appends the cells of one mount's row to cells, each escaped:
+// one row per line whatever the table holds.
+func tableCells(cells []string, res probe.Result, wide, offline bool) []string {
+	r := scanRowOf(res)
+	vol := r.Target.Volume
+	switch r.Target.Kind {
+	case probe.KindSubPath:
+		vol = fmt.Sprintf("%s [%s/%d]", vol, r.Target.Container, r.Target.Index)
+	case probe.KindStaging:
+		vol = r.Target.PV
+		if vol == "" {
+			vol = short(r.Target.HandleHash, 12)
+		}
+	case probe.KindBlock:
+		if vol == "" {
+			vol = r.Target.PV
+		}
+	}
+	took := "-"
+	if !offline && r.ProbeSeconds > 0 {
+		took = time.Duration(r.ProbeSeconds * float64(time.Second)).Round(time.Microsecond).String()
+	}
+	cells = append(cells, r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
+		orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error))
+	if wide {
+		cells = append(cells, r.Path, orDash(r.From))
+	}
+	for i, c := range cells {
+		cells[i] = printable(c)
+	}
+	return cells
 }
 
 func short(s string, n int) string {

@@ -16,7 +16,11 @@ import (
 func TestMain(m *testing.M) {
 	if os.Getenv(envRunMain) == "1" {
 		// A copy of the test binary that a test started as the command.
-		os.Exit(run())
+		code := run()
+		if p := os.Getenv(envPeakRSS); p != "" {
+			writePeakRSS(p)
+		}
+		os.Exit(code)
 	}
 	lab.Main(m)
 }
