@@ -38,21 +38,30 @@ func printable(s string) string { return escape(s, false) }
 func printableText(s string) string { return escape(s, true) }
 
 func escape(s string, keepNewline bool) string {
-	clean := true
-	for i := 0; i < len(s); {
-		r, n := utf8.DecodeRuneInString(s[i:])
-		if (r == utf8.RuneError && n == 1) || (needsEscape(r) && !(keepNewline && r == '\n')) {
-			clean = false
-			break
+	// Most text is printable ASCII: look at bytes, decode runes only past
+	// ASCII, and copy nothing when there is nothing to escape.
+	i := 0
+	for i < len(s) {
+		c := s[i]
+		if c >= 0x20 && c < 0x7f && c != '\\' || keepNewline && c == '\n' {
+			i++
+			continue
 		}
-		i += n
+		if c >= utf8.RuneSelf {
+			if r, n := utf8.DecodeRuneInString(s[i:]); !(r == utf8.RuneError && n == 1) && !needsEscape(r) {
+				i += n
+				continue
+			}
+		}
+		break
 	}
-	if clean {
+	if i == len(s) {
 		return s
 	}
 	var b strings.Builder
 	b.Grow(len(s) + 16)
-	for i := 0; i < len(s); {
+	b.WriteString(s[:i])
+	for i < len(s) {
 		r, n := utf8.DecodeRuneInString(s[i:])
 		switch {
 		case r == utf8.RuneError && n == 1, r < utf8.RuneSelf && needsEscape(r) && !(keepNewline && r == '\n'):

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"time"
 	"unicode/utf8"
 
@@ -176,16 +177,34 @@ type scanDoc struct {
 	Mounts      []scanRow `json:"mounts"` // written one at a time by writeJSON
 }
 
-func scanRowOf(r probe.Result) scanRow {
+// rowMaker makes scan rows, describing each backend once: a thousand
+// mounts of one filesystem share its text.
+type rowMaker struct {
+	backends map[*probe.Backend][2]string // description, device
+}
+
+func (rm *rowMaker) row(r probe.Result) scanRow {
 	m := r.Mount
 	row := scanRow{Path: m.Path, Target: m.Target, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
 		Root: m.Root, FSType: m.FSType, State: r.State, ProbeSeconds: r.Took.Seconds()}
 	if m.From != nil {
 		row.From = m.From.Path
 	}
-	if m.Backend != nil {
-		row.Dev = m.Dev.String()
-		row.Backend = describeBackend(m.Backend)
+	if b := m.Backend; b != nil {
+		if rm.backends == nil {
+			rm.backends = make(map[*probe.Backend][2]string)
+		}
+		text, ok := rm.backends[b]
+		if !ok {
+			text = [2]string{describeBackend(b), b.Dev.String()}
+			rm.backends[b] = text
+		}
+		row.Backend = text[0]
+		if m.Dev == b.Dev {
+			row.Dev = text[1]
+		} else {
+			row.Dev = m.Dev.String()
+		}
 	}
 	if r.Err != nil {
 		row.Error = r.Err.Error()
@@ -212,12 +231,15 @@ func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline boo
 		return bw.Flush()
 	}
 	bw.WriteString("\n  \"mounts\": [\n")
-	var row bytes.Buffer // one encoder and buffer for every row
+	var (
+		row bytes.Buffer // one encoder and buffer for every row
+		rm  rowMaker
+	)
 	enc := json.NewEncoder(&row)
 	enc.SetIndent("    ", "  ")
 	for i, r := range rep.Mounts {
 		row.Reset()
-		if err := enc.Encode(scanRowOf(r)); err != nil {
+		if err := enc.Encode(rm.row(r)); err != nil {
 			return err
 		}
 		bw.WriteString("    ")
@@ -284,8 +306,9 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	}
 	measure(header)
 	cells := make([]string, 0, len(header))
+	var rm rowMaker
 	for _, res := range rep.Mounts {
-		cells = tableCells(cells[:0], res, wide, offline)
+		cells = rm.tableCells(cells[:0], res, wide, offline)
 		measure(cells)
 	}
 	bw := bufio.NewWriterSize(w, 64<<10)
@@ -302,7 +325,7 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	}
 	writeRow(header)
 	for _, res := range rep.Mounts {
-		cells = tableCells(cells[:0], res, wide, offline)
+		cells = rm.tableCells(cells[:0], res, wide, offline)
 		writeRow(cells)
 	}
 	mode := "probed"
@@ -316,12 +339,12 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 
 // tableCells appends the cells of one mount's row to cells, each escaped:
 // one row per line whatever the table holds.
-func tableCells(cells []string, res probe.Result, wide, offline bool) []string {
-	r := scanRowOf(res)
+func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline bool) []string {
+	r := rm.row(res)
 	vol := r.Target.Volume
 	switch r.Target.Kind {
 	case probe.KindSubPath:
-		vol = fmt.Sprintf("%s [%s/%d]", vol, r.Target.Container, r.Target.Index)
+		vol = vol + " [" + r.Target.Container + "/" + strconv.Itoa(r.Target.Index) + "]"
 	case probe.KindStaging:
 		vol = r.Target.PV
 		if vol == "" {
