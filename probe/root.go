@@ -41,7 +41,11 @@ func CheckKubeletRoot(root string, onHost bool) error {
 		if fi.Mode()&fs.ModeSymlink == 0 {
 			continue
 		}
-		resolved, err := filepath.EvalSymlinks(clean)
+		// Resolve the part up to the link; what follows may not exist yet.
+		resolved, err := filepath.EvalSymlinks(p)
+		if err == nil {
+			resolved = filepath.Join(resolved, strings.TrimPrefix(clean, p))
+		}
 		if err != nil {
 			return fmt.Errorf("kubelet root %q goes through the symlink %s, which does not resolve (%v): give the directory kubelet uses as it appears in /proc/self/mountinfo", root, p, err)
 		}

@@ -19,21 +19,26 @@ func TestCheckKubeletRoot(t *testing.T) {
 	if err := os.Symlink(filepath.Join(dir, "real"), filepath.Join(dir, "parent")); err != nil {
 		t.Fatal(err)
 	}
+	if err := os.Symlink(filepath.Join(dir, "gone"), filepath.Join(dir, "dangling")); err != nil {
+		t.Fatal(err)
+	}
 	tests := map[string]struct {
 		root   string
 		onHost bool
 		want   string // substring of the error; "" for none
 	}{
-		"real directory":            {real, true, ""},
-		"trailing slash":            {real + "/", true, ""},
-		"missing":                   {filepath.Join(dir, "nope", "kubelet"), true, ""},
-		"relative":                  {"var/lib/kubelet", true, "not an absolute path"},
-		"empty":                     {"", false, "not an absolute path"},
-		"slash":                     {"/", false, "whole file system"},
-		"slash in disguise":         {"/var/..", false, "whole file system"},
-		"symlink":                   {filepath.Join(dir, "link"), true, "give the resolved path " + real},
-		"symlink in a parent":       {filepath.Join(dir, "parent", "kubelet"), true, "give the resolved path " + real},
-		"symlink of another system": {filepath.Join(dir, "link"), false, ""},
+		"real directory":             {real, true, ""},
+		"trailing slash":             {real + "/", true, ""},
+		"missing":                    {filepath.Join(dir, "nope", "kubelet"), true, ""},
+		"relative":                   {"var/lib/kubelet", true, "not an absolute path"},
+		"empty":                      {"", false, "not an absolute path"},
+		"slash":                      {"/", false, "whole file system"},
+		"slash in disguise":          {"/var/..", false, "whole file system"},
+		"symlink":                    {filepath.Join(dir, "link"), true, "give the resolved path " + real},
+		"symlink in a parent":        {filepath.Join(dir, "parent", "kubelet"), true, "give the resolved path " + real},
+		"symlink of another system":  {filepath.Join(dir, "link"), false, ""},
+		"symlink, root not made yet": {filepath.Join(dir, "parent", "nope", "kubelet"), true, "give the resolved path " + filepath.Join(dir, "real", "nope", "kubelet")},
+		"dangling symlink":           {filepath.Join(dir, "dangling", "kubelet"), true, "does not resolve"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
