@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -105,5 +106,27 @@ func TestScanHostileTable(t *testing.T) {
 				t.Errorf("scan -o %s wrote %d lines for %d mounts, want %d:\n%s", format, len(lines), len(inv.Mounts), want, stdout.String())
 			}
 		})
+	}
+}
+
+// TestScanErrorsEscaped: an error on stderr names a file or quotes a line
+// with the bytes escaped too.
+func TestScanErrorsEscaped(t *testing.T) {
+	dir := t.TempDir()
+	hostile := filepath.Join(dir, "capture\x1b[2J\x1b]0;x\a")
+	if err := os.WriteFile(hostile, []byte("1 0 8:1 / / rw - ext4 /dev/sda rw\n2 1 zz:yy / /x\x1b[31m rw - tmpfs t rw\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{
+		{"scan", "--mountinfo", hostile},
+		{"scan", "--mountinfo", hostile + "-missing"},
+	} {
+		var stdout, stderr bytes.Buffer
+		if code := execute(context.Background(), args, &stdout, &stderr); code != exitError {
+			t.Errorf("execute(%q) = %d, want %d", args, code, exitError)
+		}
+		if c, ok := safeForTerminal(stderr.Bytes()); !ok || !strings.Contains(stderr.String(), `capture\033[2J`) {
+			t.Errorf("execute(%q) stderr wrote %q raw or lost the file name: %q", args, c, stderr.String())
+		}
 	}
 }
