@@ -218,8 +218,8 @@ func (c Config) Validate() error {
 			bad("--node-name %q is not a node name: %s", c.NodeName, strings.Join(msgs, "; "))
 		}
 	}
-	if !filepath.IsAbs(c.KubeletRoot) || filepath.Clean(c.KubeletRoot) == "/" {
-		bad("--kubelet-root %q: give kubelet's absolute --root-dir, for example %s", c.KubeletRoot, probe.DefaultKubeletRoot)
+	if err := probe.CheckKubeletRoot(c.KubeletRoot, true); err != nil {
+		bad("--kubelet-root: %w", err)
 	}
 	if !filepath.IsAbs(c.HostTable) {
 		bad("--host-table %q: give an absolute path such as /proc/self/mountinfo or /proc/1/mountinfo", c.HostTable)

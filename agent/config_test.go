@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -32,10 +34,15 @@ func TestConfigValidate(t *testing.T) {
 	if err := valid().Validate(); err != nil {
 		t.Fatalf("default config with a node name: %v", err)
 	}
+	link := filepath.Join(t.TempDir(), "kubelet")
+	if err := os.Symlink(t.TempDir(), link); err != nil {
+		t.Fatal(err)
+	}
 	tests := map[string]struct {
 		edit func(*Config)
 		want string // the flag the error must name
 	}{
+		"symlinked root":      {func(c *Config) { c.KubeletRoot = link }, "--kubelet-root"},
 		"no node":             {func(c *Config) { c.NodeName = "" }, "--node-name"},
 		"bad node":            {func(c *Config) { c.NodeName = "Node_1" }, "--node-name"},
 		"relative root":       {func(c *Config) { c.KubeletRoot = "var/lib/kubelet" }, "--kubelet-root"},

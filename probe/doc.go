@@ -6,11 +6,18 @@
 //   - Classify: which kubelet path a mount point is (CSI publish target, CSI
 //     staging mount, subPath bind, raw block device, another volume plugin),
 //     with the pod UID, volume, container, index and driver it names.
-//   - Inventory: a mount table (the host's, or a captured file) parsed with
-//     github.com/moby/sys/mountinfo and turned into a graph linked by device
-//     numbers and mountinfo roots, never by path strings: subPath bind ->
-//     publish target -> staging mount -> backend (a FUSE connection, a block
-//     device and its loop backing file or NBD daemon).
+//   - Inventory: a mount table (the host's, or a captured file) turned into a
+//     graph linked by device numbers and mountinfo roots, never by path
+//     strings: subPath bind -> publish target -> staging mount -> backend (a
+//     FUSE connection, a block device and its loop backing file or NBD
+//     daemon). A table is anyone's text: ReadTable reads only a regular file
+//     (procfs included), streams it under a size cap, and refuses a bad
+//     line, a duplicate mount ID, a cycle of parents or a malformed device
+//     with an error naming the file and the line. The parser is our own
+//     rather than github.com/moby/sys/mountinfo's, which reads numbers it
+//     cannot parse as 0, gives no line numbers and returns every entry at
+//     once; FuzzParse holds ours to mountinfo's, line by line, on every
+//     table ours takes, and mountinfo's Info stays the entry type.
 //   - Prober: the health of each backend, probed once per cycle with statfs
 //     and statx(AT_STATX_FORCE_SYNC) (a plain stat answers from the attribute
 //     cache after a FUSE daemon died), super options and ext4 error counters,

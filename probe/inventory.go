@@ -1,9 +1,7 @@
 package probe
 
 import (
-	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -156,6 +154,9 @@ type Options struct {
 	Live bool
 	// SysfsDir is where sysfs is mounted; "/sys" when empty.
 	SysfsDir string
+	// MaxSize caps the bytes ReadTable reads of a table;
+	// DefaultMaxTableSize when 0 or less.
+	MaxSize int64
 }
 
 func (o Options) root() string {
@@ -182,8 +183,12 @@ type TableError struct {
 }
 
 func (e *TableError) Error() string {
-	if e.Line == 0 {
+	switch {
+	case e.Line == 0:
 		return fmt.Sprintf("mount table %s: %v", e.Source, e.Err)
+	case e.Text == "":
+		return fmt.Sprintf("mount table %s line %d: %v; give a file captured with `cat /proc/self/mountinfo`",
+			e.Source, e.Line, e.Err)
 	}
 	return fmt.Sprintf("mount table %s line %d: %v (line: %q); give a file captured with `cat /proc/self/mountinfo`",
 		e.Source, e.Line, e.Err, truncate(e.Text, 120))
@@ -198,70 +203,17 @@ func truncate(s string, n int) string {
 	return s[:n] + "..."
 }
 
-// ReadFile reads and classifies a mount table from a file: a captured
-// mountinfo, or /proc/<pid>/mountinfo for a live one.
-func ReadFile(path string, opts Options) (*Inventory, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("read mount table: %w", err)
-	}
-	return Parse(data, path, opts)
-}
-
-// Parse classifies the mountinfo text data; source names it in errors.
-func Parse(data []byte, source string, opts Options) (*Inventory, error) {
-	if len(bytes.TrimSpace(data)) == 0 {
-		return nil, &TableError{Source: source, Err: errors.New("empty mount table")}
-	}
-	infos, err := mountinfo.GetMountsFromReader(bytes.NewReader(data), nil)
-	if err != nil {
-		return nil, locate(data, source, err)
-	}
-	for i, in := range infos {
-		// mountinfo ignores malformed numbers; the kernel never writes an
-		// ID of 0.
-		if in.ID <= 0 || in.Parent < 0 || in.Major < 0 || in.Minor < 0 {
-			return nil, &TableError{Source: source, Line: i + 1, Text: lineAt(data, i+1),
-				Err: errors.New("malformed mount ID, parent ID or major:minor")}
-		}
-	}
-	return Build(infos, source, opts), nil
-}
-
-// locate finds the first line the parser rejects, so the error can name it.
-func locate(data []byte, source string, err error) error {
-	for i, line := range bytes.Split(data, []byte("\n")) {
-		if len(line) == 0 && i == bytes.Count(data, []byte("\n")) {
-			break
-		}
-		if _, lerr := mountinfo.GetMountsFromReader(bytes.NewReader(line), nil); lerr != nil || len(bytes.TrimSpace(line)) == 0 {
-			if lerr == nil {
-				lerr = errors.New("empty line")
-			}
-			// The parser repeats the line in its message; keep the reason.
-			msg := lerr.Error()
-			if _, after, ok := strings.Cut(msg, "' failed: "); ok {
-				msg = after
-			}
-			return &TableError{Source: source, Line: i + 1, Text: string(line), Err: errors.New(msg)}
-		}
-	}
-	return &TableError{Source: source, Err: err}
-}
-
-func lineAt(data []byte, n int) string {
-	for i, line := range bytes.Split(data, []byte("\n")) {
-		if i+1 == n {
-			return string(line)
-		}
-	}
-	return ""
-}
-
 // Build classifies parsed mountinfo entries and links the volume graph.
 func Build(infos []*mountinfo.Info, source string, opts Options) *Inventory {
+	return build(infos, len(infos), source, opts)
+}
+
+// build is Build of a table of total mounts of which infos holds the kubelet
+// mounts, or all of them; a live table needs all of them (a loop device's
+// backing file may lie on any mount).
+func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inventory {
 	root := opts.root()
-	inv := &Inventory{Root: root, Source: source, Total: len(infos)}
+	inv := &Inventory{Root: root, Source: source, Total: total}
 
 	covered := CoveredIDs(infos)
 	for _, in := range infos {

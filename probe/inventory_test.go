@@ -1,11 +1,15 @@
 package probe
 
 import (
+	"bufio"
+	"bytes"
 	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/moby/sys/mountinfo"
 )
 
 func readTestdata(t *testing.T, name string) *Inventory {
@@ -161,8 +165,14 @@ func TestAssessFromTheTableAlone(t *testing.T) {
 	}
 }
 
+// FuzzParse feeds the mount table parser arbitrary tables. Whatever it
+// takes must read the same line by line in github.com/moby/sys/mountinfo's
+// parser (ours is stricter: numbers, escapes and fields are checked, where
+// mountinfo takes a bad number as 0), every kubelet mount kept must lie
+// under the root and be linked only within its device, and the IDs must form
+// a tree. Whatever it refuses must be a *TableError.
 func FuzzParse(f *testing.F) {
-	for _, name := range []string{"s3fs-two-pods.mountinfo", "nbd-faults.mountinfo", "mixed-node.mountinfo"} {
+	for _, name := range []string{"s3fs-two-pods.mountinfo", "nbd-faults.mountinfo", "mixed-node.mountinfo", "hostile.mountinfo"} {
 		data, err := os.ReadFile(filepath.Join("testdata", name))
 		if err != nil {
 			f.Fatal(err)
@@ -170,6 +180,13 @@ func FuzzParse(f *testing.F) {
 		f.Add(data)
 	}
 	f.Add([]byte("1 0 0:1 /a\\040b//deleted /var/lib/kubelet/pods/u/volume-subpaths/v/c/0 rw - fuse.x x rw\n"))
+	// The hostile tables of issue 13: a duplicate ID, a cycle of parents,
+	// a device that is not a number, an escaped newline in a path.
+	f.Add([]byte(rootLine + "301" + stageLine + "305 301" + pubLine + "301 1" + pubLine))
+	f.Add([]byte(rootLine + "10 11" + pubLine + "11 10" + pubLine))
+	f.Add([]byte(rootLine + "2 1 zz:yy / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n"))
+	f.Add([]byte(rootLine + "2 1 0:5 / /var/lib/kubelet/pods/u\\012x/volumes/kubernetes.io~csi/v\\033[2J/mount rw - fuse.x \x1b]0;t\a rw\r\n"))
+	f.Add([]byte("7 7 254:1 / / rw - ext4 /dev/vda1 rw\r\n8 999 0:4 net:[1] /run/netns/a rw a:1 b:2 - nsfs nsfs rw\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		inv, err := Parse(data, "fuzz", Options{})
 		if err != nil {
@@ -178,6 +195,47 @@ func FuzzParse(f *testing.F) {
 				t.Fatalf("Parse() error %v is not a *TableError", err)
 			}
 			return
+		}
+		infos, merr := mountinfo.GetMountsFromReader(bytes.NewReader(data), nil)
+		if errors.Is(merr, bufio.ErrTooLong) {
+			return // a line over mountinfo's 64 KiB; ours takes up to 1 MiB
+		}
+		if merr != nil {
+			t.Fatalf("Parse() took a table github.com/moby/sys/mountinfo refuses: %v", merr)
+		}
+		if len(infos) != inv.Total {
+			t.Fatalf("Parse() counted %d mounts, mountinfo %d", inv.Total, len(infos))
+		}
+		lines := bytes.Split(bytes.TrimSuffix(data, []byte("\n")), []byte("\n"))
+		for i, want := range infos {
+			raw, err := parseLine(bytes.TrimSuffix(lines[i], []byte("\r")))
+			if err != nil {
+				t.Fatalf("line %d: parseLine() = %v after Parse() took the table", i+1, err)
+			}
+			got := raw.info("")
+			if *got != *want {
+				t.Fatalf("line %d: parsed %+v, mountinfo %+v", i+1, *got, *want)
+			}
+		}
+		ids := make(map[int]int, len(infos))
+		for _, in := range infos {
+			if _, dup := ids[in.ID]; dup {
+				t.Fatalf("Parse() took mount ID %d twice", in.ID)
+			}
+			ids[in.ID] = in.Parent
+		}
+		for _, in := range infos {
+			id := in.ID
+			for n := 0; n <= len(ids); n++ {
+				p, ok := ids[id]
+				if !ok || p == id {
+					break
+				}
+				if n == len(ids) {
+					t.Fatalf("Parse() took a cycle of parents through mount %d", in.ID)
+				}
+				id = p
+			}
 		}
 		for _, m := range inv.Mounts {
 			if !Under(inv.Root, m.Path) {

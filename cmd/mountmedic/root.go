@@ -12,7 +12,8 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// Exit statuses, documented in the README.
+// Exit statuses, documented in the README. A command that SIGINT or SIGTERM
+// cut short exits 128+n: 130 and 143.
 const (
 	exitOK     = 0
 	exitError  = 1
@@ -50,14 +51,21 @@ func execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	root := newRootCommand(stdout, stderr)
 	root.SetArgs(args)
 	err := root.ExecuteContext(klog.NewContext(ctx, klog.Background()))
-	var ec exitCodeError
+	var (
+		ec  exitCodeError
+		sig signalled
+	)
 	switch {
 	case err == nil:
 		return exitOK
 	case errors.As(err, &ec):
 		return ec.code
+	case errors.As(context.Cause(ctx), &sig):
+		// A command the signal cut short: the shell's status for it.
+		fmt.Fprintf(stderr, "mountmedic: %v\n", sig)
+		return sig.exitCode()
 	}
-	fmt.Fprintf(stderr, "mountmedic: %v\n", err)
+	fmt.Fprintf(stderr, "mountmedic: %s\n", printableText(err.Error()))
 	return exitError
 }
 

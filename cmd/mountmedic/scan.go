@@ -1,14 +1,19 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
-	"strings"
-	"text/tabwriter"
+	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/mountmedic/mountmedic/probe"
 )
@@ -17,6 +22,7 @@ type scanFlags struct {
 	capture   string // --mountinfo: an offline capture
 	hostTable string // --host-table: the live table to read and probe
 	output    string
+	maxSize   string // --max-table-size, a quantity such as 64Mi
 	opts      probe.Options
 	cfg       probe.Config
 }
@@ -37,7 +43,14 @@ Hung, never waited for. With --mountinfo FILE it analyses a captured table
 from the table alone (shutdown, emergency_ro, deleted subPath roots), the rest
 is Unknown.
 
-Exit status: 0 nothing broken, 1 the scan failed, 2 at least one mount is broken.`,
+Only a regular file (or a procfs table) is read, at most --max-table-size
+bytes of it: a FIFO, a device or a directory is refused. Text from the table
+is escaped in every output format (\012 for a newline in a path, \033 for
+ESC, \u202e for a bidi override), so that a hostile path can neither forge a
+row nor drive the terminal.
+
+Exit status: 0 nothing broken, 1 the scan failed, 2 at least one mount is
+broken, 130 or 143 stopped by SIGINT or SIGTERM.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runScan(cmd, f)
@@ -48,6 +61,8 @@ Exit status: 0 nothing broken, 1 the scan failed, 2 at least one mount is broken
 	fl.StringVar(&f.hostTable, "host-table", "/proc/self/mountinfo", "live mount table to read and probe (/proc/1/mountinfo with hostPID)")
 	fl.StringVarP(&f.output, "output", "o", "table", "output format: table, wide or json")
 	fl.StringVar(&f.opts.Root, "kubelet-root", probe.DefaultKubeletRoot, "kubelet root directory (kubelet --root-dir)")
+	fl.StringVar(&f.maxSize, "max-table-size", resource.NewQuantity(probe.DefaultMaxTableSize, resource.BinarySI).String(),
+		"read at most this much of a mount table (a quantity: 64Mi, 200M)")
 	fl.DurationVar(&f.cfg.Timeout, "timeout", f.cfg.Timeout, "deadline of each probe; past it a mount is Hung")
 	fl.IntVar(&f.cfg.Parallel, "parallel", f.cfg.Parallel, "probes run at once")
 	fl.BoolVar(&f.cfg.ReadDevice, "read-device", f.cfg.ReadDevice, "read one block (O_DIRECT) of block-backed volumes' devices")
@@ -66,27 +81,23 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 	if f.cfg.Parallel <= 0 {
 		return fmt.Errorf("--parallel %d: must be at least 1", f.cfg.Parallel)
 	}
-	var (
-		inv *probe.Inventory
-		rep *probe.Report
-		err error
-	)
-	if f.capture != "" {
-		if cmd.Flags().Changed("host-table") {
-			return fmt.Errorf("--mountinfo and --host-table both given: use one")
+	if err := probe.CheckKubeletRoot(f.opts.Root, f.capture == ""); err != nil {
+		return fmt.Errorf("--kubelet-root: %w", err)
+	}
+	q, err := resource.ParseQuantity(f.maxSize)
+	if err != nil || q.Value() <= 0 {
+		return fmt.Errorf("--max-table-size %q: give a positive size such as 64Mi or 200M", f.maxSize)
+	}
+	f.opts.MaxSize = q.Value()
+	if f.capture != "" && cmd.Flags().Changed("host-table") {
+		return fmt.Errorf("--mountinfo and --host-table both given: use one")
+	}
+	inv, rep, err := scanTable(cmd.Context(), f)
+	if err != nil {
+		if errors.Is(err, probe.ErrTableTooLarge) {
+			return fmt.Errorf("%w: raise --max-table-size if the table is real", err)
 		}
-		inv, err = probe.ReadFile(f.capture, f.opts)
-		if err != nil {
-			return err
-		}
-		rep = probe.Assess(inv)
-	} else {
-		f.opts.Live = true
-		inv, err = probe.ReadFile(f.hostTable, f.opts)
-		if err != nil {
-			return err
-		}
-		rep = probe.NewProber(f.cfg).Probe(cmd.Context(), inv)
+		return err
 	}
 	out := cmd.OutOrStdout()
 	if f.output == "json" {
@@ -101,6 +112,43 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 		return exitCodeError{exitBroken}
 	}
 	return nil
+}
+
+// scanTable reads the table and probes it (or assesses a capture) on its
+// own goroutine, and returns as soon as ctx ends: a read from a slow file or
+// a probe of a hung mount can block in the kernel beyond any cancellation,
+// and must not keep scan from exiting on SIGINT or SIGTERM.
+func scanTable(ctx context.Context, f scanFlags) (*probe.Inventory, *probe.Report, error) {
+	type result struct {
+		inv *probe.Inventory
+		rep *probe.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		var r result
+		if f.capture != "" {
+			if r.inv, r.err = probe.ReadTable(ctx, f.capture, f.opts); r.err == nil {
+				r.rep = probe.Assess(r.inv)
+			}
+		} else {
+			f.opts.Live = true
+			if r.inv, r.err = probe.ReadTable(ctx, f.hostTable, f.opts); r.err == nil {
+				r.rep = probe.NewProber(f.cfg).Probe(ctx, r.inv)
+			}
+		}
+		done <- r
+	}()
+	select {
+	case r := <-done:
+		if ctx.Err() != nil {
+			// Cut short: the report may hold probes the context ended.
+			return nil, nil, context.Cause(ctx)
+		}
+		return r.inv, r.rep, r.err
+	case <-ctx.Done():
+		return nil, nil, context.Cause(ctx)
+	}
 }
 
 // scanRow is one mount in scan's JSON output.
@@ -126,36 +174,83 @@ type scanDoc struct {
 	TableMounts int       `json:"tableMounts"`
 	Backends    int       `json:"backends"`
 	Broken      int       `json:"broken"`
-	Mounts      []scanRow `json:"mounts"`
+	Mounts      []scanRow `json:"mounts"` // written one at a time by writeJSON
 }
 
-func rows(rep *probe.Report) []scanRow {
-	out := make([]scanRow, 0, len(rep.Mounts))
-	for _, r := range rep.Mounts {
-		m := r.Mount
-		row := scanRow{Path: m.Path, Target: m.Target, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
-			Root: m.Root, FSType: m.FSType, State: r.State, ProbeSeconds: r.Took.Seconds()}
-		if m.From != nil {
-			row.From = m.From.Path
-		}
-		if m.Backend != nil {
-			row.Dev = m.Dev.String()
-			row.Backend = describeBackend(m.Backend)
-		}
-		if r.Err != nil {
-			row.Error = r.Err.Error()
-		}
-		out = append(out, row)
+// rowMaker makes scan rows, describing each backend once: a thousand
+// mounts of one filesystem share its text.
+type rowMaker struct {
+	backends map[*probe.Backend][2]string // description, device
+}
+
+func (rm *rowMaker) row(r probe.Result) scanRow {
+	m := r.Mount
+	row := scanRow{Path: m.Path, Target: m.Target, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
+		Root: m.Root, FSType: m.FSType, State: r.State, ProbeSeconds: r.Took.Seconds()}
+	if m.From != nil {
+		row.From = m.From.Path
 	}
-	return out
+	if b := m.Backend; b != nil {
+		if rm.backends == nil {
+			rm.backends = make(map[*probe.Backend][2]string)
+		}
+		text, ok := rm.backends[b]
+		if !ok {
+			text = [2]string{describeBackend(b), b.Dev.String()}
+			rm.backends[b] = text
+		}
+		row.Backend = text[0]
+		if m.Dev == b.Dev {
+			row.Dev = text[1]
+		} else {
+			row.Dev = m.Dev.String()
+		}
+	}
+	if r.Err != nil {
+		row.Error = r.Err.Error()
+	}
+	return row
 }
 
+// writeJSON writes the scanDoc of the report, as encoding/json would
+// indent it, one mount at a time: a table of a hundred thousand mounts is
+// never held twice in memory.
 func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline bool) error {
-	doc := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
-		Backends: len(inv.Backends), Broken: len(rep.Broken()), Mounts: rows(rep)}
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(doc)
+	head := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
+		Backends: len(inv.Backends), Broken: len(rep.Broken())}
+	data, err := json.MarshalIndent(head, "", "  ")
+	if err != nil {
+		return err
+	}
+	// Everything but the empty mounts list and the closing brace.
+	data = bytes.TrimSuffix(data, []byte("\n  \"mounts\": null\n}"))
+	bw := bufio.NewWriterSize(w, 64<<10)
+	bw.Write(jsonSafe(data))
+	if len(rep.Mounts) == 0 {
+		bw.WriteString("\n  \"mounts\": []\n}\n")
+		return bw.Flush()
+	}
+	bw.WriteString("\n  \"mounts\": [\n")
+	var (
+		row bytes.Buffer // one encoder and buffer for every row
+		rm  rowMaker
+	)
+	enc := json.NewEncoder(&row)
+	enc.SetIndent("    ", "  ")
+	for i, r := range rep.Mounts {
+		row.Reset()
+		if err := enc.Encode(rm.row(r)); err != nil {
+			return err
+		}
+		bw.WriteString("    ")
+		bw.Write(jsonSafe(bytes.TrimSuffix(row.Bytes(), []byte("\n"))))
+		if i < len(rep.Mounts)-1 {
+			bw.WriteByte(',')
+		}
+		bw.WriteByte('\n')
+	}
+	bw.WriteString("  ]\n}\n")
+	return bw.Flush()
 }
 
 // describeBackend says what serves a mount: "fuse conn 45", "ext4 on loop0
@@ -187,55 +282,92 @@ func describeBackend(b *probe.Backend) string {
 	return s
 }
 
+// writeTable writes the report as an aligned table: a header, one row per
+// mount, then a summary. Columns are as wide as their widest cell plus two
+// spaces (text/tabwriter's layout), measured in a first pass over the
+// report, so that no row is held in memory: a table of a hundred thousand
+// mounts costs what its report costs.
 func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offline bool) error {
 	broken := len(rep.Broken())
 	if len(rep.Mounts) == 0 {
 		_, err := fmt.Fprintf(w, "no kubelet volume mounts under %s in %s (%d mounts read): nothing to check\n",
-			inv.Root, inv.Source, inv.Total)
+			printable(inv.Root), printable(inv.Source), inv.Total)
 		return err
 	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	header := "STATE\tKIND\tPOD\tVOLUME\tDRIVER\tBACKEND\tDEV\tPROBE\tERROR"
+	header := []string{"STATE", "KIND", "POD", "VOLUME", "DRIVER", "BACKEND", "DEV", "PROBE", "ERROR"}
 	if wide {
-		header += "\tPATH\tFROM"
+		header = append(header, "PATH", "FROM")
 	}
-	fmt.Fprintln(tw, header)
-	for _, r := range rows(rep) {
-		vol := r.Target.Volume
-		switch r.Target.Kind {
-		case probe.KindSubPath:
-			vol = fmt.Sprintf("%s [%s/%d]", vol, r.Target.Container, r.Target.Index)
-		case probe.KindStaging:
-			vol = r.Target.PV
-			if vol == "" {
-				vol = short(r.Target.HandleHash, 12)
-			}
-		case probe.KindBlock:
-			if vol == "" {
-				vol = r.Target.PV
-			}
+	widths := make([]int, len(header))
+	measure := func(cells []string) {
+		for i, c := range cells {
+			widths[i] = max(widths[i], utf8.RuneCountInString(c))
 		}
-		took := "-"
-		if !offline && r.ProbeSeconds > 0 {
-			took = time.Duration(r.ProbeSeconds * float64(time.Second)).Round(time.Microsecond).String()
-		}
-		line := strings.Join([]string{r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
-			orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error)}, "\t")
-		if wide {
-			line += "\t" + r.Path + "\t" + orDash(r.From)
-		}
-		fmt.Fprintln(tw, line)
 	}
-	if err := tw.Flush(); err != nil {
-		return err
+	measure(header)
+	cells := make([]string, 0, len(header))
+	var rm rowMaker
+	for _, res := range rep.Mounts {
+		cells = rm.tableCells(cells[:0], res, wide, offline)
+		measure(cells)
+	}
+	bw := bufio.NewWriterSize(w, 64<<10)
+	writeRow := func(cells []string) {
+		for i, c := range cells {
+			bw.WriteString(c)
+			if i < len(cells)-1 {
+				for pad := widths[i] - utf8.RuneCountInString(c) + 2; pad > 0; pad-- {
+					bw.WriteByte(' ')
+				}
+			}
+		}
+		bw.WriteByte('\n')
+	}
+	writeRow(header)
+	for _, res := range rep.Mounts {
+		cells = rm.tableCells(cells[:0], res, wide, offline)
+		writeRow(cells)
 	}
 	mode := "probed"
 	if offline {
 		mode = "offline: states from the table only, no path touched"
 	}
-	_, err := fmt.Fprintf(w, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
-		len(rep.Mounts), len(inv.Backends), inv.Root, inv.Total, inv.Source, mode, broken)
-	return err
+	fmt.Fprintf(bw, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
+		len(rep.Mounts), len(inv.Backends), printable(inv.Root), inv.Total, printable(inv.Source), mode, broken)
+	return bw.Flush()
+}
+
+// tableCells appends the cells of one mount's row to cells, each escaped:
+// one row per line whatever the table holds.
+func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline bool) []string {
+	r := rm.row(res)
+	vol := r.Target.Volume
+	switch r.Target.Kind {
+	case probe.KindSubPath:
+		vol = vol + " [" + r.Target.Container + "/" + strconv.Itoa(r.Target.Index) + "]"
+	case probe.KindStaging:
+		vol = r.Target.PV
+		if vol == "" {
+			vol = short(r.Target.HandleHash, 12)
+		}
+	case probe.KindBlock:
+		if vol == "" {
+			vol = r.Target.PV
+		}
+	}
+	took := "-"
+	if !offline && r.ProbeSeconds > 0 {
+		took = time.Duration(r.ProbeSeconds * float64(time.Second)).Round(time.Microsecond).String()
+	}
+	cells = append(cells, r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
+		orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error))
+	if wide {
+		cells = append(cells, r.Path, orDash(r.From))
+	}
+	for i, c := range cells {
+		cells[i] = printable(c)
+	}
+	return cells
 }
 
 func short(s string, n int) string {

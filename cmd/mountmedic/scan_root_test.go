@@ -13,7 +13,17 @@ import (
 	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
-func TestMain(m *testing.M) { lab.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(envRunMain) == "1" {
+		// A copy of the test binary that a test started as the command.
+		code := run()
+		if p := os.Getenv(envPeakRSS); p != "" {
+			writePeakRSS(p)
+		}
+		os.Exit(code)
+	}
+	lab.Main(m)
+}
 
 // TestScanNamesRealFaults is the "done when": on a lab with a dead,
 // a hung, an EIO and a shut-down volume, scan names each within its

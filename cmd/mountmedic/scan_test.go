@@ -7,13 +7,14 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files")
 
 // tables are the captured mount tables the golden files cover.
-var tables = []string{"s3fs-two-pods", "nbd-faults", "mixed-node", "no-kubelet"}
+var tables = []string{"s3fs-two-pods", "nbd-faults", "mixed-node", "no-kubelet", "hostile"}
 
 func TestScanGolden(t *testing.T) {
 	for _, name := range tables {
@@ -23,7 +24,7 @@ func TestScanGolden(t *testing.T) {
 				var stdout, stderr bytes.Buffer
 				code := execute(context.Background(), []string{"scan", "--mountinfo", table, "-o", format}, &stdout, &stderr)
 				wantCode := exitOK
-				if name == "nbd-faults" {
+				if name == "nbd-faults" || name == "hostile" {
 					wantCode = exitBroken
 				}
 				if code != wantCode {
@@ -51,16 +52,42 @@ func TestScanGolden(t *testing.T) {
 func TestScanBadInput(t *testing.T) {
 	dir := t.TempDir()
 	malformed := filepath.Join("..", "..", "probe", "testdata", "malformed.mountinfo")
+	good := filepath.Join("..", "..", "probe", "testdata", "s3fs-two-pods.mountinfo")
+	link := filepath.Join(dir, "kubelet-link")
+	if err := os.Symlink(dir, link); err != nil {
+		t.Fatal(err)
+	}
+	const root = "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n"
+	table := func(name, data string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	dup := table("dup", root+"2 1 0:5 / /a rw - tmpfs t rw\n2 1 0:6 / /b rw - tmpfs t rw\n")
+	cycle := table("cycle", root+"2 3 0:5 / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n"+
+		"3 2 0:5 / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n")
+	dev := table("dev", root+"2 1 zz:yy / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n")
 	tests := map[string]struct {
 		args []string
 		want []string // substrings of stderr
 	}{
-		"missing file":    {[]string{"scan", "--mountinfo", filepath.Join(dir, "nope")}, []string{"nope", "no such file"}},
-		"malformed line":  {[]string{"scan", "--mountinfo", malformed}, []string{"malformed.mountinfo line 7", "not enough fields"}},
-		"bad output":      {[]string{"scan", "--mountinfo", malformed, "-o", "yaml"}, []string{`--output "yaml"`, "table, wide or json"}},
-		"bad timeout":     {[]string{"scan", "--timeout", "0s"}, []string{"--timeout 0s"}},
-		"both sources":    {[]string{"scan", "--mountinfo", malformed, "--host-table", "/proc/1/mountinfo"}, []string{"use one"}},
-		"unknown command": {[]string{"scna"}, []string{"unknown command"}},
+		"relative kubelet root":  {[]string{"scan", "--kubelet-root", "var/lib/kubelet"}, []string{"--kubelet-root", "not an absolute path", "/var/lib/kubelet"}},
+		"kubelet root is /":      {[]string{"scan", "--mountinfo", good, "--kubelet-root", "/"}, []string{"--kubelet-root", "whole file system"}},
+		"symlinked kubelet root": {[]string{"scan", "--kubelet-root", link}, []string{"--kubelet-root", "symlink", "give the resolved path " + dir}},
+		"duplicate mount ID":     {[]string{"scan", "--mountinfo", dup}, []string{dup + " line 3", "mount ID 2 again (first on line 2)"}},
+		"cycle of parents":       {[]string{"scan", "--mountinfo", cycle}, []string{cycle + " line 2", "cycle (2 -> 3 -> 2)"}},
+		"device not a number":    {[]string{"scan", "--mountinfo", dev}, []string{dev + " line 2", `device "zz:yy"`}},
+		"table over the cap":     {[]string{"scan", "--mountinfo", good, "--max-table-size", "1Ki"}, []string{good, "size cap", "--max-table-size"}},
+		"bad size cap":           {[]string{"scan", "--mountinfo", good, "--max-table-size", "lots"}, []string{`--max-table-size "lots"`, "64Mi"}},
+		"directory":              {[]string{"scan", "--mountinfo", dir}, []string{dir, "a directory", "regular file"}},
+		"missing file":           {[]string{"scan", "--mountinfo", filepath.Join(dir, "nope")}, []string{"nope", "no such file"}},
+		"malformed line":         {[]string{"scan", "--mountinfo", malformed}, []string{"malformed.mountinfo line 7", "not enough fields"}},
+		"bad output":             {[]string{"scan", "--mountinfo", malformed, "-o", "yaml"}, []string{`--output "yaml"`, "table, wide or json"}},
+		"bad timeout":            {[]string{"scan", "--timeout", "0s"}, []string{"--timeout 0s"}},
+		"both sources":           {[]string{"scan", "--mountinfo", malformed, "--host-table", "/proc/1/mountinfo"}, []string{"use one"}},
+		"unknown command":        {[]string{"scna"}, []string{"unknown command"}},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -85,5 +112,22 @@ func TestScanLiveTableOfThisMachine(t *testing.T) {
 	}
 	if !strings.Contains(stdout.String(), `"source": "/proc/self/mountinfo"`) {
 		t.Errorf("scan -o json = %s, want the live source named", stdout.String())
+	}
+}
+
+// TestScanSignalExitStatus: a scan that a signal cut short exits with the
+// shell's status for it (128+n), says so, and prints no report.
+func TestScanSignalExitStatus(t *testing.T) {
+	table := filepath.Join("..", "..", "probe", "testdata", "nbd-faults.mountinfo")
+	for sig, want := range map[syscall.Signal]int{syscall.SIGINT: 130, syscall.SIGTERM: 143} {
+		ctx, cancel := context.WithCancelCause(context.Background())
+		cancel(signalled{sig})
+		var stdout, stderr bytes.Buffer
+		if code := execute(ctx, []string{"scan", "--mountinfo", table}, &stdout, &stderr); code != want {
+			t.Errorf("scan stopped by %v: exit status %d, want %d", sig, code, want)
+		}
+		if stdout.Len() != 0 || !strings.Contains(stderr.String(), "stopped by SIG") {
+			t.Errorf("scan stopped by %v: stdout %q, stderr %q; want no report and the signal named", sig, stdout.String(), stderr.String())
+		}
 	}
 }
