@@ -10,6 +10,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
@@ -160,7 +162,18 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
 			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
-		if hb, err = failover.NewHeartbeat(fcfg, client, a.PodInformer(), fence, fence, deps.Registry); err != nil {
+		// The heartbeat Lease has a client of its own (rate limiter,
+		// connections): a renewal never waits behind the agent's reads.
+		rc, err := restConfig(cfg.Kubeconfig)
+		if err != nil {
+			return err
+		}
+		rc.UserAgent = "mountmedic/" + version
+		leases, err := failover.NewHeartbeatClient(rc)
+		if err != nil {
+			return err
+		}
+		if hb, err = failover.NewHeartbeat(fcfg, client, leases, a.PodInformer(), fence, fence, deps.Registry); err != nil {
 			return err
 		}
 		duties = append(duties, hb.Run)
@@ -190,4 +203,21 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		return err
 	}
 	return dutyErr
+}
+
+// restConfig loads the API server configuration the way agent.NewClient
+// does: in-cluster, or from --kubeconfig.
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig == "" {
+		rc, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("in-cluster config: %w; outside a pod pass --kubeconfig", err)
+		}
+		return rc, nil
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("--kubeconfig %s: %w", kubeconfig, err)
+	}
+	return rc, nil
 }
