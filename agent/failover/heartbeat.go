@@ -524,6 +524,21 @@ func (h *Heartbeat) lapse(ctx context.Context) {
 	if held {
 		h.peerMetrics.held.Set(0)
 	}
+	if held && v == verdictPeerRenews {
+		// The outage is over for a peer. Nobody could act on this node's
+		// silence during it (that is what holding relies on), so the
+		// promise runs again from the last check that found the outage:
+		// if this node still cannot renew FenceAfter later while a peer
+		// can, it fences. Without this, the nodes that reconnect last
+		// after an outage would all fence, and their pods be deleted.
+		h.mu.Lock()
+		h.lastOK = max(h.lastOK, lastCheck)
+		h.held = false
+		h.mu.Unlock()
+		logger.Info("A peer renews again after the outage: this node fences if it cannot renew within --failover-fence-after",
+			"fenceAfter", h.cfg.FenceAfter)
+		return
+	}
 	h.fence(ctx, silent, v, tally)
 }
 
