@@ -30,7 +30,7 @@ var kustomizations = []struct {
 	dir   string
 	kinds []string
 }{
-	{".", []string{"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Service"}},
+	{".", []string{"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Service", "FlowSchema", "PriorityLevelConfiguration"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
 	{"csi-token-requests", []string{"ClusterRole", "ClusterRoleBinding"}},
