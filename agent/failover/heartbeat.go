@@ -276,8 +276,8 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 				wait := h.cfg.PeerRefresh
 				if h.refreshPeers(ctx) < h.cfg.Peers {
 					// A young cluster, or the agents are still starting:
-					// look again sooner.
-					wait = min(wait, time.Minute)
+					// look again sooner (a minute with the defaults).
+					wait = min(wait, 6*h.cfg.HeartbeatInterval)
 				}
 				nextPeers = h.boot() + h.jitter(wait)
 			}
@@ -326,7 +326,7 @@ func (h *Heartbeat) renew(ctx context.Context) error {
 	if lapsed {
 		h.lapse(ctx)
 	}
-	err := h.write(ctx, start, wall)
+	err := h.write(ctx, wall)
 	h.mu.Lock()
 	h.lastAttemptOK = err == nil
 	wasHeld := false
@@ -348,9 +348,11 @@ func (h *Heartbeat) renew(ctx context.Context) error {
 	return nil
 }
 
-// write creates or updates the Lease.
-func (h *Heartbeat) write(ctx context.Context, start time.Duration, wall time.Time) error {
-	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.HeartbeatInterval))
+// write creates or updates the Lease. An attempt may take longer than the
+// interval (a slow answer still counts from the attempt's start, which is
+// safe): a deadline of one interval made a loaded API server look dead.
+func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
+	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.FenceAfter/2))
 	defer cancel()
 	leases := h.leases.CoordinationV1().Leases(h.cfg.Namespace)
 

@@ -3,9 +3,13 @@ package failover
 import (
 	"context"
 	"fmt"
+	"maps"
+	"net/http"
 	"net/url"
 	"path/filepath"
 	"slices"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -70,14 +74,15 @@ func (l *hbLab) hbConfig() Config {
 
 // hbNode is one node's agent heartbeat.
 type hbNode struct {
-	name   string
-	proxy  *lab.TCPProxy
-	fence  *recordingFence
-	hb     *Heartbeat
-	reg    *prometheus.Registry
-	offset atomic.Int64 // added to the boot clock: a simulated suspend
-	cancel context.CancelFunc
-	done   chan struct{}
+	requests *requestCounter
+	name     string
+	proxy    *lab.TCPProxy
+	fence    *recordingFence
+	hb       *Heartbeat
+	reg      *prometheus.Registry
+	offset   atomic.Int64 // added to the boot clock: a simulated suspend
+	cancel   context.CancelFunc
+	done     chan struct{}
 }
 
 // node creates a Node and runs its heartbeat with cfg; the test's cleanup
@@ -92,10 +97,12 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &hbNode{name: name, proxy: lab.StartTCPProxy(t, u.Host), fence: &recordingFence{}, reg: prometheus.NewRegistry()}
+	n := &hbNode{name: name, proxy: lab.StartTCPProxy(t, u.Host), fence: &recordingFence{}, reg: prometheus.NewRegistry(),
+		requests: &requestCounter{counts: map[string]int{}}}
 	cfg.NodeName, cfg.Identity = name, "agent-"+name
 	sa := rest.CopyConfig(l.sa)
 	sa.Host = "https://" + n.proxy.Addr()
+	sa.WrapTransport = n.requests.wrap
 	client, err := kubernetes.NewForConfig(sa)
 	if err != nil {
 		t.Fatal(err)
@@ -215,6 +222,7 @@ func TestHeartbeat(t *testing.T) {
 	t.Run("partitioned alone fences", func(t *testing.T) { testPartitionedAlone(t, l) })
 	t.Run("hostile peers do not hold a fence", func(t *testing.T) { testHostilePeers(t, l) })
 	t.Run("suspend fences", func(t *testing.T) { testSuspend(t, l) })
+	t.Run("steady state requests", func(t *testing.T) { testSteadyRequests(t, l) })
 	t.Run("api server stopped: no fence", func(t *testing.T) { testAPIServerStopped(t, l) })
 }
 
@@ -414,6 +422,90 @@ func testAPIServerStopped(t *testing.T, l *hbLab) {
 		}
 		if got := n.metric(t, "mountmedic_failover_outage_hold", nil); got != 0 {
 			t.Errorf("%s: outage_hold = %v after the API server returned, want 0", n.name, got)
+		}
+	}
+}
+
+// requestCounter counts a client's requests by method and path kind.
+type requestCounter struct {
+	mu     sync.Mutex
+	counts map[string]int
+}
+
+func (c *requestCounter) wrap(rt http.RoundTripper) http.RoundTripper {
+	return roundTripperFunc(func(req *http.Request) (*http.Response, error) {
+		kind := "other"
+		switch {
+		case strings.Contains(req.URL.Path, "/leases"):
+			kind = "leases"
+		case strings.Contains(req.URL.Path, "/nodes/"):
+			kind = "nodes"
+		case strings.Contains(req.URL.Path, "/pods"):
+			kind = "pods"
+		}
+		if req.URL.Query().Get("watch") == "true" {
+			kind += " watch"
+		}
+		c.mu.Lock()
+		c.counts[req.Method+" "+kind]++
+		c.mu.Unlock()
+		return rt.RoundTrip(req)
+	})
+}
+
+func (c *requestCounter) snapshot() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.counts)
+}
+
+type roundTripperFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripperFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// testSteadyRequests counts what a heartbeat asks of the API server once
+// it runs: one Lease update per renewal and nothing else (its peers are
+// listed again only every PeerRefresh). The figures are logged per
+// renewal, not per second: the test asserts counts, never timings.
+func testSteadyRequests(t *testing.T, l *hbLab) {
+	cfg := l.hbConfig()
+	cfg.Peers = 2
+	cfg.PeerRefresh = time.Hour
+	var nodes []*hbNode
+	for i := range 3 {
+		nodes = append(nodes, l.node(t, fmt.Sprintf("steady-%c", 'a'+i), cfg))
+	}
+	waitPeers(t, nodes...)
+	// The owner reference is on the Lease: the start-up reads are over.
+	time.Sleep(2 * cfg.HeartbeatInterval)
+	before := make([]map[string]int, len(nodes))
+	renewals := make([]float64, len(nodes))
+	for i, n := range nodes {
+		before[i] = n.requests.snapshot()
+		renewals[i] = n.metric(t, "mountmedic_failover_heartbeat_renewals_total", map[string]string{"result": resultSuccess})
+	}
+	time.Sleep(10 * cfg.HeartbeatInterval)
+	for i, n := range nodes {
+		after := n.requests.snapshot()
+		got := n.metric(t, "mountmedic_failover_heartbeat_renewals_total", map[string]string{"result": resultSuccess}) - renewals[i]
+		diff := map[string]int{}
+		for k, v := range after {
+			if d := v - before[i][k]; d != 0 {
+				diff[k] = d
+			}
+		}
+		t.Logf("%s: %v renewals, requests %v", n.name, got, diff)
+		if got < 1 {
+			t.Errorf("%s: no renewal in 10 intervals", n.name)
+			continue
+		}
+		if diff["PUT leases"] != int(got) {
+			t.Errorf("%s: %d Lease updates for %v renewals, want one each", n.name, diff["PUT leases"], got)
+		}
+		for k, v := range diff {
+			if k != "PUT leases" && !strings.HasSuffix(k, " watch") {
+				t.Errorf("%s: %d requests %s at steady state, want none (the pod informer's watch aside)", n.name, v, k)
+			}
 		}
 	}
 }
