@@ -97,8 +97,8 @@ type Config struct {
 	// PeerAdvertise is the host other agents reach this one at (default
 	// $POD_IP); the heartbeat Lease carries it with PeerListen's port.
 	PeerAdvertise string
-	// Peers is how many peers an agent asks; more than half of them must
-	// answer that they cannot renew either for the agent to hold its fence.
+	// Peers is how many peers an agent asks; every one of them must answer
+	// that it cannot renew either for the agent to hold its fence.
 	Peers int
 	// PeerTimeout bounds each peer's answer.
 	PeerTimeout time.Duration
@@ -194,7 +194,7 @@ func DefaultConfig() Config {
 		TrustShutdownTaint: false,
 		PeerListen:         ":9810",
 		PeerAdvertise:      os.Getenv("POD_IP"),
-		Peers:              5,
+		Peers:              7,
 		PeerTimeout:        2 * time.Second,
 		PeerRefresh:        10 * time.Minute,
 		MaxNodes:           1,
@@ -222,7 +222,7 @@ func (c *Config) AddFlags(fl *pflag.FlagSet) {
 	fl.StringVar(&c.PeerKeyFile, "failover-peer-key-file", c.PeerKeyFile, "key (at least 32 bytes) the agents authenticate peer-check answers with; empty: no peer check, so an API server outage longer than --failover-fence-after fences every node")
 	fl.StringVar(&c.PeerListen, "failover-peer-listen", c.PeerListen, "address of the peer-check endpoint other agents ask when they cannot renew their heartbeat")
 	fl.StringVar(&c.PeerAdvertise, "failover-peer-advertise", c.PeerAdvertise, "host other agents reach this one at (the default comes from $POD_IP)")
-	fl.IntVar(&c.Peers, "failover-peers", c.Peers, "peers an agent asks before it fences; it holds (an outage) only while more than half of them answer that they cannot renew either")
+	fl.IntVar(&c.Peers, "failover-peers", c.Peers, "peers an agent asks before it fences; it holds (an outage) only while every one of them answers that it cannot renew either")
 	fl.DurationVar(&c.PeerTimeout, "failover-peer-timeout", c.PeerTimeout, "deadline of a peer's answer")
 	fl.DurationVar(&c.PeerRefresh, "failover-peer-refresh", c.PeerRefresh, "how often an agent picks its peers again from the heartbeat Leases")
 	fl.DurationVar(&c.FenceStopGrace, "failover-fence-stop-grace", c.FenceStopGrace, "grace period of a container stopped by fencing")

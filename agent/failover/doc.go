@@ -27,8 +27,8 @@
 //
 // If it has not renewed for FenceAfter, counted from the start of its last
 // successful renewal, it runs a peer check (peer.go): it asks Peers other
-// agents, over the pod network, whether they can renew. If more than half
-// of the peers asked answer that they cannot, the API server is down or
+// agents, over the pod network, whether they can renew. If every peer
+// asked answers that it cannot, the API server is down or
 // throttled for everyone: it holds (no fence) and asks again each
 // interval; once a peer renews again, the promise runs anew from the last
 // check that saw the outage. Otherwise (a peer renews, none answers, too
@@ -145,13 +145,13 @@
 //   - Without a peer key (PeerKeyFile), a control-plane outage longer than
 //     FenceAfter fences every node's RWO pods, and lifting the fence
 //     deletes those pods to restart them with fresh mounts. With it, a node
-//     holds its fence only on the authenticated word of a majority of the
-//     peers it asked; a group of nodes cut off together from the API server
-//     and from the rest holds with a probability that grows with its share
-//     of the cluster (deploy/README.md has the figures), and relies then on
-//     the controller standing down when that many nodes look dead at once.
-//     Someone holding the peer key answers only at the addresses it can
-//     answer at: one peer of Peers, not a majority.
+//     holds its fence only on the authenticated word of every peer it
+//     asked; a node of a group cut off together from the API server and
+//     from the rest holds only if all its peers were picked in the group
+//     (f^Peers for a group holding a share f of the nodes; deploy/README.md
+//     has the figures), and relies then on the controller standing down
+//     when that many nodes look dead at once. Someone holding the peer key
+//     answers only at the addresses it can answer at.
 //   - Storage the pod reaches without its kubelet volume mounts (iSCSI or
 //     NFS mounted inside the container, a database replica talking to the
 //     storage over the network) is not fenced by unmounting; stopping the

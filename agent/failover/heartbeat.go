@@ -43,8 +43,8 @@ func (t fenceTarget) String() string {
 
 // Heartbeat is the node side of the duty: it renews this node's heartbeat
 // Lease every HeartbeatInterval (jittered), and when it has not managed to
-// for FenceAfter it runs a peer check (peer.go) and, unless a majority of
-// its peers cannot renew either (an API server outage), fences the node: it
+// for FenceAfter it runs a peer check (peer.go) and, unless every peer it
+// asks cannot renew either (an API server outage), fences the node: it
 // stops the containers of every pod the controller could fail over (and
 // those it cannot rule out) and lazily unmounts their volumes, and keeps
 // stopping them while the fence lasts. When a renewal succeeds again it
@@ -493,8 +493,8 @@ func (h *Heartbeat) checkLoop(ctx context.Context) {
 	}
 }
 
-// lapse decides what a heartbeat past FenceAfter means: unless a majority
-// of the peers cannot renew either (an outage: hold, and ask again every
+// lapse decides what a heartbeat past FenceAfter means: unless every peer
+// asked cannot renew either (an outage: hold, and ask again every
 // HeartbeatInterval), fence.
 func (h *Heartbeat) lapse(ctx context.Context) {
 	logger := klog.FromContext(ctx)
@@ -518,7 +518,7 @@ func (h *Heartbeat) lapse(ctx context.Context) {
 	if v == verdictOutage {
 		h.peerMetrics.held.Set(1)
 		if !held {
-			logger.Error(nil, "Heartbeat not renewed, but a majority of the peers cannot renew either: an API server outage, not fencing",
+			logger.Error(nil, "Heartbeat not renewed, but every peer asked cannot renew either: an API server outage, not fencing",
 				"silent", silent.Round(time.Second), "fenceAfter", h.cfg.FenceAfter, "peersAsked", tally.Asked, "peersCannot", tally.Cannot)
 		}
 		return

@@ -414,8 +414,8 @@ func testAPIServerStopped(t *testing.T, l *hbLab) {
 	}
 	for _, n := range nodes {
 		if got := n.fences(t); got != 0 {
-			t.Errorf("%s fenced %v times during an API server outage of %s (outage verdicts %v, other verdicts: isolated %v no_majority %v peer_renews %v)",
-				n.name, got, down, n.verdicts(t, verdictOutage), n.verdicts(t, verdictIsolated), n.verdicts(t, verdictNoMajority), n.verdicts(t, verdictPeerRenews))
+			t.Errorf("%s fenced %v times during an API server outage of %s (outage verdicts %v, other verdicts: isolated %v not_unanimous %v peer_renews %v)",
+				n.name, got, down, n.verdicts(t, verdictOutage), n.verdicts(t, verdictIsolated), n.verdicts(t, verdictNotUnanimous), n.verdicts(t, verdictPeerRenews))
 		}
 		if got := n.verdicts(t, verdictOutage); got < 1 {
 			t.Errorf("%s: peer_checks_total{verdict=outage} = %v, want the outage seen", n.name, got)

@@ -34,17 +34,20 @@ import (
 //
 //   - any peer can: the API server works, the problem is this node's
 //     (partitioned, suspended, throttled alone): fence;
-//   - more than half of the peers ASKED (not of those that answered) cannot
-//     either: the API server is down or throttled for everyone, the
-//     controller cannot act either: hold, do not fence, ask again every
-//     HeartbeatInterval;
-//   - otherwise (no peer known, none answers, too few answer): this node may
+//   - every peer asked (at least two) answers that it cannot either: the API
+//     server is down or throttled for everyone, the controller cannot act
+//     either: hold, do not fence, ask again every HeartbeatInterval;
+//   - otherwise (no peer known, none answers, some do not): this node may
 //     be cut off with a few neighbours: fence.
 //
-// Counting the majority over the peers asked is what keeps a group of
-// nodes cut off together (a rack, a zone) from holding on each other's
-// word: the peers outside the group do not answer, and count against the
-// hold.
+// Unanimity of the peers asked (not of those that answered) is what keeps
+// a group of nodes cut off together (a rack, a zone) from holding on each
+// other's word: a peer outside the group does not answer, and one such
+// peer among those asked is enough to fence. A node of a group holding a
+// share f of the nodes holds only if all its peers were picked inside the
+// group: f^Peers (7 peers: 0.002% at f = 0.2, 0.8% at f = 0.5). The rest
+// of the way is the controller's: it must stand down when that many nodes
+// look dead at once.
 //
 // Hostile actors. A pod on the network that answers "I cannot renew either"
 // at a peer's address (an IP reused by a new pod after the agent moved, a
@@ -55,9 +58,10 @@ import (
 // the key, or replaying an answer to another nonce or from another node, an
 // answer is rejected and counts as no answer. Someone who holds the key (a
 // node's root, a stolen agent credential) can forge the answers of the
-// addresses it can answer at; a majority of the asked peers is needed to
-// hold, so one such node cannot stop a fence alone. A forged "I can renew"
-// only makes a node fence, which is the safe side.
+// addresses it can answer at; every peer asked must say "cannot renew" to
+// hold, so such a node cannot stop a fence unless all the others already
+// agree. A forged "I can renew" only makes a node fence, which is the safe
+// side.
 
 const (
 	// PeerAddressAnnotation on a heartbeat Lease is host:port of its
@@ -70,6 +74,8 @@ const (
 
 	peerPath   = "/failover/v1/can-renew"
 	peerShards = 16
+	// minHoldPeers is the fewest peers whose word holds a fence.
+	minHoldPeers = 2
 	// minPeerKey is the shortest key accepted (bytes of the file).
 	minPeerKey = 32
 	// peerMACContext separates these MACs from any other use of the key.
@@ -82,14 +88,14 @@ type peerVerdict int
 const (
 	// verdictPeerRenews: a peer can renew; this node fences.
 	verdictPeerRenews peerVerdict = iota
-	// verdictOutage: a majority of the peers asked cannot renew either;
-	// this node holds.
+	// verdictOutage: every peer asked (at least minHoldPeers) cannot renew
+	// either; this node holds.
 	verdictOutage
 	// verdictIsolated: no peer answered; this node fences.
 	verdictIsolated
-	// verdictNoMajority: some peers cannot renew, too few to be a majority
-	// of those asked; this node fences.
-	verdictNoMajority
+	// verdictNotUnanimous: some peers cannot renew, others do not answer
+	// (or too few were asked); this node fences.
+	verdictNotUnanimous
 	// verdictNoPeers: no peer known (the API server never listed any);
 	// this node fences.
 	verdictNoPeers
@@ -102,7 +108,7 @@ const (
 	verdictShutdown
 )
 
-var peerVerdicts = []peerVerdict{verdictPeerRenews, verdictOutage, verdictIsolated, verdictNoMajority, verdictNoPeers, verdictDisabled}
+var peerVerdicts = []peerVerdict{verdictPeerRenews, verdictOutage, verdictIsolated, verdictNotUnanimous, verdictNoPeers, verdictDisabled}
 
 func (v peerVerdict) String() string {
 	switch v {
@@ -112,8 +118,8 @@ func (v peerVerdict) String() string {
 		return "outage"
 	case verdictIsolated:
 		return "isolated"
-	case verdictNoMajority:
-		return "no_majority"
+	case verdictNotUnanimous:
+		return "not_unanimous"
 	case verdictNoPeers:
 		return "no_peers"
 	case verdictDisabled:
@@ -139,12 +145,12 @@ func judgePeers(t peerTally) peerVerdict {
 		return verdictNoPeers
 	case t.CanRenew > 0:
 		return verdictPeerRenews
-	case 2*t.Cannot > t.Asked:
+	case t.Asked >= minHoldPeers && t.Cannot == t.Asked:
 		return verdictOutage
 	case t.Cannot == 0:
 		return verdictIsolated
 	}
-	return verdictNoMajority
+	return verdictNotUnanimous
 }
 
 // peerInfo is a peer the agent may ask.
@@ -198,11 +204,11 @@ func newPeerMetrics(reg prometheus.Registerer) (*peerMetrics, error) {
 	m := &peerMetrics{
 		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "mountmedic_failover_peer_checks_total",
-			Help: "Peer checks made because the heartbeat could not be renewed for --failover-fence-after, by verdict: peer_renews, isolated, no_majority, no_peers, disabled (the node fences) or outage (it holds).",
+			Help: "Peer checks made because the heartbeat could not be renewed for --failover-fence-after, by verdict: peer_renews, isolated, not_unanimous, no_peers, disabled (the node fences) or outage (it holds).",
 		}, []string{"verdict"}),
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "mountmedic_failover_outage_hold",
-			Help: "1 while this node does not fence although its heartbeat is past --failover-fence-after, because a majority of its peers cannot renew either (an API server outage).",
+			Help: "1 while this node does not fence although its heartbeat is past --failover-fence-after, because every peer it asked cannot renew either (an API server outage).",
 		}),
 		rejected: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "mountmedic_failover_peer_answers_rejected_total",
@@ -362,7 +368,7 @@ func (c *peerClient) ask(ctx context.Context, key []byte, p peerInfo) (*peerAnsw
 		return nil, &rejectedError{reason: "answer to another nonce (a replay)"}
 	case ans.Node != p.Node:
 		return nil, &rejectedError{reason: fmt.Sprintf("answer from node %q, asked node %q", ans.Node, p.Node)}
-	case false && !hmac.Equal([]byte(ans.MAC), []byte(peerMAC(key, ans.Nonce, ans.Node, ans.CanRenew))):
+	case !hmac.Equal([]byte(ans.MAC), []byte(peerMAC(key, ans.Nonce, ans.Node, ans.CanRenew))):
 		return nil, &rejectedError{reason: "MAC does not match the peer key"}
 	}
 	return &ans, nil

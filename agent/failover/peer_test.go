@@ -26,16 +26,17 @@ func TestJudgePeers(t *testing.T) {
 	}{
 		"no peers known":                       {peerTally{}, verdictNoPeers},
 		"one peer renews among outage answers": {peerTally{Asked: 5, CanRenew: 1, Cannot: 4}, verdictPeerRenews},
-		"all cannot":                           {peerTally{Asked: 5, Cannot: 5}, verdictOutage},
-		"majority of asked cannot":             {peerTally{Asked: 5, Cannot: 3}, verdictOutage},
-		// The peers that do not answer count against a hold: a group cut
+		"all cannot":                           {peerTally{Asked: 7, Cannot: 7}, verdictOutage},
+		// A peer that does not answer counts against a hold: a group cut
 		// off together must not hold on its own members' word.
-		"majority of answering, not of asked": {peerTally{Asked: 5, Cannot: 2}, verdictNoMajority},
-		"half is not a majority":              {peerTally{Asked: 4, Cannot: 2}, verdictNoMajority},
-		"nobody answers":                      {peerTally{Asked: 5}, verdictIsolated},
-		"only rejected answers":               {peerTally{Asked: 3, Rejected: 3}, verdictIsolated},
+		"all but one cannot, one silent":  {peerTally{Asked: 7, Cannot: 6}, verdictNotUnanimous},
+		"majority of asked is not enough": {peerTally{Asked: 5, Cannot: 3}, verdictNotUnanimous},
+		"one peer is too few":             {peerTally{Asked: 1, Cannot: 1}, verdictNotUnanimous},
+		"two peers both cannot":           {peerTally{Asked: 2, Cannot: 2}, verdictOutage},
+		"nobody answers":                  {peerTally{Asked: 5}, verdictIsolated},
+		"only rejected answers":           {peerTally{Asked: 3, Rejected: 3}, verdictIsolated},
 		// One spoofer holding the key among honest silent peers.
-		"one forged outage answer of five": {peerTally{Asked: 5, Cannot: 1}, verdictNoMajority},
+		"one forged outage answer of five": {peerTally{Asked: 5, Cannot: 1}, verdictNotUnanimous},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if got := judgePeers(tc.tally); got != tc.want {
@@ -218,13 +219,15 @@ func TestPeerCheck(t *testing.T) {
 		"honest peer renews beside hostile ones": {[]peerInfo{
 			{"h", hostile["no MAC"]}, {"h", hostile["other key"]}, {"b", honestB}}, verdictPeerRenews},
 		"honest outage": {[]peerInfo{
-			{"b", peerEndpoint(t, "b", key, false)}, {"c", peerEndpoint(t, "c", key, false)}, {"d", closedAddr(t)}}, verdictOutage},
+			{"b", peerEndpoint(t, "b", key, false)}, {"c", peerEndpoint(t, "c", key, false)}, {"d", peerEndpoint(t, "d", key, false)}}, verdictOutage},
+		"honest outage, one peer silent": {[]peerInfo{
+			{"b", peerEndpoint(t, "b", key, false)}, {"c", peerEndpoint(t, "c", key, false)}, {"d", closedAddr(t)}}, verdictNotUnanimous},
 		"honest outage minority, the rest silent": {[]peerInfo{
-			{"b", peerEndpoint(t, "b", key, false)}, {"c", closedAddr(t)}, {"d", closedAddr(t)}}, verdictNoMajority},
+			{"b", peerEndpoint(t, "b", key, false)}, {"c", closedAddr(t)}, {"d", closedAddr(t)}}, verdictNotUnanimous},
 		// A spoofer with the key (a stolen agent credential) can forge one
-		// address's answer: not a majority of three.
+		// address's answer: the others' silence still fences.
 		"one spoofer with the key": {[]peerInfo{
-			{"x", peerEndpoint(t, "x", key, false)}, {"c", closedAddr(t)}, {"d", closedAddr(t)}}, verdictNoMajority},
+			{"x", peerEndpoint(t, "x", key, false)}, {"c", closedAddr(t)}, {"d", closedAddr(t)}}, verdictNotUnanimous},
 		"peers answer with another key": {[]peerInfo{
 			{"b", peerEndpoint(t, "b", other, false)}, {"c", peerEndpoint(t, "c", other, false)}}, verdictIsolated},
 	} {
