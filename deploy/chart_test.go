@@ -117,7 +117,8 @@ func escapeTemplate(s string) string {
 }
 
 // markNamespace replaces the base namespace where a field names it: a
-// metadata or subject namespace, a PodMonitor's namespaceSelector, and a
+// metadata or subject namespace, a PodMonitor's namespaceSelector, a
+// FlowSchema rule's namespaces, and a
 // ServiceAccount user name (system:serviceaccount:NS:NAME) in a string.
 func markNamespace(v any) any {
 	switch x := v.(type) {
@@ -126,7 +127,7 @@ func markNamespace(v any) any {
 			switch {
 			case k == "namespace" && e == baseNamespace:
 				x[k] = markNS
-			case k == "matchNames":
+			case k == "matchNames" || k == "namespaces":
 				if l, ok := e.([]any); ok {
 					for i := range l {
 						if l[i] == baseNamespace {

@@ -31,7 +31,7 @@ var kustomizations = []struct {
 	kinds []string
 }{
 	{".", []string{"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Service",
-		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}},
+		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
 }

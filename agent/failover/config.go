@@ -3,6 +3,7 @@ package failover
 import (
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -76,7 +77,8 @@ type Config struct {
 	DeletePods bool
 
 	// HeartbeatInterval is how often each agent renews its node's heartbeat
-	// Lease.
+	// Lease; each wait adds up to 10% of jitter, so an agent writes no more
+	// often than this (kubelet's node lease: once per 10 s).
 	HeartbeatInterval time.Duration
 	// FenceAfter: an agent that has not renewed its heartbeat for this long
 	// (counted from the start of its last successful renewal) fences: it
@@ -84,6 +86,26 @@ type Config struct {
 	// lazily unmounts their volumes. Its heartbeat Lease advertises it as
 	// leaseDurationSeconds.
 	FenceAfter time.Duration
+	// PeerKeyFile holds the key the agents authenticate their peer-check
+	// answers with (a Secret mounted in the DaemonSet). Empty: no peer
+	// check, an agent that cannot renew for FenceAfter fences even when
+	// the API server is down for every node.
+	PeerKeyFile string
+	// PeerListen is the address of the peer endpoint (the DaemonSet is not
+	// hostNetwork: peers reach it at the pod IP).
+	PeerListen string
+	// PeerAdvertise is the host other agents reach this one at (default
+	// $POD_IP); the heartbeat Lease carries it with PeerListen's port.
+	PeerAdvertise string
+	// Peers is how many peers an agent asks; every one of them must answer
+	// that it cannot renew either for the agent to hold its fence.
+	Peers int
+	// PeerTimeout bounds each peer's answer.
+	PeerTimeout time.Duration
+	// PeerRefresh is how often (jittered) an agent picks its peers again
+	// from the heartbeat Leases (one list of one shard, from the watch
+	// cache).
+	PeerRefresh time.Duration
 	// FenceStopGrace is the grace period a fenced container gets after
 	// SIGTERM.
 	FenceStopGrace time.Duration
@@ -99,7 +121,9 @@ type Config struct {
 	KubeletGrace time.Duration
 	// TrustShutdownTaint lets the cloud provider's
 	// node.cloudprovider.kubernetes.io/shutdown taint stand in for a stale
-	// heartbeat: the instance is off, nothing on it can write.
+	// heartbeat. Off by default: cloud providers also set it on a
+	// hibernated or suspended instance, which resumes with its containers
+	// and mounts as they were, unfenced.
 	TrustShutdownTaint bool
 
 	// MaxNodes is how many nodes may be in failover at once (acted on, with
@@ -162,12 +186,17 @@ func DefaultConfig() Config {
 		Candidate:          true,
 		Mode:               ModeTaint,
 		DeletePods:         true,
-		HeartbeatInterval:  5 * time.Second,
+		HeartbeatInterval:  10 * time.Second,
 		FenceAfter:         30 * time.Second,
 		FenceStopGrace:     5 * time.Second,
 		FenceMargin:        15 * time.Second,
 		KubeletGrace:       40 * time.Second,
-		TrustShutdownTaint: true,
+		TrustShutdownTaint: false,
+		PeerListen:         ":9810",
+		PeerAdvertise:      os.Getenv("POD_IP"),
+		Peers:              7,
+		PeerTimeout:        2 * time.Second,
+		PeerRefresh:        10 * time.Minute,
 		MaxNodes:           1,
 		LeaseDuration:      15 * time.Second,
 		RenewDeadline:      10 * time.Second,
@@ -190,10 +219,16 @@ func (c *Config) AddFlags(fl *pflag.FlagSet) {
 	fl.BoolVar(&c.DeletePods, "failover-delete-pods", c.DeletePods, "in taint mode, force-delete the eligible pods as soon as they are terminating instead of waiting for the pod garbage collector's 20s period")
 	fl.DurationVar(&c.HeartbeatInterval, "failover-heartbeat-interval", c.HeartbeatInterval, "how often each agent renews its node's heartbeat Lease")
 	fl.DurationVar(&c.FenceAfter, "failover-fence-after", c.FenceAfter, "an agent that cannot renew its heartbeat for this long stops the containers of pods with ReadWriteOnce volumes and unmounts them")
+	fl.StringVar(&c.PeerKeyFile, "failover-peer-key-file", c.PeerKeyFile, "key (at least 32 bytes) the agents authenticate peer-check answers with; empty: no peer check, so an API server outage longer than --failover-fence-after fences every node")
+	fl.StringVar(&c.PeerListen, "failover-peer-listen", c.PeerListen, "address of the peer-check endpoint other agents ask when they cannot renew their heartbeat")
+	fl.StringVar(&c.PeerAdvertise, "failover-peer-advertise", c.PeerAdvertise, "host other agents reach this one at (the default comes from $POD_IP)")
+	fl.IntVar(&c.Peers, "failover-peers", c.Peers, "peers an agent asks before it fences; it holds (an outage) only while every one of them answers that it cannot renew either")
+	fl.DurationVar(&c.PeerTimeout, "failover-peer-timeout", c.PeerTimeout, "deadline of a peer's answer")
+	fl.DurationVar(&c.PeerRefresh, "failover-peer-refresh", c.PeerRefresh, "how often an agent picks its peers again from the heartbeat Leases")
 	fl.DurationVar(&c.FenceStopGrace, "failover-fence-stop-grace", c.FenceStopGrace, "grace period of a container stopped by fencing")
 	fl.DurationVar(&c.FenceMargin, "failover-fence-margin", c.FenceMargin, "extra time the controller waits past the fence window before acting (covers the time fencing takes)")
 	fl.DurationVar(&c.KubeletGrace, "failover-kubelet-grace", c.KubeletGrace, "the node's kubelet Lease must not have changed for this long, besides the node being NotReady")
-	fl.BoolVar(&c.TrustShutdownTaint, "failover-trust-shutdown-taint", c.TrustShutdownTaint, "accept the cloud provider's node.cloudprovider.kubernetes.io/shutdown taint in place of a stale heartbeat")
+	fl.BoolVar(&c.TrustShutdownTaint, "failover-trust-shutdown-taint", c.TrustShutdownTaint, "accept the cloud provider's node.cloudprovider.kubernetes.io/shutdown taint in place of a stale heartbeat (a hibernated instance carries it too and resumes unfenced)")
 	fl.IntVar(&c.MaxNodes, "failover-max-nodes", c.MaxNodes, "nodes that may be in failover at once")
 	fl.StringVar(&c.NodeSelector, "failover-node-selector", c.NodeSelector, "label selector of the nodes to fail over (default all)")
 	fl.StringSliceVar(&c.IncludeNamespaces, "failover-include-namespaces", c.IncludeNamespaces, "fail over only pods in these namespaces (default all)")
@@ -285,6 +320,19 @@ func (c Config) validate(needNode bool) error {
 	positive("failover-leader-renew-deadline", c.RenewDeadline)
 	positive("failover-leader-retry-period", c.RetryPeriod)
 	positive("failover-api-timeout", c.APITimeout)
+	if c.PeerKeyFile != "" {
+		if c.Peers < 1 {
+			bad("--failover-peers %d: must be at least 1 with --failover-peer-key-file", c.Peers)
+		}
+		positive("failover-peer-timeout", c.PeerTimeout)
+		positive("failover-peer-refresh", c.PeerRefresh)
+		if c.PeerTimeout >= c.HeartbeatInterval && c.HeartbeatInterval > 0 {
+			bad("--failover-peer-timeout %s must be below --failover-heartbeat-interval %s: a peer check must end before the next renewal", c.PeerTimeout, c.HeartbeatInterval)
+		}
+		if _, _, err := net.SplitHostPort(c.PeerListen); err != nil {
+			bad("--failover-peer-listen %q: %v; give host:port, e.g. :9810", c.PeerListen, err)
+		}
+	}
 	if c.EvalInterval <= 0 {
 		bad("failover EvalInterval %s: must be positive", c.EvalInterval)
 	}

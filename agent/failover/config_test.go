@@ -39,11 +39,17 @@ func TestValidate(t *testing.T) {
 		"retry above renew": {
 			edit: func(c *Config) { c.RetryPeriod = 10 * time.Second }, want: "--failover-leader-retry-period",
 		},
-		"no nodes":      {edit: func(c *Config) { c.MaxNodes = 0 }, want: "--failover-max-nodes"},
-		"bad selector":  {edit: func(c *Config) { c.NodeSelector = "a in (" }, want: "--failover-node-selector"},
-		"ns both lists": {edit: func(c *Config) { c.IncludeNamespaces = []string{"db"}; c.ExcludeNamespaces = []string{"db"} }, want: `"db" is in both`},
-		"bad ns":        {edit: func(c *Config) { c.ExcludeNamespaces = []string{"Bad"} }, want: "namespace \"Bad\""},
-		"sc both lists": {edit: func(c *Config) { c.IncludeStorageClasses = []string{"ssd"}; c.ExcludeStorageClasses = []string{"ssd"} }, want: `"ssd" is in both`},
+		"no nodes":           {edit: func(c *Config) { c.MaxNodes = 0 }, want: "--failover-max-nodes"},
+		"bad selector":       {edit: func(c *Config) { c.NodeSelector = "a in (" }, want: "--failover-node-selector"},
+		"ns both lists":      {edit: func(c *Config) { c.IncludeNamespaces = []string{"db"}; c.ExcludeNamespaces = []string{"db"} }, want: `"db" is in both`},
+		"bad ns":             {edit: func(c *Config) { c.ExcludeNamespaces = []string{"Bad"} }, want: "namespace \"Bad\""},
+		"sc both lists":      {edit: func(c *Config) { c.IncludeStorageClasses = []string{"ssd"}; c.ExcludeStorageClasses = []string{"ssd"} }, want: `"ssd" is in both`},
+		"peer key, defaults": {edit: func(c *Config) { c.PeerKeyFile = "/etc/mountmedic/peer/key" }},
+		"no peers":           {edit: func(c *Config) { c.PeerKeyFile = "k"; c.Peers = 0 }, want: "--failover-peers"},
+		"peer timeout above interval": {
+			edit: func(c *Config) { c.PeerKeyFile = "k"; c.PeerTimeout = c.HeartbeatInterval }, want: "--failover-peer-timeout",
+		},
+		"bad peer listen": {edit: func(c *Config) { c.PeerKeyFile = "k"; c.PeerListen = "9810" }, want: "--failover-peer-listen"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -99,5 +105,20 @@ func TestFenceWindow(t *testing.T) {
 		if got := c.FenceWindow(tc.lease); got != tc.want {
 			t.Errorf("%s: FenceWindow(%d) = %s, want %s", name, tc.lease, got, tc.want)
 		}
+	}
+}
+
+// TestHeartbeatDefaults: no more heartbeat writes than kubelet's node lease,
+// and a hibernated node's shutdown taint is not taken for a fence.
+func TestHeartbeatDefaults(t *testing.T) {
+	c := DefaultConfig()
+	if c.HeartbeatInterval < 10*time.Second {
+		t.Errorf("default heartbeat interval %s, want at least kubelet's node lease period (10s)", c.HeartbeatInterval)
+	}
+	if c.TrustShutdownTaint {
+		t.Errorf("TrustShutdownTaint on by default: a hibernated instance carries the shutdown taint and resumes unfenced")
+	}
+	if err := validConfig().Validate(); err != nil {
+		t.Errorf("defaults: %v", err)
 	}
 }

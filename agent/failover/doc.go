@@ -16,9 +16,23 @@
 //
 // Heartbeat (every node, in the agent): renews a Lease named after the node
 // in the agent's namespace (label failover.mountmedic.io/heartbeat=node)
-// every HeartbeatInterval, advertising FenceAfter as leaseDurationSeconds.
+// every HeartbeatInterval plus up to 10% of jitter (10 s by default: no
+// more writes than kubelet's node lease), advertising FenceAfter as
+// leaseDurationSeconds. It writes the Lease with a client of its own
+// (NewHeartbeatClient: its own rate limiter and connections, never queued
+// behind the agent's other calls; deploy/apf.yaml gives those writes their
+// own API Priority and Fairness level), owned by the Node (collected with
+// it) and carrying the agent's peer address. Silence is measured on
+// CLOCK_BOOTTIME, so that a suspend counts.
+//
 // If it has not renewed for FenceAfter, counted from the start of its last
-// successful renewal, the node fences itself: through the CRI it stops the
+// successful renewal, it runs a peer check (peer.go): it asks Peers other
+// agents, over the pod network, whether they can renew. If every peer
+// asked answers that it cannot, the API server is down or
+// throttled for everyone: it holds (no fence) and asks again each
+// interval; once a peer renews again, the promise runs anew from the last
+// check that saw the outage. Otherwise (a peer renews, none answers, too
+// few do, no peer key) the node fences itself: through the CRI it stops the
 // containers of every pod the controller could fail over (and every pod it
 // cannot rule out because a claim could not be read; every pod with a CSI
 // mount if it never reached the API server), lazily unmounts their CSI
@@ -122,17 +136,22 @@
 //     off. If the runtime does not answer within FenceMargin, containers
 //     may write past the window.
 //   - Clock rate, not clock skew: both sides measure durations on their own
-//     monotonic clocks, so skew between nodes does not matter; a node
-//     whose clock runs much slower than the leader's (or a VM paused and
-//     resumed) fences later than promised. FenceMargin covers small rate
-//     errors; a paused VM that resumes after the window writes until its
-//     agent notices (within a second of resuming).
-//   - A control-plane outage longer than FenceAfter fences every node's
-//     RWO pods (they cannot tell an unreachable API server from a
-//     partition), and lifting the fence deletes those pods to restart them
-//     with fresh mounts. Choose FenceAfter above your control plane's
-//     longest expected outage; the controller cannot act during such an
-//     outage anyway.
+//     clocks (the heartbeat on CLOCK_BOOTTIME), so skew between nodes does
+//     not matter; a node whose clock runs much slower than the leader's
+//     fences later than promised. FenceMargin covers small rate errors; a
+//     suspended node or paused VM that resumes after the window writes
+//     until its agent notices (within a second of resuming; it decides the
+//     fence before it renews).
+//   - Without a peer key (PeerKeyFile), a control-plane outage longer than
+//     FenceAfter fences every node's RWO pods, and lifting the fence
+//     deletes those pods to restart them with fresh mounts. With it, a node
+//     holds its fence only on the authenticated word of every peer it
+//     asked; a node of a group cut off together from the API server and
+//     from the rest holds only if all its peers were picked in the group
+//     (f^Peers for a group holding a share f of the nodes; deploy/README.md
+//     has the figures), and relies then on the controller standing down
+//     when that many nodes look dead at once. Someone holding the peer key
+//     answers only at the addresses it can answer at.
 //   - Storage the pod reaches without its kubelet volume mounts (iSCSI or
 //     NFS mounted inside the container, a database replica talking to the
 //     storage over the network) is not fenced by unmounting; stopping the

@@ -412,7 +412,14 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", n.name).String()
 		}))
 	pods := factory.Core().V1().Pods().Informer()
-	hb, err := NewHeartbeat(cfg, client, pods, n.fence, n.fence, prometheus.NewRegistry())
+	leaseCfg := rest.CopyConfig(n.h.sa)
+	leaseCfg.Host = "https://" + n.proxy.Addr()
+	leases, err := NewHeartbeatClient(leaseCfg)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	hb, err := NewHeartbeat(cfg, client, leases, pods, n.fence, n.fence, prometheus.NewRegistry())
 	if err != nil {
 		cancel()
 		t.Fatalf("NewHeartbeat: %v", err)

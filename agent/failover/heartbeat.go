@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -18,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
@@ -39,72 +42,147 @@ func (t fenceTarget) String() string {
 }
 
 // Heartbeat is the node side of the duty: it renews this node's heartbeat
-// Lease every HeartbeatInterval, and when it has not managed to for
-// FenceAfter it fences the node: it stops the containers of every pod the
-// controller could fail over (and those it cannot rule out) and lazily
-// unmounts their volumes, and keeps stopping them while the fence lasts.
-// When a renewal succeeds again it lifts the fence and deletes the fenced
-// pods that are still there (same UID, still on this node) and that the
-// policy fails over, so that their controllers recreate them with fresh
-// mounts: such a pod never resumes in place on an unmounted volume. A pod
-// fenced without a controller (the plan was not known) is left to the
-// operator, with an error log.
+// Lease every HeartbeatInterval (jittered), and when it has not managed to
+// for FenceAfter it runs a peer check (peer.go) and, unless every peer it
+// asks cannot renew either (an API server outage), fences the node: it
+// stops the containers of every pod the controller could fail over (and
+// those it cannot rule out) and lazily unmounts their volumes, and keeps
+// stopping them while the fence lasts. When a renewal succeeds again it
+// lifts the fence and deletes the fenced pods that are still there (same
+// UID, still on this node) and that the policy fails over, so that their
+// controllers recreate them with fresh mounts: such a pod never resumes in
+// place on an unmounted volume. A pod fenced without a controller (the plan
+// was not known) is left to the operator, with an error log.
 //
 // Its Lease advertises FenceAfter as leaseDurationSeconds: the promise the
 // controller relies on. On a clean stop it releases the Lease (clears the
 // holder), which withdraws the promise, so the controller does not fail the
-// node over on the heartbeat's silence alone.
+// node over on the heartbeat's silence alone. The Lease is owned by the
+// Node (garbage collected with it) and carries the agent's peer address.
+//
+// Silence is measured on CLOCK_BOOTTIME, so that a suspend counts: a node
+// resumed after FenceAfter fences (when its peers can renew) before its
+// first renewal is written.
 type Heartbeat struct {
-	cfg        Config
+	cfg Config
+	// client makes the node's other calls (the Node, pods, claims); leases
+	// writes and lists the heartbeat Lease only, with its own rate limiter
+	// and connections (NewHeartbeatClient).
 	client     kubernetes.Interface
+	leases     kubernetes.Interface
 	containers ContainerStopper
 	volumes    VolumeUnmounter
 	metrics    *heartbeatMetrics
-	now        func() time.Time
+	// now is the wall clock (the Lease's renewTime); boot the clock silence
+	// is measured on (CLOCK_BOOTTIME).
+	now  func() time.Time
+	boot func() time.Duration
+	// jitter returns the wait before the next renewal.
+	jitter func(time.Duration) time.Duration
+	rand   *rand.Rand
 	// checkEvery is the fence check period.
 	checkEvery time.Duration
 
+	peerClient  *peerClient // nil: no peer check (no key file)
+	peerMetrics *peerMetrics
+
 	claims *claimCache
 
-	mu         sync.Mutex
-	lease      *coordinationv1.Lease
-	lastOK     time.Time // start of the last successful renewal
-	plan       []fenceTarget
-	planSynced bool
-	fenced     []fenceTarget
-	isFenced   bool
-	renewed    chan struct{} // a renewal succeeded
+	// decide serializes the fence decisions (the check loop's and the
+	// renewal's own after a suspend) and the fence's lifting.
+	decide sync.Mutex
+
+	mu            sync.Mutex
+	lease         *coordinationv1.Lease
+	lastOK        time.Duration // boot clock: start of the last successful renewal
+	lastAttemptOK bool
+	held          bool          // past FenceAfter, not fenced: an outage
+	lastPeerCheck time.Duration // boot clock
+	lastRefence   time.Duration // boot clock
+	peers         []peerInfo
+	peerAddr      string // advertised in the Lease
+	nodeUID       types.UID
+	plan          []fenceTarget
+	planSynced    bool
+	fenced        []fenceTarget
+	isFenced      bool
+	renewed       chan struct{} // a renewal succeeded
 	// podInf is the informer of this node's pods; its owner starts and
 	// stops it.
 	podInf cache.SharedIndexInformer
 }
 
-// NewHeartbeat prepares the node side. containers and volumes do the
-// fencing (a *NodeFence does both); reg receives the metrics (nil: none).
+// heartbeatJitter is the largest share of HeartbeatInterval added to each
+// wait between renewals: a renewal every [interval, 1.1 interval], never
+// more often than the interval (kubelet's node lease writes once per 10 s).
+const heartbeatJitter = 0.1
+
+// NewHeartbeatClient returns the client the heartbeat writes its Lease
+// with: a copy of rc with its own rate limiter (QPS 5, burst 10: the
+// heartbeat makes one write per interval) and its own connections, so that
+// a renewal never waits behind the agent's other calls. rc is the identity
+// the Lease is written with (the agent's ServiceAccount).
+func NewHeartbeatClient(rc *rest.Config) (kubernetes.Interface, error) {
+	c := rest.CopyConfig(rc)
+	c.QPS, c.Burst, c.RateLimiter = 5, 10, nil
+	// A dialer of its own gives the client its own transport (client-go
+	// shares one transport between configs with the same TLS settings).
+	c.Dial = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext
+	if c.UserAgent != "" {
+		c.UserAgent += " heartbeat"
+	}
+	cl, err := kubernetes.NewForConfig(c)
+	if err != nil {
+		return nil, fmt.Errorf("heartbeat client: %w", err)
+	}
+	return cl, nil
+}
+
+// NewHeartbeat prepares the node side. client makes the node's calls (its
+// Node, pods, claims, deleting a fenced pod); leases, made by
+// NewHeartbeatClient, writes the heartbeat Lease and lists the peers'.
+// containers and volumes do the fencing (a *NodeFence does both); reg
+// receives the metrics (nil: none).
 //
 // pods is an informer of the pods bound to cfg.NodeName, which its owner
 // starts and stops: the agent's (agent.(*Agent).PodInformer), so that the
 // node's pods are watched once.
-func NewHeartbeat(cfg Config, client kubernetes.Interface, pods cache.SharedIndexInformer, containers ContainerStopper, volumes VolumeUnmounter, reg prometheus.Registerer) (*Heartbeat, error) {
+func NewHeartbeat(cfg Config, client, leases kubernetes.Interface, pods cache.SharedIndexInformer, containers ContainerStopper, volumes VolumeUnmounter, reg prometheus.Registerer) (*Heartbeat, error) {
 	if !cfg.Enabled {
 		return nil, errors.New("failover heartbeat: the duty is disabled (--failover=false)")
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if client == nil || pods == nil || containers == nil || volumes == nil {
-		return nil, errors.New("failover heartbeat needs a Kubernetes client, a pod informer, a container stopper and a volume unmounter")
+	if client == nil || leases == nil || pods == nil || containers == nil || volumes == nil {
+		return nil, errors.New("failover heartbeat needs a Kubernetes client, a heartbeat client, a pod informer, a container stopper and a volume unmounter")
 	}
 	m, err := newHeartbeatMetrics(reg)
 	if err != nil {
 		return nil, err
 	}
-	return &Heartbeat{
-		cfg: cfg, client: client, podInf: pods, containers: containers, volumes: volumes, metrics: m,
-		now: time.Now, checkEvery: time.Second,
+	pm, err := newPeerMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	r := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
+	h := &Heartbeat{
+		cfg: cfg, client: client, leases: leases, podInf: pods, containers: containers, volumes: volumes, metrics: m,
+		peerMetrics: pm,
+		now:         time.Now, boot: bootClock, rand: r, checkEvery: time.Second,
 		claims:  newClaimCache(claimReader{client: client, timeout: cfg.APITimeout}),
 		renewed: make(chan struct{}, 1),
-	}, nil
+	}
+	h.jitter = func(d time.Duration) time.Duration { return jittered(d, h.rand.Float64()) }
+	if cfg.PeerKeyFile != "" {
+		h.peerClient = newPeerClient(cfg.NodeName, cfg.PeerKeyFile, cfg.PeerTimeout)
+	}
+	return h, nil
+}
+
+// jittered is d plus up to heartbeatJitter of it, for u in [0, 1).
+func jittered(d time.Duration, u float64) time.Duration {
+	return d + time.Duration(float64(d)*heartbeatJitter*u)
 }
 
 // Fenced reports whether the pod with UID podUID is fenced now. The agent's
@@ -124,14 +202,35 @@ func (h *Heartbeat) Fenced(podUID string) bool {
 func (h *Heartbeat) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("node", h.cfg.NodeName, "lease", klog.KRef(h.cfg.Namespace, h.cfg.NodeName))
 	ctx = klog.NewContext(ctx, logger)
+
+	stopPeers := func() {}
+	if h.peerClient != nil {
+		if _, err := readPeerKey(h.cfg.PeerKeyFile); err != nil {
+			logger.Error(err, "Failover peer key unusable now: until it is, peer checks count every peer as silent and an API server outage fences this node")
+		}
+		addr, stop, err := h.servePeers(ctx)
+		if err != nil {
+			return err
+		}
+		stopPeers = stop
+		if addr == "" {
+			logger.Error(nil, "No address to advertise for the failover peer endpoint (set POD_IP or --failover-peer-advertise): peers cannot ask this agent")
+		}
+		h.mu.Lock()
+		h.peerAddr = addr
+		h.mu.Unlock()
+	} else {
+		logger.Info("No --failover-peer-key-file: no peer check, so an API server outage longer than --failover-fence-after fences this node")
+	}
+	defer stopPeers()
 	logger.Info("Starting failover heartbeat", "interval", h.cfg.HeartbeatInterval, "fenceAfter", h.cfg.FenceAfter,
-		"fenceStopGrace", h.cfg.FenceStopGrace, "dryRun", h.cfg.DryRun)
+		"fenceStopGrace", h.cfg.FenceStopGrace, "peerCheck", h.peerClient != nil, "peerAddress", h.peerAddr, "dryRun", h.cfg.DryRun)
 
 	// Until its first renewal an agent cannot know how long ago its
 	// predecessor's promise lapsed (a crash, a restart on a partitioned
 	// node): it fences if it cannot renew within two intervals.
 	h.mu.Lock()
-	h.lastOK = h.now().Add(-h.cfg.FenceAfter + 2*h.cfg.HeartbeatInterval)
+	h.lastOK = h.boot() - h.cfg.FenceAfter + 2*h.cfg.HeartbeatInterval
 	h.mu.Unlock()
 
 	var wg sync.WaitGroup
@@ -144,10 +243,16 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 
 func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 	logger := klog.FromContext(ctx)
-	t := time.NewTicker(h.cfg.HeartbeatInterval)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	failures := 0
+	var nextPeers time.Duration // boot clock
 	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
 		if err := h.renew(ctx); err != nil {
 			h.metrics.renewals.WithLabelValues(resultFailure).Inc()
 			failures++
@@ -166,27 +271,90 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 			case h.renewed <- struct{}{}:
 			default:
 			}
+			h.ensureNodeUID(ctx)
+			if h.peerClient != nil && h.boot() >= nextPeers {
+				wait := h.cfg.PeerRefresh
+				if h.refreshPeers(ctx) < h.cfg.Peers {
+					// A young cluster, or the agents are still starting:
+					// look again sooner (a minute with the defaults).
+					wait = min(wait, 6*h.cfg.HeartbeatInterval)
+				}
+				nextPeers = h.boot() + h.jitter(wait)
+			}
 			if synced() {
 				h.refreshPlan(ctx)
 			}
 		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
+		t.Reset(h.jitter(h.cfg.HeartbeatInterval))
 	}
+}
+
+// ensureNodeUID reads the Node's UID once, for the Lease's owner reference
+// (the next renewal adds it), so that the Lease goes with its Node.
+func (h *Heartbeat) ensureNodeUID(ctx context.Context) {
+	h.mu.Lock()
+	known := h.nodeUID != ""
+	h.mu.Unlock()
+	if known {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, h.cfg.APITimeout)
+	defer cancel()
+	node, err := h.client.CoreV1().Nodes().Get(ctx, h.cfg.NodeName, metav1.GetOptions{})
+	if err != nil {
+		klog.FromContext(ctx).V(2).Info("Cannot read this node for the heartbeat Lease's owner; the Lease is written without one", "err", err)
+		return
+	}
+	h.mu.Lock()
+	h.nodeUID = node.UID
+	h.mu.Unlock()
 }
 
 // renew writes the heartbeat Lease once. Success moves lastOK to the time
 // the attempt started: the API server wrote the renewal at that time or
 // later, so the controller, which counts from when it saw the change,
 // always waits at least FenceAfter past the agent's own deadline.
+//
+// A renewal that starts past FenceAfter without the fence decided (the
+// process did not run: a suspend, a paused VM) decides it first: the
+// controller may have failed the node over meanwhile.
 func (h *Heartbeat) renew(ctx context.Context) error {
-	start := h.now()
-	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.HeartbeatInterval))
+	start, wall := h.boot(), h.now()
+	h.mu.Lock()
+	lapsed := start-h.lastOK >= h.cfg.FenceAfter && !h.isFenced && !h.held
+	h.mu.Unlock()
+	if lapsed {
+		h.lapse(ctx)
+	}
+	err := h.write(ctx, wall)
+	h.mu.Lock()
+	h.lastAttemptOK = err == nil
+	wasHeld := false
+	if err == nil {
+		if start > h.lastOK {
+			h.lastOK = start
+		}
+		wasHeld, h.held = h.held, false
+	}
+	h.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if wasHeld {
+		h.peerMetrics.held.Set(0)
+		klog.FromContext(ctx).Info("Heartbeat renewed after an outage its peers shared: no fence")
+	}
+	h.metrics.lastOK.Set(float64(wall.UnixNano()) / 1e9)
+	return nil
+}
+
+// write creates or updates the Lease. An attempt may take longer than the
+// interval (a slow answer still counts from the attempt's start, which is
+// safe): a deadline of one interval made a loaded API server look dead.
+func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
+	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.FenceAfter/2))
 	defer cancel()
-	leases := h.client.CoordinationV1().Leases(h.cfg.Namespace)
+	leases := h.leases.CoordinationV1().Leases(h.cfg.Namespace)
 
 	h.mu.Lock()
 	cur := h.lease
@@ -197,14 +365,14 @@ func (h *Heartbeat) renew(ctx context.Context) error {
 		if cur == nil {
 			cur, err = leases.Get(ctx, h.cfg.NodeName, metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
-				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, start), metav1.CreateOptions{})
+				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, wall), metav1.CreateOptions{})
 				break
 			}
 			if err != nil {
 				return fmt.Errorf("get heartbeat lease: %w", err)
 			}
 		}
-		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), start), metav1.UpdateOptions{})
+		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), wall), metav1.UpdateOptions{})
 		if apierrors.IsConflict(err) {
 			cur = nil
 			continue
@@ -216,16 +384,17 @@ func (h *Heartbeat) renew(ctx context.Context) error {
 		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
 			h.lease = nil
 		}
+		if apierrors.IsNotFound(err) {
+			// Collected with a Node of the same name (recreated): read
+			// the owner again.
+			h.nodeUID = ""
+		}
 		h.mu.Unlock()
 		return fmt.Errorf("renew heartbeat lease: %w", err)
 	}
 	h.mu.Lock()
 	h.lease = got
-	if start.After(h.lastOK) {
-		h.lastOK = start
-	}
 	h.mu.Unlock()
-	h.metrics.lastOK.Set(float64(start.UnixNano()) / 1e9)
 	return nil
 }
 
@@ -237,6 +406,25 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinat
 	}
 	l.Labels[HeartbeatLabel] = HeartbeatLabelValue
 	l.Labels["app.kubernetes.io/name"] = "mountmedic"
+	l.Labels[PeerShardLabel] = peerShard(h.cfg.NodeName)
+	h.mu.Lock()
+	addr, uid := h.peerAddr, h.nodeUID
+	h.mu.Unlock()
+	if addr != "" {
+		if l.Annotations == nil {
+			l.Annotations = map[string]string{}
+		}
+		l.Annotations[PeerAddressAnnotation] = addr
+	} else {
+		delete(l.Annotations, PeerAddressAnnotation)
+	}
+	if uid != "" {
+		// Owned by the Node, so that it is collected with it. No
+		// blockOwnerDeletion: nothing waits on a heartbeat.
+		owner := metav1.OwnerReference{APIVersion: "v1", Kind: "Node", Name: h.cfg.NodeName, UID: uid}
+		refs := slices.DeleteFunc(l.OwnerReferences, func(r metav1.OwnerReference) bool { return r.Kind == "Node" && r.APIVersion == "v1" })
+		l.OwnerReferences = append(refs, owner)
+	}
 	if l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != h.cfg.Identity {
 		l.Spec.AcquireTime = &metav1.MicroTime{Time: now}
 		if l.Spec.LeaseTransitions == nil {
@@ -279,7 +467,6 @@ func (h *Heartbeat) refreshPlan(ctx context.Context) {
 func (h *Heartbeat) checkLoop(ctx context.Context) {
 	t := time.NewTicker(h.checkEvery)
 	defer t.Stop()
-	lastRefence := time.Time{}
 	for {
 		select {
 		case <-ctx.Done():
@@ -287,27 +474,78 @@ func (h *Heartbeat) checkLoop(ctx context.Context) {
 		case <-t.C:
 		case <-h.renewed:
 		}
-		now := h.now()
+		now := h.boot()
 		h.mu.Lock()
-		silent, fenced := now.Sub(h.lastOK), h.isFenced
+		silent, fenced, lastRefence := now-h.lastOK, h.isFenced, h.lastRefence
 		h.mu.Unlock()
 		switch {
 		case !fenced && silent >= h.cfg.FenceAfter:
-			h.fence(ctx, silent)
-			lastRefence = now
+			h.lapse(ctx)
 		case fenced && silent < h.cfg.FenceAfter:
+			h.decide.Lock()
 			h.unfence(ctx)
-		case fenced && now.Sub(lastRefence) >= h.cfg.HeartbeatInterval:
+			h.decide.Unlock()
+		case fenced && now-lastRefence >= h.cfg.HeartbeatInterval:
 			// kubelet restarts stopped containers (onto the unmounted
 			// directories): keep stopping them while the fence lasts.
 			h.refence(ctx)
-			lastRefence = now
 		}
 	}
 }
 
+// lapse decides what a heartbeat past FenceAfter means: unless every peer
+// asked cannot renew either (an outage: hold, and ask again every
+// HeartbeatInterval), fence.
+func (h *Heartbeat) lapse(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	h.decide.Lock()
+	defer h.decide.Unlock()
+	now := h.boot()
+	h.mu.Lock()
+	silent, fenced, held, lastCheck := now-h.lastOK, h.isFenced, h.held, h.lastPeerCheck
+	h.mu.Unlock()
+	if fenced || silent < h.cfg.FenceAfter || (held && now-lastCheck < h.cfg.HeartbeatInterval) {
+		return
+	}
+	v, tally := h.askPeers(ctx)
+	h.peerMetrics.checks.WithLabelValues(v.String()).Inc()
+	h.mu.Lock()
+	h.lastPeerCheck = h.boot()
+	if v == verdictOutage {
+		h.held = true
+	}
+	h.mu.Unlock()
+	if v == verdictOutage {
+		h.peerMetrics.held.Set(1)
+		if !held {
+			logger.Error(nil, "Heartbeat not renewed, but every peer asked cannot renew either: an API server outage, not fencing",
+				"silent", silent.Round(time.Second), "fenceAfter", h.cfg.FenceAfter, "peersAsked", tally.Asked, "peersCannot", tally.Cannot)
+		}
+		return
+	}
+	if held {
+		h.peerMetrics.held.Set(0)
+	}
+	if held && v == verdictPeerRenews {
+		// The outage is over for a peer. Nobody could act on this node's
+		// silence during it (that is what holding relies on), so the
+		// promise runs again from the last check that found the outage:
+		// if this node still cannot renew FenceAfter later while a peer
+		// can, it fences. Without this, the nodes that reconnect last
+		// after an outage would all fence, and their pods be deleted.
+		h.mu.Lock()
+		h.lastOK = max(h.lastOK, lastCheck)
+		h.held = false
+		h.mu.Unlock()
+		logger.Info("A peer renews again after the outage: this node fences if it cannot renew within --failover-fence-after",
+			"fenceAfter", h.cfg.FenceAfter)
+		return
+	}
+	h.fence(ctx, silent, v, tally)
+}
+
 // fence stops and unmounts the planned pods.
-func (h *Heartbeat) fence(ctx context.Context, silent time.Duration) {
+func (h *Heartbeat) fence(ctx context.Context, silent time.Duration, v peerVerdict, tally peerTally) {
 	logger := klog.FromContext(ctx)
 	h.mu.Lock()
 	targets, synced := slices.Clone(h.plan), h.planSynced
@@ -324,7 +562,8 @@ func (h *Heartbeat) fence(ctx context.Context, silent time.Duration) {
 		}
 	}
 	h.mu.Lock()
-	h.fenced, h.isFenced = targets, true
+	h.fenced, h.isFenced, h.held = targets, true, false
+	h.lastRefence = h.boot()
 	h.mu.Unlock()
 	h.metrics.fenced.Set(1)
 	h.metrics.fences.Inc()
@@ -333,13 +572,15 @@ func (h *Heartbeat) fence(ctx context.Context, silent time.Duration) {
 		names = append(names, t.String())
 	}
 	logger.Error(nil, "Heartbeat not renewed: fencing this node's pods with ReadWriteOnce volumes", "silent", silent.Round(time.Second),
-		"fenceAfter", h.cfg.FenceAfter, "pods", names, "planKnown", synced, "dryRun", h.cfg.DryRun)
+		"fenceAfter", h.cfg.FenceAfter, "peerVerdict", v.String(), "peersAsked", tally.Asked, "peersCanRenew", tally.CanRenew,
+		"peersCannot", tally.Cannot, "peerAnswersRejected", tally.Rejected, "pods", names, "planKnown", synced, "dryRun", h.cfg.DryRun)
 	h.stopAll(ctx, targets)
 }
 
 func (h *Heartbeat) refence(ctx context.Context) {
 	h.mu.Lock()
 	targets := slices.Clone(h.fenced)
+	h.lastRefence = h.boot()
 	h.mu.Unlock()
 	h.stopAll(ctx, targets)
 }
@@ -486,7 +727,7 @@ func (h *Heartbeat) shutdown(ctx context.Context) {
 		return
 	}
 	h.mu.Lock()
-	silent, fenced := h.now().Sub(h.lastOK), h.isFenced
+	silent, fenced := h.boot()-h.lastOK, h.isFenced
 	h.mu.Unlock()
 	if fenced || silent < 2*h.cfg.HeartbeatInterval {
 		logger.Error(err, "Could not release the heartbeat lease", "silent", silent.Round(time.Second), "fenced", fenced)
@@ -495,7 +736,7 @@ func (h *Heartbeat) shutdown(ctx context.Context) {
 	logger.Error(err, "Could not release the heartbeat lease while it is silent: fencing before exit")
 	fctx, cancel := context.WithTimeout(ctx, h.cfg.FenceStopGrace+10*time.Second)
 	defer cancel()
-	h.fence(fctx, silent)
+	h.fence(fctx, silent, verdictShutdown, peerTally{})
 }
 
 func (h *Heartbeat) release(ctx context.Context) error {
@@ -510,7 +751,7 @@ func (h *Heartbeat) release(ctx context.Context) error {
 	l := cur.DeepCopy()
 	l.Spec.HolderIdentity = nil
 	l.Spec.RenewTime = &metav1.MicroTime{Time: h.now()}
-	_, err := h.client.CoordinationV1().Leases(h.cfg.Namespace).Update(ctx, l, metav1.UpdateOptions{})
+	_, err := h.leases.CoordinationV1().Leases(h.cfg.Namespace).Update(ctx, l, metav1.UpdateOptions{})
 	return err
 }
 

@@ -13,6 +13,8 @@ import (
 	"github.com/spf13/pflag"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
@@ -199,9 +201,18 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
 			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
-		// The heartbeat's Lease as the ServiceAccount (a node may write
-		// Leases only in kube-node-lease), its node's pods as the node.
-		if hb, err = failover.NewHeartbeat(fcfg, agent.WithLeases(client, sa), a.PodInformer(), fence, fence, deps.Registry); err != nil {
+		// The heartbeat Lease has a client of its own (rate limiter,
+		// connections): a renewal never waits behind the agent's reads.
+		rc, err := restConfig(cfg.Kubeconfig)
+		if err != nil {
+			return err
+		}
+		rc.UserAgent = "mountmedic/" + version
+		leases, err := failover.NewHeartbeatClient(rc)
+		if err != nil {
+			return err
+		}
+		if hb, err = failover.NewHeartbeat(fcfg, client, leases, a.PodInformer(), fence, fence, deps.Registry); err != nil {
 			return err
 		}
 		duties = append(duties, hb.Run)
@@ -233,4 +244,21 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		return err
 	}
 	return dutyErr
+}
+
+// restConfig loads the API server configuration the way agent.NewClient
+// does: in-cluster, or from --kubeconfig.
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig == "" {
+		rc, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("in-cluster config: %w; outside a pod pass --kubeconfig", err)
+		}
+		return rc, nil
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("--kubeconfig %s: %w", kubeconfig, err)
+	}
+	return rc, nil
 }

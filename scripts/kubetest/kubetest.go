@@ -79,6 +79,11 @@ type Cluster struct {
 	t     testing.TB
 	pki   *pki
 	procs []*lab.Process // in start order
+	// api is kube-apiserver's index in procs, apiCmd its binary and flags
+	// (StopAPIServer, StartAPIServer).
+	api    int
+	apiCmd []string
+	logDir string
 }
 
 // Start starts etcd and kube-apiserver (and kube-controller-manager when
@@ -170,6 +175,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--allow-privileged=true",
 		"--profiling=false",
 	}
+	c.api, c.apiCmd, c.logDir = len(c.procs), append([]string{bins["kube-apiserver"]}, apiArgs...), logDir
 	api, err := c.run("kube-apiserver", bins["kube-apiserver"], apiArgs, logDir)
 	if err != nil {
 		return err
@@ -308,6 +314,35 @@ func (c *Cluster) stop() {
 	for i := len(c.procs) - 1; i >= 0; i-- {
 		c.procs[i].Stop(10 * time.Second)
 	}
+}
+
+// StopAPIServer stops kube-apiserver (SIGTERM, SIGKILL after 10 s): an
+// outage of the control plane for everyone. etcd and the other components
+// keep running.
+func (c *Cluster) StopAPIServer() {
+	c.procs[c.api].Stop(10 * time.Second)
+}
+
+// StartAPIServer starts kube-apiserver again with the same flags, port and
+// data after StopAPIServer, and waits until it is ready.
+func (c *Cluster) StartAPIServer() error {
+	if !c.procs[c.api].Exited() {
+		return errors.New("kube-apiserver is running: StopAPIServer first")
+	}
+	cmd := exec.Command(c.apiCmd[0], c.apiCmd[1:]...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	p, err := lab.RunProcess("kube-apiserver", cmd, filepath.Join(c.logDir, "kube-apiserver.log"))
+	if err != nil {
+		return err
+	}
+	c.procs[c.api] = p
+	httpClient, err := rest.HTTPClientFor(c.Config)
+	if err != nil {
+		return fmt.Errorf("create admin http client: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+	defer cancel()
+	return waitHTTP(ctx, p, httpClient, c.Server+"/readyz")
 }
 
 // ImpersonateConfig returns a copy of the admin config that acts as user with

@@ -1,0 +1,512 @@
+package failover
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	crand "crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/util/flowcontrol"
+	"k8s.io/klog/v2"
+)
+
+// The peer check: an agent that cannot renew its heartbeat for FenceAfter
+// asks a few other agents, over the pod network, whether THEY can renew
+// theirs, before it fences:
+//
+//   - any peer can: the API server works, the problem is this node's
+//     (partitioned, suspended, throttled alone): fence;
+//   - every peer asked (at least two) answers that it cannot either: the API
+//     server is down or throttled for everyone, the controller cannot act
+//     either: hold, do not fence, ask again every HeartbeatInterval;
+//   - otherwise (no peer known, none answers, some do not): this node may
+//     be cut off with a few neighbours: fence.
+//
+// Unanimity of the peers asked (not of those that answered) is what keeps
+// a group of nodes cut off together (a rack, a zone) from holding on each
+// other's word: a peer outside the group does not answer, and one such
+// peer among those asked is enough to fence. A node of a group holding a
+// share f of the nodes holds only if all its peers were picked inside the
+// group: f^Peers (7 peers: 0.002% at f = 0.2, 0.8% at f = 0.5). The rest
+// of the way is the controller's: it must stand down when that many nodes
+// look dead at once.
+//
+// Hostile actors. A pod on the network that answers "I cannot renew either"
+// at a peer's address (an IP reused by a new pod after the agent moved, a
+// spoofed address) would stop a fence: every answer carries an HMAC-SHA256,
+// under a key shared by the agents (a Secret mounted in the DaemonSet), of
+// a fresh random nonce the asker chose, the answering node's name (which
+// must be the one the asker took the address from) and the answer. Without
+// the key, or replaying an answer to another nonce or from another node, an
+// answer is rejected and counts as no answer. Someone who holds the key (a
+// node's root, a stolen agent credential) can forge the answers of the
+// addresses it can answer at; every peer asked must say "cannot renew" to
+// hold, so such a node cannot stop a fence unless all the others already
+// agree. A forged "I can renew" only makes a node fence, which is the safe
+// side.
+
+const (
+	// PeerAddressAnnotation on a heartbeat Lease is host:port of its
+	// agent's peer endpoint.
+	PeerAddressAnnotation = "failover.mountmedic.io/peer-address"
+	// PeerShardLabel spreads the heartbeat Leases over peerShards groups,
+	// so that an agent lists one group (a few hundred Leases at 5,000
+	// nodes) to pick its peers from, not all of them.
+	PeerShardLabel = "failover.mountmedic.io/peer-shard"
+
+	peerPath   = "/failover/v1/can-renew"
+	peerShards = 16
+	// minHoldPeers is the fewest peers whose word holds a fence.
+	minHoldPeers = 2
+	// minPeerKey is the shortest key accepted (bytes of the file).
+	minPeerKey = 32
+	// peerMACContext separates these MACs from any other use of the key.
+	peerMACContext = "mountmedic-failover-peer-v1"
+)
+
+// peerVerdict is the outcome of a peer check.
+type peerVerdict int
+
+const (
+	// verdictPeerRenews: a peer can renew; this node fences.
+	verdictPeerRenews peerVerdict = iota
+	// verdictOutage: every peer asked (at least minHoldPeers) cannot renew
+	// either; this node holds.
+	verdictOutage
+	// verdictIsolated: no peer answered; this node fences.
+	verdictIsolated
+	// verdictNotUnanimous: some peers cannot renew, others do not answer
+	// (or too few were asked); this node fences.
+	verdictNotUnanimous
+	// verdictNoPeers: no peer known (the API server never listed any);
+	// this node fences.
+	verdictNoPeers
+	// verdictDisabled: no peer key; this node fences (the behaviour without
+	// a peer check).
+	verdictDisabled
+	// verdictShutdown: the agent stops while silent and cannot release its
+	// Lease; nobody would fence after it exits, so it fences (no peer
+	// check, not counted in the metric).
+	verdictShutdown
+)
+
+var peerVerdicts = []peerVerdict{verdictPeerRenews, verdictOutage, verdictIsolated, verdictNotUnanimous, verdictNoPeers, verdictDisabled}
+
+func (v peerVerdict) String() string {
+	switch v {
+	case verdictPeerRenews:
+		return "peer_renews"
+	case verdictOutage:
+		return "outage"
+	case verdictIsolated:
+		return "isolated"
+	case verdictNotUnanimous:
+		return "not_unanimous"
+	case verdictNoPeers:
+		return "no_peers"
+	case verdictDisabled:
+		return "disabled"
+	case verdictShutdown:
+		return "shutdown"
+	}
+	return "unknown"
+}
+
+// peerTally counts the answers of one peer check.
+type peerTally struct {
+	Asked    int // peers asked
+	CanRenew int // valid answers "I can renew"
+	Cannot   int // valid answers "I cannot renew"
+	Rejected int // answers that failed authentication (also not counted as answers)
+}
+
+// judgePeers turns a tally into a verdict.
+func judgePeers(t peerTally) peerVerdict {
+	switch {
+	case t.Asked == 0:
+		return verdictNoPeers
+	case t.CanRenew > 0:
+		return verdictPeerRenews
+	case t.Asked >= minHoldPeers && t.Cannot == t.Asked:
+		return verdictOutage
+	case t.Cannot == 0:
+		return verdictIsolated
+	}
+	return verdictNotUnanimous
+}
+
+// peerInfo is a peer the agent may ask.
+type peerInfo struct {
+	Node string
+	Addr string // host:port
+}
+
+// peerAnswer is what the peer endpoint returns.
+type peerAnswer struct {
+	Node     string `json:"node"`
+	Nonce    string `json:"nonce"`
+	CanRenew bool   `json:"canRenew"`
+	MAC      string `json:"mac"`
+}
+
+// peerMAC authenticates an answer: HMAC-SHA256 under key of the context,
+// the asker's nonce, the answering node and the answer.
+func peerMAC(key []byte, nonce, node string, canRenew bool) string {
+	m := hmac.New(sha256.New, key)
+	for _, s := range []string{peerMACContext, nonce, node, strconv.FormatBool(canRenew)} {
+		m.Write([]byte(s))
+		m.Write([]byte{0})
+	}
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// readPeerKey reads the shared peer key; whitespace around it is ignored.
+// It is read at each use, so a rotated Secret takes effect without a
+// restart (kubelet updates the mounted file).
+func readPeerKey(path string) ([]byte, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read peer key: %w", err)
+	}
+	b = bytes.TrimSpace(b)
+	if len(b) < minPeerKey {
+		return nil, fmt.Errorf("peer key %s holds %d bytes, want at least %d (e.g. openssl rand -hex 32)", path, len(b), minPeerKey)
+	}
+	return b, nil
+}
+
+// peerMetrics are the peer check's collectors.
+type peerMetrics struct {
+	checks   *prometheus.CounterVec
+	held     prometheus.Gauge
+	rejected prometheus.Counter
+}
+
+func newPeerMetrics(reg prometheus.Registerer) (*peerMetrics, error) {
+	m := &peerMetrics{
+		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mountmedic_failover_peer_checks_total",
+			Help: "Peer checks made because the heartbeat could not be renewed for --failover-fence-after, by verdict: peer_renews, isolated, not_unanimous, no_peers, disabled (the node fences) or outage (it holds).",
+		}, []string{"verdict"}),
+		held: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_outage_hold",
+			Help: "1 while this node does not fence although its heartbeat is past --failover-fence-after, because every peer it asked cannot renew either (an API server outage).",
+		}),
+		rejected: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_peer_answers_rejected_total",
+			Help: "Peer answers that failed authentication (wrong key, replayed, from another node): each is someone answering at a peer's address without the peer key.",
+		}),
+	}
+	for _, v := range peerVerdicts {
+		m.checks.WithLabelValues(v.String())
+	}
+	if err := register(reg, m.checks, m.held, m.rejected); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// peerShard is the shard label value of a node.
+func peerShard(node string) string {
+	h := fnv.New32a()
+	h.Write([]byte(node))
+	return strconv.Itoa(int(h.Sum32() % peerShards))
+}
+
+// peerServer answers other agents' peer checks.
+type peerServer struct {
+	node     string
+	keyFile  string
+	canRenew func() bool
+	limit    flowcontrol.RateLimiter
+}
+
+func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != peerPath || r.Method != http.MethodGet {
+		http.NotFound(w, r)
+		return
+	}
+	// Anyone on the pod network can ask: bound the work it can cause.
+	if !s.limit.TryAccept() {
+		http.Error(w, "too many peer checks", http.StatusTooManyRequests)
+		return
+	}
+	nonce := r.URL.Query().Get("nonce")
+	if b, err := hex.DecodeString(nonce); err != nil || len(b) != 32 {
+		http.Error(w, "nonce: want 32 random bytes in hex", http.StatusBadRequest)
+		return
+	}
+	key, err := readPeerKey(s.keyFile)
+	if err != nil {
+		http.Error(w, "no peer key", http.StatusServiceUnavailable)
+		return
+	}
+	ans := peerAnswer{Node: s.node, Nonce: nonce, CanRenew: s.canRenew()}
+	ans.MAC = peerMAC(key, ans.Nonce, ans.Node, ans.CanRenew)
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(ans)
+}
+
+// peerClient asks peers.
+type peerClient struct {
+	self    string
+	keyFile string
+	timeout time.Duration
+	http    *http.Client
+}
+
+func newPeerClient(self, keyFile string, timeout time.Duration) *peerClient {
+	return &peerClient{self: self, keyFile: keyFile, timeout: timeout, http: &http.Client{
+		// Never through an HTTP proxy from the environment: peers are
+		// pod IPs.
+		Transport: &http.Transport{Proxy: nil, DialContext: (&net.Dialer{Timeout: timeout}).DialContext,
+			DisableKeepAlives: true, ResponseHeaderTimeout: timeout},
+		Timeout: timeout,
+		CheckRedirect: func(*http.Request, []*http.Request) error {
+			return errors.New("peer endpoints do not redirect")
+		},
+	}}
+}
+
+// check asks every peer at once and tallies their valid answers.
+func (c *peerClient) check(ctx context.Context, peers []peerInfo, m *peerMetrics) peerTally {
+	logger := klog.FromContext(ctx)
+	t := peerTally{Asked: len(peers)}
+	key, err := readPeerKey(c.keyFile)
+	if err != nil {
+		logger.Error(err, "Peer check impossible: no peer key; counting every peer as silent")
+		return t
+	}
+	type result struct {
+		p   peerInfo
+		ans *peerAnswer
+		err error
+	}
+	results := make(chan result, len(peers))
+	var wg sync.WaitGroup
+	for _, p := range peers {
+		wg.Go(func() {
+			ans, err := c.ask(ctx, key, p)
+			results <- result{p, ans, err}
+		})
+	}
+	wg.Wait()
+	close(results)
+	for r := range results {
+		var rej *rejectedError
+		switch {
+		case errors.As(r.err, &rej):
+			t.Rejected++
+			m.rejected.Inc()
+			logger.Error(r.err, "Peer answer rejected: someone without the peer key answers at this peer's address", "peer", r.p.Node, "address", r.p.Addr)
+		case r.err != nil:
+			logger.V(2).Info("Peer did not answer", "peer", r.p.Node, "address", r.p.Addr, "err", r.err)
+		case r.ans.CanRenew:
+			t.CanRenew++
+		default:
+			t.Cannot++
+		}
+	}
+	return t
+}
+
+// rejectedError is an answer that failed authentication.
+type rejectedError struct{ reason string }
+
+func (e *rejectedError) Error() string { return "peer answer rejected: " + e.reason }
+
+// ask asks one peer with a fresh nonce and checks its answer.
+func (c *peerClient) ask(ctx context.Context, key []byte, p peerInfo) (*peerAnswer, error) {
+	raw := make([]byte, 32)
+	if _, err := crand.Read(raw); err != nil {
+		return nil, fmt.Errorf("nonce: %w", err)
+	}
+	nonce := hex.EncodeToString(raw)
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	u := url.URL{Scheme: "http", Host: p.Addr, Path: peerPath, RawQuery: url.Values{"nonce": {nonce}, "from": {c.self}}.Encode()}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+	if err != nil {
+		return nil, fmt.Errorf("peer request: %w", err)
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("ask peer: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	if err != nil {
+		return nil, fmt.Errorf("read peer answer: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("peer answered %s", resp.Status)
+	}
+	var ans peerAnswer
+	if err := json.Unmarshal(body, &ans); err != nil {
+		return nil, &rejectedError{reason: "not a peer answer: " + err.Error()}
+	}
+	switch {
+	case ans.Nonce != nonce:
+		return nil, &rejectedError{reason: "answer to another nonce (a replay)"}
+	case ans.Node != p.Node:
+		return nil, &rejectedError{reason: fmt.Sprintf("answer from node %q, asked node %q", ans.Node, p.Node)}
+	case !hmac.Equal([]byte(ans.MAC), []byte(peerMAC(key, ans.Nonce, ans.Node, ans.CanRenew))):
+		return nil, &rejectedError{reason: "MAC does not match the peer key"}
+	}
+	return &ans, nil
+}
+
+// pickPeers chooses up to n peers at random among the heartbeat Leases
+// listed: held (not released), with a peer address, not self.
+func pickPeers(self string, leases []leaseView, n int, r *rand.Rand) []peerInfo {
+	var cands []peerInfo
+	for _, l := range leases {
+		if l.Name == self || !l.Held || l.Addr == "" {
+			continue
+		}
+		cands = append(cands, peerInfo{Node: l.Name, Addr: l.Addr})
+	}
+	r.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
+	if len(cands) > n {
+		cands = cands[:n]
+	}
+	return cands
+}
+
+// leaseView is what pickPeers needs of a heartbeat Lease.
+type leaseView struct {
+	Name string
+	Held bool
+	Addr string
+}
+
+// listPeerLeases lists the heartbeat Leases of one shard (all of them if
+// shard is ""), from the API server's watch cache (resourceVersion 0: no
+// etcd read).
+func (h *Heartbeat) listPeerLeases(ctx context.Context, shard string) ([]leaseView, error) {
+	set := labels.Set{HeartbeatLabel: HeartbeatLabelValue}
+	if shard != "" {
+		set[PeerShardLabel] = shard
+	}
+	ctx, cancel := context.WithTimeout(ctx, h.cfg.APITimeout)
+	defer cancel()
+	list, err := h.leases.CoordinationV1().Leases(h.cfg.Namespace).List(ctx, metav1.ListOptions{
+		LabelSelector: labels.SelectorFromSet(set).String(), ResourceVersion: "0"})
+	if err != nil {
+		return nil, fmt.Errorf("list heartbeat leases: %w", err)
+	}
+	out := make([]leaseView, 0, len(list.Items))
+	for _, l := range list.Items {
+		out = append(out, leaseView{Name: l.Name, Held: l.Spec.HolderIdentity != nil && *l.Spec.HolderIdentity != "",
+			Addr: l.Annotations[PeerAddressAnnotation]})
+	}
+	return out, nil
+}
+
+// refreshPeers picks this node's peers again: from one random shard of the
+// heartbeat Leases, or from all of them when that shard has too few. It
+// returns how many peers are known.
+func (h *Heartbeat) refreshPeers(ctx context.Context) int {
+	logger := klog.FromContext(ctx)
+	shard := strconv.Itoa(h.rand.IntN(peerShards))
+	leases, err := h.listPeerLeases(ctx, shard)
+	if err == nil && len(pickPeers(h.cfg.NodeName, leases, h.cfg.Peers, h.rand)) < h.cfg.Peers {
+		leases, err = h.listPeerLeases(ctx, "")
+	}
+	if err != nil {
+		logger.Info("Cannot refresh the failover peers; keeping the ones known", "err", err)
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return len(h.peers)
+	}
+	peers := pickPeers(h.cfg.NodeName, leases, h.cfg.Peers, h.rand)
+	h.mu.Lock()
+	h.peers = peers
+	h.mu.Unlock()
+	names := make([]string, len(peers))
+	for i, p := range peers {
+		names[i] = p.Node
+	}
+	logger.V(2).Info("Failover peers picked", "peers", names)
+	return len(peers)
+}
+
+// canRenew is this agent's answer to a peer: its last renewal attempt
+// succeeded, recently.
+func (h *Heartbeat) canRenew() bool {
+	now := h.boot()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.lastAttemptOK && now-h.lastOK < h.cfg.FenceAfter/2
+}
+
+// askPeers runs one peer check and returns its verdict.
+func (h *Heartbeat) askPeers(ctx context.Context) (peerVerdict, peerTally) {
+	if h.peerClient == nil {
+		return verdictDisabled, peerTally{}
+	}
+	h.mu.Lock()
+	peers := append([]peerInfo(nil), h.peers...)
+	h.mu.Unlock()
+	t := h.peerClient.check(ctx, peers, h.peerMetrics)
+	return judgePeers(t), t
+}
+
+// servePeers listens on PeerListen; it returns the advertised address.
+func (h *Heartbeat) servePeers(ctx context.Context) (string, func(), error) {
+	ln, err := net.Listen("tcp", h.cfg.PeerListen)
+	if err != nil {
+		return "", nil, fmt.Errorf("failover peer endpoint --failover-peer-listen %s: %w", h.cfg.PeerListen, err)
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	host := h.cfg.PeerAdvertise
+	if host == "" {
+		if ip := ln.Addr().(*net.TCPAddr).IP; !ip.IsUnspecified() {
+			host = ip.String()
+		}
+	}
+	srv := &http.Server{
+		Handler: &peerServer{node: h.cfg.NodeName, keyFile: h.cfg.PeerKeyFile, canRenew: h.canRenew,
+			limit: flowcontrol.NewTokenBucketRateLimiter(20, 40)},
+		ReadHeaderTimeout: 2 * time.Second,
+		ReadTimeout:       2 * time.Second,
+		WriteTimeout:      2 * time.Second,
+		MaxHeaderBytes:    4096,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			klog.FromContext(ctx).Error(err, "Failover peer endpoint stopped")
+		}
+	}()
+	stop := func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+		<-done
+	}
+	if host == "" {
+		return "", stop, nil
+	}
+	return net.JoinHostPort(host, port), stop, nil
+}

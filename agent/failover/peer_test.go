@@ -1,0 +1,284 @@
+package failover
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/util/flowcontrol"
+)
+
+func TestJudgePeers(t *testing.T) {
+	for name, tc := range map[string]struct {
+		tally peerTally
+		want  peerVerdict
+	}{
+		"no peers known":                       {peerTally{}, verdictNoPeers},
+		"one peer renews among outage answers": {peerTally{Asked: 5, CanRenew: 1, Cannot: 4}, verdictPeerRenews},
+		"all cannot":                           {peerTally{Asked: 7, Cannot: 7}, verdictOutage},
+		// A peer that does not answer counts against a hold: a group cut
+		// off together must not hold on its own members' word.
+		"all but one cannot, one silent":  {peerTally{Asked: 7, Cannot: 6}, verdictNotUnanimous},
+		"majority of asked is not enough": {peerTally{Asked: 5, Cannot: 3}, verdictNotUnanimous},
+		"one peer is too few":             {peerTally{Asked: 1, Cannot: 1}, verdictNotUnanimous},
+		"two peers both cannot":           {peerTally{Asked: 2, Cannot: 2}, verdictOutage},
+		"nobody answers":                  {peerTally{Asked: 5}, verdictIsolated},
+		"only rejected answers":           {peerTally{Asked: 3, Rejected: 3}, verdictIsolated},
+		// One spoofer holding the key among honest silent peers.
+		"one forged outage answer of five": {peerTally{Asked: 5, Cannot: 1}, verdictNotUnanimous},
+	} {
+		t.Run(name, func(t *testing.T) {
+			if got := judgePeers(tc.tally); got != tc.want {
+				t.Errorf("judgePeers(%+v) = %s, want %s", tc.tally, got, tc.want)
+			}
+		})
+	}
+}
+
+// TestJittered: every wait between renewals lies in [interval, 1.1
+// interval] (never more often than the interval, kubelet's node lease
+// rate), and the heartbeat's waits are spread, not all equal.
+func TestJittered(t *testing.T) {
+	const d = 10 * time.Second
+	for _, u := range []float64{0, 0.5, 0.999999} {
+		if got := jittered(d, u); got < d || got > d+d/10 {
+			t.Errorf("jittered(%s, %v) = %s, want in [%s, %s]", d, u, got, d, d+d/10)
+		}
+	}
+	h := &Heartbeat{rand: rand.New(rand.NewPCG(1, 2))}
+	seen := map[time.Duration]bool{}
+	var sum time.Duration
+	const n = 1000
+	for range n {
+		got := jittered(d, h.rand.Float64())
+		if got < d || got > d+d/10 {
+			t.Fatalf("wait %s outside [%s, %s]", got, d, d+d/10)
+		}
+		seen[got] = true
+		sum += got
+	}
+	if len(seen) < n/2 {
+		t.Errorf("%d distinct waits of %d: the waits are not jittered", len(seen), n)
+	}
+	if mean := sum / n; mean < d {
+		t.Errorf("mean wait %s below the interval %s: more writes than kubelet's node lease", mean, d)
+	}
+}
+
+func TestBootClock(t *testing.T) {
+	a := bootClock()
+	time.Sleep(10 * time.Millisecond)
+	b := bootClock()
+	if b <= a {
+		t.Errorf("bootClock went from %s to %s, want it to advance", a, b)
+	}
+	// CLOCK_BOOTTIME counts from boot, like /proc/uptime.
+	up, err := os.ReadFile("/proc/uptime")
+	if err != nil {
+		t.Skip(err)
+	}
+	secs, _, _ := strings.Cut(string(up), " ")
+	d, err := time.ParseDuration(secs + "s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := b - d; diff < -2*time.Second || diff > 2*time.Second {
+		t.Errorf("bootClock = %s, /proc/uptime = %s: want the time since boot", b, d)
+	}
+}
+
+// writeKey writes a peer key file.
+func writeKey(t testing.TB, key string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "key")
+	if err := os.WriteFile(path, []byte(key+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+const testKey = "0123456789abcdef0123456789abcdef-test-key"
+
+// peerEndpoint serves a real peerServer for node with canRenew.
+func peerEndpoint(t *testing.T, node, keyFile string, canRenew bool) string {
+	t.Helper()
+	srv := httptest.NewServer(&peerServer{node: node, keyFile: keyFile, canRenew: func() bool { return canRenew },
+		limit: flowcontrol.NewTokenBucketRateLimiter(100, 100)})
+	t.Cleanup(srv.Close)
+	return srv.Listener.Addr().String()
+}
+
+// hostileEndpoint answers every check with answer(nonce).
+func hostileEndpoint(t *testing.T, answer func(nonce string) peerAnswer) string {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_ = json.NewEncoder(w).Encode(answer(r.URL.Query().Get("nonce")))
+	}))
+	t.Cleanup(srv.Close)
+	return srv.Listener.Addr().String()
+}
+
+// closedAddr is a loopback address nobody listens on.
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// TestPeerCheck runs the peer protocol over real HTTP on loopback, with
+// honest peers and the hostile actors it must reject: a pod answering
+// "outage" without the key, with another key, an honest answer replayed
+// to another nonce or altered, and a relay of another node's answer.
+func TestPeerCheck(t *testing.T) {
+	key := writeKey(t, testKey)
+	other := writeKey(t, "another-key-another-key-another-key-0000")
+	ctx := context.Background()
+
+	// A genuine answer of node "b" to some earlier check, to replay.
+	var recorded peerAnswer
+	{
+		c := newPeerClient("recorder", key, time.Second)
+		k, _ := readPeerKey(key)
+		ans, err := c.ask(ctx, k, peerInfo{Node: "b", Addr: peerEndpoint(t, "b", key, false)})
+		if err != nil {
+			t.Fatalf("ask an honest peer: %v", err)
+		}
+		recorded = *ans
+	}
+	honestB := peerEndpoint(t, "b", key, true)
+	hostile := map[string]string{
+		"no MAC": hostileEndpoint(t, func(n string) peerAnswer { return peerAnswer{Node: "h", Nonce: n} }),
+		"other key": hostileEndpoint(t, func(n string) peerAnswer {
+			k, _ := readPeerKey(other)
+			return peerAnswer{Node: "h", Nonce: n, MAC: peerMAC(k, n, "h", false)}
+		}),
+		"replayed": hostileEndpoint(t, func(string) peerAnswer { return recorded }),
+		"replayed to the new nonce": hostileEndpoint(t, func(n string) peerAnswer {
+			a := recorded
+			a.Nonce, a.Node = n, "h"
+			return a
+		}),
+		"not JSON": func() string {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write([]byte("outage")) }))
+			t.Cleanup(srv.Close)
+			return srv.Listener.Addr().String()
+		}(),
+	}
+	// A relay: asked as node "h", it forwards the nonce to honest node b
+	// (which cannot renew) and returns b's valid answer.
+	cannotB := peerEndpoint(t, "b", key, false)
+	hostile["relay of another node"] = hostileEndpoint(t, func(n string) peerAnswer {
+		resp, err := http.Get("http://" + cannotB + peerPath + "?nonce=" + n)
+		if err != nil {
+			return peerAnswer{}
+		}
+		defer resp.Body.Close()
+		var a peerAnswer
+		_ = json.NewDecoder(resp.Body).Decode(&a)
+		return a
+	})
+
+	m, err := newPeerMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newPeerClient("a", key, time.Second)
+	for name, addr := range hostile {
+		t.Run(name, func(t *testing.T) {
+			k, _ := readPeerKey(key)
+			_, err := c.ask(ctx, k, peerInfo{Node: "h", Addr: addr})
+			var rej *rejectedError
+			if err == nil || !errors.As(err, &rej) {
+				t.Errorf("ask hostile peer (%s): err = %v, want a rejection", name, err)
+			}
+		})
+	}
+
+	for name, tc := range map[string]struct {
+		peers []peerInfo
+		want  peerVerdict
+	}{
+		"three hostile outage answers, nobody honest": {[]peerInfo{
+			{"h", hostile["no MAC"]}, {"h", hostile["other key"]}, {"h", hostile["replayed to the new nonce"]}}, verdictIsolated},
+		"honest peer renews beside hostile ones": {[]peerInfo{
+			{"h", hostile["no MAC"]}, {"h", hostile["other key"]}, {"b", honestB}}, verdictPeerRenews},
+		"honest outage": {[]peerInfo{
+			{"b", peerEndpoint(t, "b", key, false)}, {"c", peerEndpoint(t, "c", key, false)}, {"d", peerEndpoint(t, "d", key, false)}}, verdictOutage},
+		"honest outage, one peer silent": {[]peerInfo{
+			{"b", peerEndpoint(t, "b", key, false)}, {"c", peerEndpoint(t, "c", key, false)}, {"d", closedAddr(t)}}, verdictNotUnanimous},
+		"honest outage minority, the rest silent": {[]peerInfo{
+			{"b", peerEndpoint(t, "b", key, false)}, {"c", closedAddr(t)}, {"d", closedAddr(t)}}, verdictNotUnanimous},
+		// A spoofer with the key (a stolen agent credential) can forge one
+		// address's answer: the others' silence still fences.
+		"one spoofer with the key": {[]peerInfo{
+			{"x", peerEndpoint(t, "x", key, false)}, {"c", closedAddr(t)}, {"d", closedAddr(t)}}, verdictNotUnanimous},
+		"peers answer with another key": {[]peerInfo{
+			{"b", peerEndpoint(t, "b", other, false)}, {"c", peerEndpoint(t, "c", other, false)}}, verdictIsolated},
+	} {
+		t.Run(name, func(t *testing.T) {
+			tally := c.check(ctx, tc.peers, m)
+			if got := judgePeers(tally); got != tc.want {
+				t.Errorf("verdict = %s (tally %+v), want %s", got, tally, tc.want)
+			}
+		})
+	}
+	if got := metric(t, prometheusGatherer(t, m), "mountmedic_failover_peer_answers_rejected_total", nil); got < 4 {
+		t.Errorf("peer_answers_rejected_total = %v, want the hostile answers counted", got)
+	}
+}
+
+// TestPeerServerLimits: the endpoint refuses malformed nonces and bounds
+// the checks anyone on the network can make it answer.
+func TestPeerServerLimits(t *testing.T) {
+	var calls atomic.Int32
+	srv := httptest.NewServer(&peerServer{node: "a", keyFile: writeKey(t, testKey),
+		canRenew: func() bool { calls.Add(1); return true }, limit: flowcontrol.NewTokenBucketRateLimiter(1, 2)})
+	defer srv.Close()
+	get := func(q string) int {
+		resp, err := http.Get(srv.URL + peerPath + q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code := get("?nonce=abc"); code != http.StatusBadRequest {
+		t.Errorf("short nonce: status %d, want 400", code)
+	}
+	nonce := "?nonce=" + strings.Repeat("ab", 32)
+	limited := false
+	for range 10 {
+		if get(nonce) == http.StatusTooManyRequests {
+			limited = true
+		}
+	}
+	if !limited || calls.Load() > 4 {
+		t.Errorf("10 checks at once: limited %v, %d answered; want most refused with 429", limited, calls.Load())
+	}
+}
+
+// prometheusGatherer registers the peer metrics on a registry to read them.
+func prometheusGatherer(t *testing.T, m *peerMetrics) prometheus.Gatherer {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(m.rejected); err != nil {
+		t.Fatal(err)
+	}
+	return reg
+}
