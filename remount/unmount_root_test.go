@@ -1,0 +1,134 @@
+package remount
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/lab"
+)
+
+// foreignTable starts a process in a mount namespace of its own whose
+// mounts stay peers of ours (unshare --propagation unchanged) and returns
+// its mount table: the same mounts as ours, under other mount IDs.
+func foreignTable(t *testing.T) string {
+	t.Helper()
+	cmd := exec.Command("unshare", "--mount", "--propagation", "unchanged", "sleep", "3600")
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start a process in a mount namespace of its own: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	ours, err := os.Readlink("/proc/self/ns/mnt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid))
+	for deadline := time.Now().Add(failBound); ; time.Sleep(10 * time.Millisecond) {
+		ns, err := os.Readlink(filepath.Join(dir, "ns", "mnt"))
+		comm, _ := os.ReadFile(filepath.Join(dir, "comm"))
+		if err == nil && ns != ours && strings.TrimSpace(string(comm)) == "sleep" {
+			return filepath.Join(dir, "mountinfo")
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("unshare (pid %d) never entered a mount namespace of its own", cmd.Process.Pid)
+		}
+	}
+}
+
+// TestUnmountFromTable unmounts mounts named by another namespace's table,
+// whose mount IDs mean nothing here: a stack named whole goes from the top
+// down; a stack whose top the table does not name stays whole
+// (ErrMountChanged); a path whose mount is gone counts as not mounted;
+// UnmountMounts with the foreign IDs refuses them all (the bug this
+// replaces in the fence).
+func TestUnmountFromTable(t *testing.T) {
+	lab.RequireRoot(t)
+	ctx := context.Background()
+	k := newKubelet(t)
+	dir := func(name string) string {
+		p := filepath.Join(k.Root(), "pods", labPod, "volumes", "kubernetes.io~csi", name, "mount")
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	tmpfs := func(p string) {
+		if err := unix.Mount("tmpfs", p, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	whole, partial, gone := dir("whole"), dir("partial"), dir("gone")
+	tmpfs(whole)
+	tmpfs(whole)
+	tmpfs(partial)
+	tmpfs(gone)
+	table := foreignTable(t)
+	inv, err := probe.ReadFile(table, probe.Options{Root: k.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpfs(partial) // on top after the table was read: it names only the one below
+	if err := unix.Unmount(gone, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	byPath := map[string][]*probe.Mount{}
+	for _, m := range inv.Mounts {
+		byPath[m.Path] = append(byPath[m.Path], m)
+	}
+	if len(byPath[whole]) != 2 || len(byPath[partial]) != 1 || len(byPath[gone]) != 1 {
+		t.Fatalf("foreign table: %d mounts at whole, %d at partial, %d at gone; want 2, 1, 1", len(byPath[whole]), len(byPath[partial]), len(byPath[gone]))
+	}
+	named := append(append(append([]*probe.Mount{}, byPath[whole]...), byPath[partial]...), byPath[gone]...)
+
+	u := &Unmounter{Root: k.Root()}
+	if acts, err := u.UnmountMounts(ctx, named); !errors.Is(err, ErrMountChanged) || Unmounted(acts) != 0 {
+		t.Errorf("UnmountMounts with the foreign table's IDs = %d unmounted, %v; want none and ErrMountChanged", Unmounted(acts), err)
+	}
+
+	dry := &Unmounter{Root: k.Root(), DryRun: true}
+	if acts, _ := dry.UnmountFromTable(ctx, named); Unmounted(acts) != 2 {
+		t.Errorf("dry-run UnmountFromTable planned %d unmounts, want 2 (the stack at whole): %v", Unmounted(acts), acts)
+	}
+
+	acts, err := u.UnmountFromTable(ctx, named)
+	if !errors.Is(err, ErrMountChanged) {
+		t.Errorf("UnmountFromTable: err = %v, want ErrMountChanged for partial", err)
+	}
+	if got := Unmounted(acts); got != 2 {
+		t.Errorf("UnmountFromTable unmounted %d mounts, want 2 (the stack at whole): %v", got, acts)
+	}
+	for _, c := range []struct {
+		table, path string
+		want        int
+	}{
+		{"/proc/self/mountinfo", whole, 0}, {table, whole, 0},
+		{"/proc/self/mountinfo", partial, 2}, {table, partial, 2},
+		{"/proc/self/mountinfo", gone, 0},
+	} {
+		inv, err := probe.ReadFile(c.table, probe.Options{Root: k.Root()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, m := range inv.Mounts {
+			if m.Path == c.path {
+				n++
+			}
+		}
+		if n != c.want {
+			t.Errorf("%s: %d mounts at %s, want %d", c.table, n, c.path, c.want)
+		}
+	}
+}
