@@ -4,48 +4,14 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/lab"
 )
-
-// foreignTable starts a process in a mount namespace of its own whose
-// mounts stay peers of ours (unshare --propagation unchanged) and returns
-// its mount table: the same mounts as ours, under other mount IDs.
-func foreignTable(t *testing.T) string {
-	t.Helper()
-	cmd := exec.Command("unshare", "--mount", "--propagation", "unchanged", "sleep", "3600")
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start a process in a mount namespace of its own: %v", err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	ours, err := os.Readlink("/proc/self/ns/mnt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid))
-	for deadline := time.Now().Add(failBound); ; time.Sleep(10 * time.Millisecond) {
-		ns, err := os.Readlink(filepath.Join(dir, "ns", "mnt"))
-		comm, _ := os.ReadFile(filepath.Join(dir, "comm"))
-		if err == nil && ns != ours && strings.TrimSpace(string(comm)) == "sleep" {
-			return filepath.Join(dir, "mountinfo")
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("unshare (pid %d) never entered a mount namespace of its own", cmd.Process.Pid)
-		}
-	}
-}
 
 // TestUnmountFromTable unmounts mounts named by another namespace's table,
 // whose mount IDs mean nothing here: a stack named whole goes from the top
@@ -74,7 +40,7 @@ func TestUnmountFromTable(t *testing.T) {
 	tmpfs(whole)
 	tmpfs(partial)
 	tmpfs(gone)
-	table := foreignTable(t)
+	table := lab.StartMountNamespace(t, "unchanged")
 	inv, err := probe.ReadFile(table, probe.Options{Root: k.Root()})
 	if err != nil {
 		t.Fatal(err)

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -104,39 +102,6 @@ func TestNodeFenceNoRuntime(t *testing.T) {
 	}
 }
 
-// otherNamespace starts a process in a mount namespace of its own, a copy
-// of ours whose mounts stay in our peer groups (unshare --propagation
-// unchanged) or become private copies (private), and returns the path of
-// its mount table: what --host-table=/proc/1/mountinfo is to the agent,
-// the same mounts under other mount IDs.
-func otherNamespace(t *testing.T, propagation string) string {
-	t.Helper()
-	cmd := exec.Command("unshare", "--mount", "--propagation", propagation, "sleep", "3600")
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start a process in a mount namespace of its own: %v", err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	ours, err := os.Readlink("/proc/self/ns/mnt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid))
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if ns, err := os.Readlink(filepath.Join(dir, "ns", "mnt")); err == nil && ns != ours {
-			if comm, err := os.ReadFile(filepath.Join(dir, "comm")); err == nil && strings.TrimSpace(string(comm)) == "sleep" {
-				break
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("unshare (pid %d) never entered a mount namespace of its own", cmd.Process.Pid)
-		}
-	}
-	return filepath.Join(dir, "mountinfo")
-}
-
 // mountedIn reports whether table lists a mount at path.
 func mountedIn(t *testing.T, table, path string) bool {
 	t.Helper()
@@ -176,7 +141,7 @@ func TestNodeFenceOtherNamespace(t *testing.T) {
 	subA := k.SubPath("pod-a", "pv-a", "app", 0, filepath.Join(pubA, "data"))
 	pubB := k.Publish("pod-b", "pv-b", drv, "vol-b", stagingB, false)
 
-	host := otherNamespace(t, "unchanged")
+	host := lab.StartMountNamespace(t, "unchanged")
 
 	// pod-b's publish target changes under the fence in our namespace
 	// only: private here, then a tmpfs on top that the table never shows.
@@ -265,7 +230,7 @@ func TestNodeFenceUnreached(t *testing.T) {
 	staging := k.StagingPath(drv, "vol-a")
 	lab.NewExt4(t, staging, 16)
 	pub := k.Publish("pod-a", "pv-a", drv, "vol-a", staging, false)
-	host := otherNamespace(t, "private")
+	host := lab.StartMountNamespace(t, "private")
 
 	f := &NodeFence{KubeletRoot: k.Root(), HostTable: host}
 	got := f.UnmountPodVolumes(ctx, []string{"pod-a"})
