@@ -143,10 +143,13 @@
 //     longest expected outage; the controller cannot act during such an
 //     outage anyway.
 //   - kubelet restarts a fenced container onto the node's bare publish
-//     directory (and creates its subPath directories there): what it
-//     writes lands on the node's disk, never on the volume, and stays
-//     there. kubelet's teardown of the pod cannot remove that non-empty
-//     directory until someone empties it (see the e2e fence scenario).
+//     directory (and creates its subPath directories there) until the
+//     fence stops it again, up to a HeartbeatInterval later: what it writes
+//     lands on the node's disk, never on the volume, and the writes
+//     succeed, so the application believes them stored. They stay there,
+//     and kubelet's teardown of the pod fails ("Unmounter.TearDownAt failed
+//     to clean mount dir") until someone empties the directory: a deleted
+//     pod stays Terminating (seen in the e2e fence scenario).
 //   - Storage the pod reaches without its kubelet volume mounts (iSCSI or
 //     NFS mounted inside the container, a database replica talking to the
 //     storage over the network) is not fenced by unmounting; stopping the
