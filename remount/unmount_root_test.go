@@ -98,3 +98,56 @@ func TestUnmountFromTable(t *testing.T) {
 		}
 	}
 }
+
+// TestUnmountFromTableSymlink: after the table was read, the path it names
+// was swapped for a symlink to a mount outside the kubelet root. The
+// unmount is refused (ErrUnsafePath) and the mount outside stays.
+func TestUnmountFromTableSymlink(t *testing.T) {
+	lab.RequireRoot(t)
+	ctx := context.Background()
+	k := newKubelet(t)
+	vol := filepath.Join(k.Root(), "pods", labPod, "volumes", "kubernetes.io~csi", "sym")
+	target := filepath.Join(vol, "mount")
+	outside := filepath.Join(t.TempDir(), "mount")
+	for _, p := range []string{target, outside} {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("tmpfs", p, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { _ = unix.Unmount(outside, unix.MNT_DETACH) })
+	inv, err := probe.ReadFile(lab.StartMountNamespace(t, "unchanged"), probe.Options{Root: k.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var named []*probe.Mount
+	for _, m := range inv.Mounts {
+		if m.Path == target {
+			named = append(named, m)
+		}
+	}
+	if len(named) != 1 {
+		t.Fatalf("the table names %d mounts at %s, want 1", len(named), target)
+	}
+	if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(vol, vol+"-old"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Dir(outside), vol); err != nil {
+		t.Fatal(err)
+	}
+
+	u := &Unmounter{Root: k.Root()}
+	acts, err := u.UnmountFromTable(ctx, named)
+	if !errors.Is(err, ErrUnsafePath) || Unmounted(acts) != 0 {
+		t.Errorf("UnmountFromTable through a symlink out of the root = %d unmounted, %v; want none and ErrUnsafePath", Unmounted(acts), err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(outside, &st); err != nil || st.Type != unix.TMPFS_MAGIC {
+		t.Errorf("the mount outside the kubelet root at %s is gone (statfs type %#x, %v)", outside, st.Type, err)
+	}
+}
