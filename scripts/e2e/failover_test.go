@@ -150,7 +150,8 @@ const planWait = 25 * time.Second
 
 // fenceScenario: the real node's agent, the DaemonSet of deploy/ with its
 // shipped flags (--host-table=/proc/1/mountinfo) and --failover, loses the
-// API server alone: its connections go through a proxy that the test cuts,
+// API server alone: its in-cluster connections (KUBERNETES_SERVICE_HOST and
+// _PORT, which its heartbeat uses) go through a proxy that the test cuts,
 // kubelet keeps its own. Past --failover-fence-after its heartbeat fences
 // the node: the workload's app container is stopped through containerd's
 // CRI and the volume's publish target and subPath bind are lazily
