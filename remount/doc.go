@@ -108,6 +108,20 @@
 // calls. Calls for the same volume must not overlap (the agent runs one
 // repair per volume at a time).
 //
+// # Mount IDs belong to one mount namespace
+//
+// A mount copied into another mount namespace, or propagated there, is
+// another mount with another ID: the host's /proc/1/mountinfo and the
+// agent's own table name the same volume under different IDs. Every check
+// "is the mount on top here still the one the table named" therefore
+// compares IDs of one namespace, the caller's: the Repairer reads its own
+// table through /proc/thread-self and passes the agent's dead mounts on by
+// device, path and root only; UnmountMounts takes IDs of our own table;
+// UnmountFromTable takes mounts of any table (the fence's --host-table) and
+// finds each in our own table by path, device and root before it checks
+// and unmounts it by our ID. An unmount in our namespace reaches the host
+// only by propagation (the DaemonSet's Bidirectional kubelet root).
+//
 // # Finding container processes
 //
 // The cgroups first: one pass over /proc/<pid>/cgroup, shared by the

@@ -39,6 +39,16 @@ type Unmounter struct {
 	// Sys are the operations that change mounts; zero fields take the
 	// host's.
 	Sys Syscalls
+	// ProcDir is where procfs is mounted, for our own mount table
+	// (<ProcDir>/thread-self/mountinfo); "/proc" when empty.
+	ProcDir string
+}
+
+func (u *Unmounter) procDir() string {
+	if u.ProcDir == "" {
+		return "/proc"
+	}
+	return u.ProcDir
 }
 
 func (u *Unmounter) root() string {
@@ -73,16 +83,113 @@ func (u *Unmounter) Unmount(ctx context.Context, paths []string) ([]Action, erro
 	return u.unmountAll(ctx, targets)
 }
 
-// UnmountMounts lazily unmounts mounts read from a mount table, deepest
-// first. It unmounts a path only while the mount on top there is the one the
-// table named (same mount ID); otherwise the action fails with
-// ErrMountChanged and nothing is unmounted there.
+// UnmountMounts lazily unmounts mounts read from our own mount table
+// (<ProcDir>/thread-self/mountinfo), deepest first. It unmounts a path only
+// while the mount on top there is the one the table named (same mount ID);
+// otherwise the action fails with ErrMountChanged and nothing is unmounted
+// there. Mount IDs belong to one mount namespace: the same mount has another
+// ID in every other one, so mounts read from another namespace's table
+// (--host-table=/proc/1/mountinfo) go to UnmountFromTable.
 func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount) ([]Action, error) {
 	targets := make([]unmountTarget, 0, len(mounts))
 	for _, m := range mounts {
 		targets = append(targets, unmountTarget{path: m.Path, id: m.ID})
 	}
 	return u.unmountAll(ctx, targets)
+}
+
+// UnmountFromTable lazily unmounts mounts read from the mount table of any
+// mount namespace, ours or another (the host's /proc/1/mountinfo seen from a
+// hostPID container), deepest path first; on each path every mount named
+// there, from the top down.
+//
+// Their mount IDs are not used: a mount copied or propagated into another
+// namespace is another mount with another ID. Each is found in our own
+// mount table, read once here, as the mount at the same path on the same
+// device with the same root (mountinfo's fourth field). On each path the
+// mounts of our stack are unmounted from the top down while the one on top
+// is one the table named, each checked by its ID in our namespace when the
+// path is opened (OpenSafe: below the kubelet root, no symlink); a mount on
+// top here that the table does not name stops that path with
+// ErrMountChanged, and nothing below it is touched. A path with no mount
+// here counts as not mounted.
+//
+// Our unmounts reach the table's namespace only through mount propagation
+// (the DaemonSet's Bidirectional kubelet root); the caller checks that by
+// reading its table again.
+func (u *Unmounter) UnmountFromTable(ctx context.Context, mounts []*probe.Mount) ([]Action, error) {
+	own, err := probe.ReadFile(filepath.Join(u.procDir(), "thread-self", "mountinfo"), probe.Options{Root: u.root()})
+	if err != nil {
+		return nil, fmt.Errorf("read our own mount table: %w", err)
+	}
+	table := buildHostTable(own)
+	named := map[string]map[mountKey]bool{}
+	var paths []string
+	for _, m := range mounts {
+		p := filepath.Clean(m.Path)
+		if named[p] == nil {
+			named[p] = map[mountKey]bool{}
+			paths = append(paths, p)
+		}
+		named[p][keyOf(m)] = true
+	}
+	slices.SortStableFunc(paths, func(a, b string) int {
+		if d := depth(b) - depth(a); d != 0 {
+			return d
+		}
+		return strings.Compare(b, a)
+	})
+	sys := u.Sys.orHost()
+	var actions []Action
+	for _, path := range paths {
+		if err := ctx.Err(); err != nil {
+			actions = append(actions, Action{Op: OpUnmount, Path: path, DryRun: u.DryRun,
+				Err: fmt.Errorf("unmount %s: %w", path, err)})
+			continue
+		}
+		actions = append(actions, u.unmountNamed(ctx, sys, path, table.stack(path), named[path])...)
+	}
+	return actions, actionsErr(actions)
+}
+
+// mountKey names a mount across mount namespaces: device and root (the
+// path is the caller's key).
+type mountKey struct {
+	dev  probe.Dev
+	root string
+}
+
+func keyOf(m *probe.Mount) mountKey { return mountKey{m.Dev, m.Root} }
+
+// unmountNamed unmounts our stack at path (bottom first) from the top down
+// while the top is named; it stops at the first failure.
+func (u *Unmounter) unmountNamed(ctx context.Context, sys Syscalls, path string, stack []*probe.Mount, named map[mountKey]bool) []Action {
+	if len(stack) == 0 {
+		// Not a mount point here: gone since the table was read, or never
+		// propagated here. unmountOne says which path it saw.
+		return []Action{u.unmountOne(ctx, sys, unmountTarget{path: path, id: -1})}
+	}
+	top := stack[len(stack)-1]
+	if !named[keyOf(top)] {
+		err := fmt.Errorf("unmount %s: mount %d (device %s, root %s) is on top there in our mount namespace, not a mount the table named: %w",
+			path, top.ID, top.Dev, top.Root, ErrMountChanged)
+		klog.FromContext(ctx).V(2).Info("Left a mount the table does not name alone", "path", path, "mountID", top.ID, "dev", top.Dev.String())
+		return []Action{{Op: OpUnmount, Path: path, DryRun: u.DryRun, Err: err}}
+	}
+	var out []Action
+	for i := len(stack) - 1; i >= 0 && named[keyOf(stack[i])]; i-- {
+		m := stack[i]
+		if u.DryRun && i < len(stack)-1 {
+			out = append(out, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
+			continue
+		}
+		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: m.ID})
+		out = append(out, a)
+		if a.Err != nil || strings.HasSuffix(a.Detail, notMounted) {
+			break
+		}
+	}
+	return out
 }
 
 // isFUSEType reports whether a filesystem type is served by a FUSE daemon:
@@ -94,7 +201,7 @@ func isFUSEType(fsType string) bool {
 
 type unmountTarget struct {
 	path string
-	id   int // 0: whatever is on top
+	id   int // 0: whatever is on top; -1: nothing (only a path with no mount passes)
 }
 
 func (u *Unmounter) unmountAll(ctx context.Context, targets []unmountTarget) ([]Action, error) {
@@ -158,6 +265,11 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 	defer sp.Close()
 	if !sp.IsMountPoint() {
 		a.Detail = notMounted
+		return a
+	}
+	if t.id < 0 {
+		a.Err = fmt.Errorf("unmount %s: mount %d is on top there, none was when our mount table was read: %w", t.path, sp.MountID, ErrMountChanged)
+		logger.V(2).Info("Left a new mount alone", "found", sp.MountID)
 		return a
 	}
 	if t.id != 0 && sp.MountID != t.id {

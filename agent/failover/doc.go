@@ -37,7 +37,16 @@
 // cannot rule out because a claim could not be read; every pod with a CSI
 // mount if it never reached the API server), lazily unmounts their CSI
 // publish targets and subPath binds, and keeps stopping what kubelet
-// restarts. When a renewal succeeds again it lifts the fence and deletes the
+// restarts. NodeFence reads which mounts a pod has from --host-table (the
+// DaemonSet's /proc/1/mountinfo: the host's mount namespace) and unmounts
+// them in the agent's own namespace, where the same mounts have other mount
+// IDs: each is matched in the agent's /proc/thread-self/mountinfo by path,
+// device and root and checked by that ID when its path is opened
+// (remount.Unmounter.UnmountFromTable: below the kubelet root, no symlink,
+// a mount on top that the table does not name is left alone). The unmount
+// reaches the host through the kubelet root's Bidirectional propagation,
+// and the fence reads --host-table again to prove it: a pod whose mounts
+// are still there fails with an error naming the missing propagation. When a renewal succeeds again it lifts the fence and deletes the
 // fenced pods still on the node that the policy fails over (UID
 // precondition), so their controllers recreate them with fresh mounts rather
 // than let them run on an unmounted directory; a fenced pod no controller
@@ -152,6 +161,14 @@
 //     has the figures), and relies then on the controller standing down
 //     when that many nodes look dead at once. Someone holding the peer key
 //     answers only at the addresses it can answer at.
+//   - kubelet restarts a fenced container onto the node's bare publish
+//     directory (and creates its subPath directories there) until the
+//     fence stops it again, up to a HeartbeatInterval later: what it writes
+//     lands on the node's disk, never on the volume, and the writes
+//     succeed, so the application believes them stored. They stay there,
+//     and kubelet's teardown of the pod fails ("Unmounter.TearDownAt failed
+//     to clean mount dir") until someone empties the directory: a deleted
+//     pod stays Terminating (seen in the e2e fence scenario).
 //   - Storage the pod reaches without its kubelet volume mounts (iSCSI or
 //     NFS mounted inside the container, a database replica talking to the
 //     storage over the network) is not fenced by unmounting; stopping the

@@ -51,13 +51,16 @@ func allFailed(podUIDs []string, err error) []PodResult {
 
 // NodeFence is the real fence: containers stopped through the container
 // runtime's CRI socket, volumes unmounted lazily (umount2 MNT_DETACH on
-// safe paths beneath the kubelet root, never a stat of a dead mount).
+// safe paths beneath the kubelet root, never a stat of a dead mount) in the
+// agent's mount namespace, whatever namespace HostTable describes.
 type NodeFence struct {
 	// CRIEndpoint is the runtime's socket (unix:///run/containerd/containerd.sock).
 	CRIEndpoint string
 	// KubeletRoot is kubelet's --root-dir.
 	KubeletRoot string
-	// HostTable is the mount table to read (/proc/1/mountinfo with hostPID).
+	// HostTable is the mount table to read (/proc/1/mountinfo with hostPID):
+	// which pods have which mounts. It may be another mount namespace's
+	// than ours; the unmounts must reach it by propagation.
 	HostTable string
 	// DryRun plans and reports without stopping or unmounting.
 	DryRun bool
@@ -143,8 +146,13 @@ func (f *NodeFence) inventory() (*probe.Inventory, error) {
 
 // UnmountPodVolumes reads the mount table once and lazily unmounts each
 // pod's CSI mounts, deepest first, each only while it is still the mount the
-// table named. The staging mount stays: other pods on the node may share
-// it, and no process of a fenced pod reaches it any more.
+// table named. The table may be another mount namespace's (the DaemonSet's
+// /proc/1/mountinfo): its mounts are matched in our own namespace by path,
+// device and root, never by mount ID (remount.Unmounter.UnmountFromTable),
+// and the table is read again afterwards: a pod's mount still there is an
+// error (our unmounts do not reach that namespace), not a fence done. The
+// staging mount stays: other pods on the node may share it, and no process
+// of a fenced pod reaches it any more.
 func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []PodResult {
 	if len(podUIDs) == 0 {
 		return nil
@@ -161,13 +169,52 @@ func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []P
 		if len(mounts) == 0 {
 			continue
 		}
-		actions, err := u.UnmountMounts(ctx, mounts)
+		actions, err := u.UnmountFromTable(ctx, mounts)
 		out[i].N = remount.Unmounted(actions)
 		if err != nil {
 			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
 		}
 	}
+	if f.DryRun {
+		return out
+	}
+	f.checkGone(byPod, podUIDs, out)
 	return out
+}
+
+// checkGone reads the table again and fails each pod whose unmounts went
+// through but whose mounts the table still shows (same path, device and
+// root).
+func (f *NodeFence) checkGone(byPod map[string][]*probe.Mount, podUIDs []string, out []PodResult) {
+	after, err := f.inventory()
+	if err != nil {
+		for i, uid := range podUIDs {
+			if out[i].Err == nil && len(byPod[uid]) > 0 {
+				out[i].Err = fmt.Errorf("check the unmounts of pod %s: %w", uid, err)
+			}
+		}
+		return
+	}
+	type place struct {
+		path string
+		dev  probe.Dev
+		root string
+	}
+	left := make(map[place]bool, len(after.Mounts))
+	for _, m := range after.Mounts {
+		left[place{m.Path, m.Dev, m.Root}] = true
+	}
+	for i, uid := range podUIDs {
+		if out[i].Err != nil {
+			continue
+		}
+		for _, m := range byPod[uid] {
+			if left[place{m.Path, m.Dev, m.Root}] {
+				out[i].Err = fmt.Errorf("pod %s: %s is still mounted in %s after its unmount: our unmounts do not reach that mount namespace (is the kubelet root mounted with Bidirectional propagation?)", uid, m.Path, f.HostTable)
+				break
+			}
+		}
+	}
 }
 
 // MountedPods lists the pods with CSI publish targets or raw block paths

@@ -58,6 +58,10 @@ type Agent struct {
 	node *Node
 	// MetricsPort is where the agent serves /metrics on 127.0.0.1.
 	MetricsPort int
+	// APIServer is the host:port at which the next Deploy's pod reaches the
+	// API server; empty: the cluster's own. The fence scenario points it at
+	// a lab.TCPProxy, to cut the agent off alone (kubelet keeps its link).
+	APIServer string
 	// Pod is the agent's pod of the last Deploy.
 	Pod *corev1.Pod
 	dir string
@@ -88,7 +92,11 @@ func (a *Agent) Deploy(ctx context.Context, args ...string) error {
 	if err != nil {
 		return err
 	}
-	u, err := splitServer(a.node.Cluster.Server)
+	server := a.node.Cluster.Server
+	if a.APIServer != "" {
+		server = "https://" + a.APIServer
+	}
+	u, err := splitServer(server)
 	if err != nil {
 		return err
 	}
@@ -131,7 +139,7 @@ patches:
 	}
 	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	pod, err := a.waitRollout(wctx, ds.Spec.Template.Spec.Containers[0].Args)
+	pod, err := a.waitRollout(wctx, ds.Spec.Template.Spec.Containers[0].Args, u.port)
 	if err != nil {
 		return err
 	}
@@ -151,8 +159,8 @@ func splitServer(server string) (hostPort, error) {
 }
 
 // waitRollout waits until the one pod of the DaemonSet runs with args and
-// is ready.
-func (a *Agent) waitRollout(ctx context.Context, args []string) (*corev1.Pod, error) {
+// the API server's port, and is ready.
+func (a *Agent) waitRollout(ctx context.Context, args []string, apiPort string) (*corev1.Pod, error) {
 	c := a.node.Cluster.Client
 	var got *corev1.Pod
 	var last string
@@ -173,7 +181,8 @@ func (a *Agent) waitRollout(ctx context.Context, args []string) (*corev1.Pod, er
 		}
 		for i := range pods.Items {
 			p := &pods.Items[i]
-			if p.DeletionTimestamp != nil || !slices.Equal(p.Spec.Containers[0].Args, args) {
+			if p.DeletionTimestamp != nil || !slices.Equal(p.Spec.Containers[0].Args, args) ||
+				!slices.Contains(p.Spec.Containers[0].Env, corev1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: apiPort}) {
 				continue
 			}
 			last = describePod(p)

@@ -34,7 +34,16 @@
 //
 // SimNode adds a second node with no machine behind it, for the failover
 // scenario: the test beats its kubelet's status and Lease and its agent's
-// heartbeat, and makes it die by falling silent.
+// heartbeat, and makes it die by falling silent. The fence scenario cuts
+// the real node's agent off alone instead: Agent.APIServer deploys it
+// behind a lab.TCPProxy that the test cuts, while kubelet keeps its own
+// link, and Node.MountTable is the node's own mount table (its init's: the
+// host's, to the DaemonSet), where the test checks what the fence
+// unmounted.
+//
+// One scenario runs with go test's -run, the harness skipped:
+//
+//	MOUNTMEDIC_REQUIRE_ROOT=1 go test -count=1 -v -run 'TestE2E/fence$' ./scripts/e2e
 //
 // This package is test support plus the e2e tests; it is imported from
 // _test.go files only.

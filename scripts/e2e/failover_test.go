@@ -2,14 +2,26 @@ package e2e_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 )
 
@@ -122,4 +134,254 @@ func failoverScenario(t *testing.T, e *env, ns string) {
 	if err := w.ReadFiles(ctx, next); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// Figures of the fence scenario.
+const (
+	figFenceUnmounted = "agent cut off -> volume unmounted on the host"
+	figFenceStopped   = "agent cut off -> app container stopped"
+)
+
+// planWait is how long the fence scenario waits, with its pod running,
+// before it cuts the agent off: the heartbeat learns which pods to fence
+// (its plan) after each renewal, and a renewal comes at least every 10 s
+// plus jitter.
+const planWait = 25 * time.Second
+
+// fenceScenario: the real node's agent, the DaemonSet of deploy/ with its
+// shipped flags (--host-table=/proc/1/mountinfo) and --failover, loses the
+// API server alone: its in-cluster connections (KUBERNETES_SERVICE_HOST and
+// _PORT, which its heartbeat uses) go through a proxy that the test cuts,
+// kubelet keeps its own. Past --failover-fence-after its heartbeat fences
+// the node: the workload's app container is stopped through containerd's
+// CRI and the volume's publish target and subPath bind are lazily
+// unmounted. Checked in the node's own mount namespace (the host's, where
+// kubelet and containerd run), not the agent's: no mount of the pod is left
+// there. kubelet then restarts the app container onto the node's bare
+// directories: a file written there by the restarted container must land
+// on the node's disk and never reach the S3 bucket or the staging mount.
+func fenceScenario(t *testing.T, e *env, ns string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	api, err := url.Parse(e.c.Server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := lab.StartTCPProxy(t, api.Host)
+	// Cleanups run last first: this one, before the proxy's own (which
+	// cuts it for good), puts the agent back on the API server itself.
+	t.Cleanup(func() {
+		proxy.Restore()
+		e.agent.APIServer = ""
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		if err := e.agent.Deploy(ctx, "--failover"); err != nil {
+			t.Errorf("deploy the agent back on the API server itself: %v", err)
+		}
+	})
+	e.agent.APIServer = proxy.Addr()
+	if err := e.agent.Deploy(ctx, "--failover"); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(e.agent.Pod.Spec.Containers[0].Args, "--host-table=/proc/1/mountinfo") {
+		t.Fatalf("the agent runs with %v: want deploy/'s --host-table=/proc/1/mountinfo", e.agent.Pod.Spec.Containers[0].Args)
+	}
+	w := e.workload(t, ctx, ns)
+	pod := w.pod(t, ctx)
+	appID, err := appContainerID(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	host := e.n.MountTable()
+	podDir := filepath.Join(e2e.KubeletRoot, "pods", string(pod.UID))
+	target := filepath.Join(podDir, "volumes", "kubernetes.io~csi", w.PV, "mount")
+	staging := e2e.StagingPath(w.Handle)
+	vol := mountAt(t, host, staging)
+	if vol == nil {
+		t.Fatalf("the node's mount table shows no staging mount at %s", staging)
+	}
+	before := volumeMountsIn(t, host, podDir, vol)
+	if !slices.Contains(before, target) || len(before) < 2 {
+		t.Fatalf("the node's mount table shows %v of the volume under %s: want the publish target %s and the subPath bind", before, podDir, target)
+	}
+
+	time.Sleep(planWait)
+	cut := time.Now()
+	proxy.Cut()
+	var unmounted time.Time
+	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 2*time.Minute, true, func(context.Context) (bool, error) {
+		if len(volumeMountsIn(t, host, podDir, vol)) > 0 {
+			return false, nil
+		}
+		unmounted = time.Now()
+		return true, nil
+	})
+	if err != nil {
+		e.figs.Miss("fence", figFenceUnmounted, "s")
+		t.Fatalf("the pod's mounts are still on the host 2 minutes after the agent was cut off: %v\nagent log:\n%s", volumeMountsIn(t, host, podDir, vol), e.agent.LogTail(30))
+	}
+	e.figs.Duration("fence", figFenceUnmounted, unmounted.Sub(cut))
+	if mountAt(t, host, staging) == nil {
+		t.Errorf("the staging mount %s is gone from the host: the fence leaves it (other pods may share it)", staging)
+	}
+
+	// Stopped through the CRI, by the agent: containerd reports the
+	// container exited after the cut, and the agent says it stopped it.
+	st, err := e.n.CRI.ContainerStatus(ctx, &runtimeapi.ContainerStatusRequest{ContainerId: appID})
+	if err != nil {
+		t.Fatalf("containerd's CRI on the app container %s: %v", appID, err)
+	}
+	if s := st.GetStatus(); s.GetState() != runtimeapi.ContainerState_CONTAINER_EXITED || time.Unix(0, s.GetFinishedAt()).Before(cut) {
+		t.Errorf("containerd's CRI says the app container %s is %s, finished at %s: want exited after the cut (%s)",
+			appID, s.GetState(), time.Unix(0, s.GetFinishedAt()).Format(time.RFC3339Nano), cut.Format(time.RFC3339Nano))
+	} else {
+		e.figs.Duration("fence", figFenceStopped, time.Unix(0, s.GetFinishedAt()).Sub(cut))
+	}
+	if log := e.agent.LogTail(200); !strings.Contains(log, "Fence: stopped containers") || !strings.Contains(log, string(pod.UID)) {
+		t.Errorf("the agent's log does not say it stopped the containers of pod %s:\n%s", pod.UID, e.agent.LogTail(30))
+	}
+	t.Logf("fenced: app container stopped, the pod's mounts gone from the host %s after the cut", unmounted.Sub(cut).Round(time.Millisecond))
+
+	// kubelet starts the app container again (the fence stops it again
+	// every heartbeat period): a write from it must not reach the volume.
+	marker := "after-fence-" + ns
+	var restarted *corev1.Pod
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 4*time.Minute, true, func(ctx context.Context) (bool, error) {
+		p, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		id, err := appContainerID(p)
+		if err != nil || id == appID || !appRunning(p) {
+			return false, nil
+		}
+		if _, err := w.Exec(ctx, p, 5*time.Second, "sh", "-c", "echo fenced > "+e2e.WholeMount+"/"+marker); err != nil {
+			t.Logf("write from the restarted container %s: %v (retrying)", id, err)
+			return false, nil
+		}
+		restarted = p
+		return true, nil
+	})
+	if err != nil {
+		t.Fatalf("no write from a restarted app container within 4 minutes: %v\n%s", err, w.Describe(ctx))
+	}
+	id, _ := appContainerID(restarted)
+	// The write happened: it is on the node's disk, in the bare directory.
+	if _, err := os.Stat(filepath.Join(target, marker)); err != nil {
+		t.Errorf("the restarted container %s wrote %s, but it is not in the node's directory %s: %v", id, marker, target, err)
+	}
+	for _, p := range []string{
+		filepath.Join(e.n.S3.Root, csilab.Bucket, ns, marker), // versitygw's posix backend
+		filepath.Join(staging, marker),                        // s3fs's view of the bucket
+	} {
+		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("a write of the restarted container %s reached the volume: stat %s = %v", id, p, err)
+		}
+	}
+	if got := volumeMountsIn(t, host, podDir, vol); len(got) > 0 {
+		t.Errorf("the restarted container brought mounts of the volume back on the host: %v", got)
+	}
+
+	// Back on the API server the agent lifts the fence and deletes the
+	// pod for its Deployment to recreate. kubelet's teardown removes the
+	// publish directory, which the restarted containers wrote into.
+	proxy.Restore()
+	gone := func(d time.Duration) bool {
+		err := wait2(ctx, d, func(ctx context.Context) bool {
+			_, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+			return apierrors.IsNotFound(err)
+		})
+		return err == nil
+	}
+	if !gone(time.Minute) {
+		entries, _ := os.ReadDir(target)
+		var said []string
+		if data, err := os.ReadFile(filepath.Join(e.n.Dir, "logs", "kubelet.log")); err == nil {
+			for _, l := range strings.Split(string(data), "\n") {
+				if strings.Contains(l, string(pod.UID)) && strings.Contains(l, "failed to remove dir") {
+					said = append(said, l)
+				}
+			}
+		}
+		if len(said) > 0 {
+			said = said[len(said)-1:]
+		}
+		t.Logf("the fenced pod is not gone a minute after the agent got the API server back; its publish directory holds %d entries written by restarted containers: removing them for kubelet's teardown; kubelet said: %q", len(entries), said)
+		for _, en := range entries {
+			_ = os.RemoveAll(filepath.Join(target, en.Name()))
+		}
+		if !gone(2 * time.Minute) {
+			t.Errorf("the fenced pod %s is still there 3 minutes after the agent got the API server back:\n%s", pod.Name, w.Describe(ctx))
+		}
+	}
+}
+
+// wait2 polls cond every 200 ms until it holds or timeout passes.
+func wait2(ctx context.Context, timeout time.Duration, cond func(context.Context) bool) error {
+	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
+		return cond(ctx), nil
+	})
+}
+
+// appContainerID is the CRI ID of the pod's app container now.
+func appContainerID(p *corev1.Pod) (string, error) {
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.Name == "app" && cs.ContainerID != "" {
+			if _, id, ok := strings.Cut(cs.ContainerID, "://"); ok {
+				return id, nil
+			}
+		}
+	}
+	return "", fmt.Errorf("pod %s has no app container ID yet", p.Name)
+}
+
+// appRunning reports whether the pod's app container runs.
+func appRunning(p *corev1.Pod) bool {
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.Name == "app" {
+			return cs.State.Running != nil
+		}
+	}
+	return false
+}
+
+// volumeMountsIn lists the mount points under dir of the filesystem vol in
+// the mount table at table.
+func volumeMountsIn(t *testing.T, table, dir string, vol *mountinfo.Info) []string {
+	t.Helper()
+	f, err := os.Open(table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, mountinfo.PrefixFilter(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, m := range infos {
+		if m.Major == vol.Major && m.Minor == vol.Minor {
+			out = append(out, m.Mountpoint)
+		}
+	}
+	return out
+}
+
+// mountAt is the top mount at path in the mount table at table, nil when
+// there is none.
+func mountAt(t *testing.T, table, path string) *mountinfo.Info {
+	t.Helper()
+	f, err := os.Open(table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(infos) == 0 {
+		return nil
+	}
+	return infos[len(infos)-1]
 }

@@ -408,6 +408,13 @@ func (n *Node) startInit(spec initSpec) error {
 	return err
 }
 
+// MountTable is the mount table of the node's mount namespace, the one
+// kubelet and containerd run in: the host's, to the DaemonSet (its
+// /proc/1/mountinfo).
+func (n *Node) MountTable() string {
+	return filepath.Join("/proc", strconv.Itoa(n.init.Pid()), "mountinfo")
+}
+
 // stopInit kills the node's init, and with it, by the kernel's rule for a
 // PID namespace whose init dies, every process of the node: containerd,
 // kubelet, the shims and every container.

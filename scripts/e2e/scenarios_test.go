@@ -45,6 +45,9 @@ var scenarios = []scenario{
 	// A second, simulated node dies; the duty's defaults (fence window 30 s
 	// + 15 s, kubelet grace 40 s) set the pace.
 	{name: "failover", args: []string{"--failover"}, run: failoverScenario},
+	// The real node's agent is cut off the API server alone and fences the
+	// node (it deploys itself behind a proxy the test cuts).
+	{name: "fence", args: []string{"--failover"}, run: fenceScenario},
 }
 
 // pluginDown is how long the node plugin stays down in a plugin-crash
