@@ -48,8 +48,11 @@ func TestJudge(t *testing.T) {
 		kubelet   *coordinationv1.Lease
 		heartbeat *coordinationv1.Lease
 		elapsed   time.Duration
-		want      verdict
-		because   string
+		// trustShutdown turns TrustShutdownTaint on (off by default: a
+		// hibernated instance has the taint too).
+		trustShutdown bool
+		want          verdict
+		because       string
 	}{
 		"ready": {node: testNode(corev1.ConditionTrue), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictAlive},
@@ -68,9 +71,11 @@ func TestJudge(t *testing.T) {
 		"released heartbeat": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("", skewed, 30), elapsed: time.Hour, want: verdictSuspect, because: "released"},
 		"cloud shutdown without heartbeat": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
-			elapsed: 41 * time.Second, want: verdictDead, because: "shut down"},
+			elapsed: 41 * time.Second, trustShutdown: true, want: verdictDead, because: "shut down"},
+		"cloud shutdown, not trusted (default)": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
+			elapsed: 41 * time.Second, want: verdictSuspect, because: "no mountmedic heartbeat"},
 		"cloud shutdown, kubelet fresh": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
-			elapsed: 10 * time.Second, want: verdictSuspect},
+			elapsed: 10 * time.Second, trustShutdown: true, want: verdictSuspect},
 		"operator taint": {node: testNode(corev1.ConditionUnknown, oos), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictOperator},
 		"our taint, dead": {node: testNode(corev1.ConditionUnknown, ours), kubelet: testLease("node-1", skewed, 40),
@@ -79,6 +84,7 @@ func TestJudge(t *testing.T) {
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			c := validConfig()
+			c.TrustShutdownTaint = tc.trustShutdown
 			o := newObserver()
 			c.gather(o, tc.node, tc.kubelet, tc.heartbeat, t0)
 			ev := c.gather(o, tc.node, tc.kubelet, tc.heartbeat, t0.Add(tc.elapsed))
