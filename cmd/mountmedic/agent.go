@@ -51,10 +51,11 @@ when a repair needs them. With --dry-run it decides, records events (marked
 [dry-run]) and metrics, and changes nothing.
 
 With --failover (off by default) it also renews a heartbeat Lease for its
-node, fences the node's pods with ReadWriteOnce volumes when it loses the
-API server for --failover-fence-after, and takes part in the leader election
-of the cluster failover duty, which moves such pods off nodes confirmed dead
-(see agent/failover and deploy/README.md before enabling it).`,
+node and fences the node's pods with ReadWriteOnce volumes when it loses the
+API server for --failover-fence-after. The cluster side, which moves such
+pods off nodes confirmed dead, is ` + "`mountmedic controller`" + `, a Deployment of its
+own (deploy/controller/); agents never campaign for it (see agent/failover
+and deploy/README.md before enabling it).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runAgent(cmd, f)
@@ -164,13 +165,6 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 			return err
 		}
 		duties = append(duties, hb.Run)
-		if fcfg.Candidate {
-			ctl, err := failover.NewController(fcfg, client, deps.Registry)
-			if err != nil {
-				return err
-			}
-			duties = append(duties, ctl.Run)
-		}
 	}
 	for _, run := range duties {
 		wg.Add(1)

@@ -21,7 +21,8 @@ func TestAgentBadInput(t *testing.T) {
 		"zero interval":     {[]string{"agent", "--node-name", "n1", "--probe-interval", "0s"}, []string{"--probe-interval 0s"}},
 		"missing config":    {[]string{"agent", "--node-name", "n1", "--kubeconfig", kubeconfig}, []string{"--kubeconfig", "missing-kubeconfig"}},
 		"stray argument":    {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
-		"bad failover mode": {[]string{"agent", "--node-name", "n1", "--failover", "--failover-mode", "bogus"}, []string{"--failover-mode", "bogus"}},
+		"bad fence window":  {[]string{"agent", "--node-name", "n1", "--failover", "--failover-fence-after", "30500ms"}, []string{"--failover-fence-after", "whole seconds"}},
+		"no leader flags":   {[]string{"agent", "--node-name", "n1", "--failover", "--failover-leader-candidate=true"}, []string{"unknown flag", "--failover-leader-candidate"}},
 		"two errors named":  {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
 	}
 	for name, tc := range tests {

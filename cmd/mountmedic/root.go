@@ -39,7 +39,7 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
 	root.PersistentFlags().AddGoFlagSet(klogFlags)
-	root.AddCommand(newAgentCommand(), newScanCommand(), newVersionCommand())
+	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), newVersionCommand())
 	return root
 }
 

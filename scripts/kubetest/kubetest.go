@@ -79,6 +79,12 @@ type Cluster struct {
 	t     testing.TB
 	pki   *pki
 	procs []*lab.Process // in start order
+	// api is kube-apiserver's index in procs, apiBin and apiArgs how to
+	// start it again (RestartAPIServer).
+	api      int
+	apiBin   string
+	apiArgs  []string
+	restarts int
 }
 
 // Start starts etcd and kube-apiserver (and kube-controller-manager when
@@ -165,6 +171,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--allow-privileged=true",
 		"--profiling=false",
 	}
+	c.apiBin, c.apiArgs, c.api = bins["kube-apiserver"], apiArgs, len(c.procs)
 	api, err := c.run("kube-apiserver", bins["kube-apiserver"], apiArgs, logDir)
 	if err != nil {
 		return err
@@ -303,6 +310,35 @@ func (c *Cluster) stop() {
 	for i := len(c.procs) - 1; i >= 0; i-- {
 		c.procs[i].Stop(10 * time.Second)
 	}
+}
+
+// StopAPIServer stops kube-apiserver (SIGTERM, SIGKILL after 10 s), as an
+// outage or an upgrade does: every client's requests and watches fail until
+// StartAPIServer. etcd and the other components keep running.
+func (c *Cluster) StopAPIServer() {
+	c.procs[c.api].Stop(10 * time.Second)
+}
+
+// StartAPIServer starts kube-apiserver again with the same flags, on the
+// same port, and waits until it is ready. Its log is
+// logs/kube-apiserver-<n>.log for the n-th restart.
+func (c *Cluster) StartAPIServer() error {
+	c.restarts++
+	name := fmt.Sprintf("kube-apiserver-%d", c.restarts)
+	cmd := exec.Command(c.apiBin, c.apiArgs...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	p, err := lab.RunProcess(name, cmd, filepath.Join(c.Dir, "logs", name+".log"))
+	if err != nil {
+		return err
+	}
+	c.procs[c.api] = p
+	httpClient, err := rest.HTTPClientFor(c.Config)
+	if err != nil {
+		return fmt.Errorf("create admin http client: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+	defer cancel()
+	return waitHTTP(ctx, p, httpClient, c.Server+"/readyz")
 }
 
 // ImpersonateConfig returns a copy of the admin config that acts as user with
