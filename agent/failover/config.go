@@ -169,7 +169,7 @@ func DefaultConfig() Config {
 // agent's --node-name gives) into c. Call it on the agent command's flag
 // set after DefaultConfig.
 func (c *Config) AddFlags(fl *pflag.FlagSet) {
-	fl.BoolVar(&c.Enabled, "failover", c.Enabled, "run the node side of the failover duty: renew this node's heartbeat Lease and fence this node's pods with ReadWriteOnce volumes when it cannot (the cluster side is `mountmedic controller`)")
+	fl.BoolVar(&c.Enabled, "failover", c.Enabled, "run the node side of the failover duty: renew this node's heartbeat Lease and fence this node's pods with ReadWriteOnce volumes when it cannot (the cluster side is the mountmedic controller command)")
 	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the heartbeat Leases (the default comes from $POD_NAMESPACE)")
 	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this agent's name in the heartbeat Lease it holds (the default comes from $POD_NAME)")
 	fl.DurationVar(&c.HeartbeatInterval, "failover-heartbeat-interval", c.HeartbeatInterval, "how often each agent renews its node's heartbeat Lease")

@@ -348,6 +348,7 @@ func (c *Controller) lead(ctx context.Context, isLeader func() bool) {
 	defer c.metrics.inFailover.Set(0)
 	defer c.metrics.standDown.Set(0)
 	defer c.metrics.nodesDead.Set(0)
+	defer c.metrics.nodesJudged.Set(0)
 	logger.Info("Became the failover leader; judging nodes only after watching them for a full window")
 
 	t := c.newTerm(isLeader)
@@ -407,6 +408,7 @@ func (t *term) process(ctx context.Context, name string) {
 	if err != nil {
 		// Gone, or out of the selector's scope.
 		t.forget(name)
+		t.updateStandDown(ctx)
 		return
 	}
 	kl, _ := t.kubelet.Get(name)
@@ -557,6 +559,7 @@ func (t *term) standDown() bool {
 func (t *term) updateStandDown(ctx context.Context) {
 	c := t.c
 	c.metrics.nodesDead.Set(float64(len(t.dead)))
+	c.metrics.nodesJudged.Set(float64(len(t.state)))
 	sd := t.standDown()
 	if sd == t.standingDown {
 		return

@@ -29,6 +29,7 @@ type controllerMetrics struct {
 	inFailover   prometheus.Gauge
 	leader       prometheus.Gauge
 	recovered    prometheus.Counter
+	nodesJudged  prometheus.Gauge
 	nodesDead    prometheus.Gauge
 	standDown    prometheus.Gauge
 	standDowns   prometheus.Counter
@@ -65,6 +66,10 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 			Name: "mountmedic_failover_nodes_recovered_total",
 			Help: "Failed-over nodes that became Ready again and had the duty's taint or mark removed.",
 		}),
+		nodesJudged: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_nodes_judged",
+			Help: "Nodes in the leader's scope it has judged since it began leading (0 on standbys).",
+		}),
 		nodesDead: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "mountmedic_failover_nodes_not_ready",
 			Help: "Judged nodes whose Ready condition is not True in the leader's view, which the stand-down counts (0 on standbys).",
@@ -93,7 +98,7 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 		m.podDeletions.WithLabelValues(r)
 	}
 	if err := register(reg, m.failovers, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered,
-		m.nodesDead, m.standDown, m.standDowns, m.freshRefusals, m.sightRegained); err != nil {
+		m.nodesJudged, m.nodesDead, m.standDown, m.standDowns, m.freshRefusals, m.sightRegained); err != nil {
 		return nil, err
 	}
 	return m, nil
