@@ -15,15 +15,15 @@ func TestAgentBadInput(t *testing.T) {
 		args []string
 		want []string // substrings of stderr
 	}{
-		"no node name":      {[]string{"agent"}, []string{"--node-name is empty", "NODE_NAME"}},
-		"unknown tier":      {[]string{"agent", "--node-name", "n1", "--tiers", "restage,evcit"}, []string{"--tiers", `"evcit"`}},
-		"relative root":     {[]string{"agent", "--node-name", "n1", "--kubelet-root", "kubelet"}, []string{"--kubelet-root", "absolute"}},
-		"zero interval":     {[]string{"agent", "--node-name", "n1", "--probe-interval", "0s"}, []string{"--probe-interval 0s"}},
-		"missing config":    {[]string{"agent", "--node-name", "n1", "--kubeconfig", kubeconfig}, []string{"--kubeconfig", "missing-kubeconfig"}},
-		"stray argument":    {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
-		"bad fence window":  {[]string{"agent", "--node-name", "n1", "--failover", "--failover-fence-after", "30500ms"}, []string{"--failover-fence-after", "whole seconds"}},
-		"no leader flags":   {[]string{"agent", "--node-name", "n1", "--failover", "--failover-leader-candidate=true"}, []string{"unknown flag", "--failover-leader-candidate"}},
-		"two errors named":  {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
+		"no node name":     {[]string{"agent"}, []string{"--node-name is empty", "NODE_NAME"}},
+		"unknown tier":     {[]string{"agent", "--node-name", "n1", "--tiers", "restage,evcit"}, []string{"--tiers", `"evcit"`}},
+		"relative root":    {[]string{"agent", "--node-name", "n1", "--kubelet-root", "kubelet"}, []string{"--kubelet-root", "absolute"}},
+		"zero interval":    {[]string{"agent", "--node-name", "n1", "--probe-interval", "0s"}, []string{"--probe-interval 0s"}},
+		"missing config":   {[]string{"agent", "--node-name", "n1", "--kubeconfig", kubeconfig}, []string{"--kubeconfig", "missing-kubeconfig"}},
+		"stray argument":   {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
+		"bad fence window": {[]string{"agent", "--node-name", "n1", "--failover", "--failover-fence-after", "30500ms"}, []string{"--failover-fence-after", "whole seconds"}},
+		"no leader flags":  {[]string{"agent", "--node-name", "n1", "--failover", "--failover-leader-candidate=true"}, []string{"unknown flag", "--failover-leader-candidate"}},
+		"two errors named": {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
