@@ -50,8 +50,9 @@ what it saw change (a leader that just started, or whose watches just
 reached the API server again after losing it, waits a full window). Right
 before it taints a node or deletes a pod it re-reads the node and both
 Leases from the API server and acts only if they still say dead. It fails
-over at most --failover-max-nodes nodes at once and none while more than
---failover-stand-down-share of the judged nodes look dead.
+over at most --failover-max-nodes nodes at once, and none while at least
+--failover-stand-down-share of the judged nodes (and more than two), or all
+of them, are not Ready: a disrupted zone or control plane looks like that.
 
 With --failover-dry-run it decides, records events (marked [dry-run]) and
 metrics, and changes nothing. See agent/failover and deploy/README.md.`,
