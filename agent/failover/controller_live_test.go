@@ -50,11 +50,16 @@ func (f roundTripper) RoundTrip(r *http.Request) (*http.Response, error) { retur
 // naming lists the requests since since that name node: a GET of the node
 // or of a Lease named after it, a list of its pods.
 func (l *requestLog) naming(node string, since time.Time) []string {
+	return l.namingBetween(node, since, time.Now().Add(time.Hour))
+}
+
+// namingBetween lists the requests naming node sent between from and to.
+func (l *requestLog) namingBetween(node string, from, to time.Time) []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var out []string
 	for _, r := range l.reqs {
-		if r.at.Before(since) {
+		if r.at.Before(from) || r.at.After(to) {
 			continue
 		}
 		if strings.HasSuffix(r.url.Path, "/"+node) || r.url.Query().Get("fieldSelector") == "spec.nodeName="+node {
@@ -62,6 +67,23 @@ func (l *requestLog) naming(node string, since time.Time) []string {
 		}
 	}
 	return out
+}
+
+// eventTime is when the controller recorded its first event with reason
+// about the object (events.k8s.io eventTime, microseconds).
+func (s *scenario) eventTime(ctx context.Context, ns, kind, name, reason string) (time.Time, bool) {
+	list, err := s.h.admin.EventsV1().Events(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return time.Time{}, false
+	}
+	var first time.Time
+	for _, e := range list.Items {
+		if e.Regarding.Kind == kind && e.Regarding.Name == name && e.Reason == reason && e.ReportingController == ReportingController &&
+			(first.IsZero() || e.EventTime.Before(&metav1.MicroTime{Time: first})) {
+			first = e.EventTime.Time
+		}
+	}
+	return first, !first.IsZero()
 }
 
 // freezer makes the controller's watch lag for chosen nodes: events about

@@ -427,7 +427,8 @@ func testCap(t *testing.T, h *harness) {
 	h.mu.Unlock()
 	ctx := h.ctx
 	oldA, oldB := s.podOf(ctx, "db-a"), s.podOf(ctx, "db-b")
-	_, reg, _ := s.controller(s.ctl, "cap-leader")
+	var log requestLog
+	_, reg, _ := s.controllerWith(s.ctl, "cap-leader", ctlOptions{wrap: log.wrap})
 
 	a.kill()
 	b.kill()
@@ -450,6 +451,18 @@ func testCap(t *testing.T, h *harness) {
 	}
 	if got := metric(t, reg, "mountmedic_failover_failovers_total", map[string]string{"result": resultDeferred}); got != 1 {
 		t.Errorf("failovers_total{result=deferred} = %v, want 1", got)
+	}
+	// The deferred node cost no request when it was deferred: none about
+	// it in the seconds before its deferral event, nor just after (the
+	// other node's fail-over takes longer than that to end).
+	for _, n := range []*simNode{a, b} {
+		at, ok := s.eventTime(ctx, "default", "Node", n.name, ReasonFailoverDeferred)
+		if !ok {
+			continue
+		}
+		if reqs := log.namingBetween(n.name, at.Add(-5*time.Second), at.Add(300*time.Millisecond)); len(reqs) > 0 {
+			t.Errorf("requests about %s around its deferral at %s: %q", n.name, at.Format(time.RFC3339Nano), reqs)
+		}
 	}
 }
 
