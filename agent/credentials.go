@@ -13,7 +13,6 @@ import (
 	authorizationv1 "k8s.io/api/authorization/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	coordinationv1 "k8s.io/client-go/kubernetes/typed/coordination/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -35,7 +34,7 @@ import (
 // cluster-wide ServiceAccount grant would.
 //
 // The agent's ServiceAccount is used for one thing only: the failover
-// heartbeat's Lease (WithLeases), which NodeRestriction keeps a node from
+// heartbeat's Lease (failover.NewHeartbeatClient), which NodeRestriction keeps a node from
 // writing outside kube-node-lease. deploy/ binds it to a Role on Leases in
 // the agent's namespace, narrowed by a ValidatingAdmissionPolicy to the
 // Lease named after the node its pod-bound token names.
@@ -164,21 +163,4 @@ func CheckNodeIdentity(ctx context.Context, client kubernetes.Interface, node st
 			"user", u.Username)
 	}
 	return nil
-}
-
-// WithLeases returns a client that sends Lease requests (coordination.k8s.io/v1)
-// through leases and every other request through node: the failover
-// heartbeat renews its Lease as the agent's ServiceAccount and reads and
-// deletes its node's pods as the node.
-func WithLeases(node, leases kubernetes.Interface) kubernetes.Interface {
-	return leaseSplit{Interface: node, leases: leases}
-}
-
-type leaseSplit struct {
-	kubernetes.Interface
-	leases kubernetes.Interface
-}
-
-func (c leaseSplit) CoordinationV1() coordinationv1.CoordinationV1Interface {
-	return c.leases.CoordinationV1()
 }

@@ -27,23 +27,29 @@ import (
 )
 
 // The failover duty in the live test. Every agent gets --failover with
-// these flags, the same on every node (the duty's rule), in place of the
-// defaults that suit a real cluster (5s/30s/5s/15s/40s): the simulated
-// node's fail-over then takes about 20 s instead of a minute. The heartbeat
-// interval stays at 2 s so that an agent slowed down by a loaded test
-// machine does not miss its first renewals (it fences when it cannot renew
-// within two intervals of starting), and --failover-fence-after at 10 s so
-// that the lab node's agent never fences itself while the API server is
-// slow. Leader election keeps its defaults: the first candidate takes a
-// fresh Lease at once.
-var liveFailoverFlags = []string{
-	"--failover",
-	"--failover-heartbeat-interval=2s",
-	"--failover-fence-after=10s",
-	"--failover-fence-stop-grace=1s",
-	"--failover-fence-margin=6s",
-	"--failover-kubelet-grace=5s",
-}
+// these flags, the same on every node (the duty's rule), and the controller
+// (`mountmedic controller`, run on the lab node under its own
+// ServiceAccount) liveControllerFlags, in place of the defaults that suit a
+// real cluster (5s/30s/5s/15s/40s): the simulated node's fail-over then
+// takes about 20 s instead of a minute. The heartbeat interval stays at 2 s
+// so that an agent slowed down by a loaded test machine does not miss its
+// first renewals (it fences when it cannot renew within two intervals of
+// starting), and --failover-fence-after at 10 s so that the lab node's
+// agent never fences itself while the API server is slow. Leader election
+// keeps its defaults: the only replica takes a fresh Lease at once.
+var (
+	liveFailoverFlags = []string{
+		"--failover",
+		"--failover-heartbeat-interval=2s",
+		"--failover-fence-after=10s",
+		"--failover-fence-stop-grace=1s",
+	}
+	liveControllerFlags = []string{
+		"--failover-fence-after=10s",
+		"--failover-fence-margin=6s",
+		"--failover-kubelet-grace=5s",
+	}
+)
 
 // liveControllers are kube-controller-manager's controllers for the live
 // test: kubetest's defaults (the disruption controller computes the
@@ -164,10 +170,7 @@ func startSimNode(ctx context.Context, t *testing.T, c *kubetest.Cluster, bin st
 	n.metricsAddr = freeAddr(t)
 	args = append(args, agentCredentials(ctx, t, c, simNodeName, "https://"+n.proxy.Addr())...)
 	args = append(args, "--node-name="+simNodeName, "--kubelet-root="+kl.Root(),
-		"--host-table=/proc/self/mountinfo", "--metrics-addr="+n.metricsAddr, "-v=2",
-		// The leader runs on the lab node; a partitioned node must not be
-		// the one to judge.
-		"--failover-leader-candidate=false")
+		"--host-table=/proc/self/mountinfo", "--metrics-addr="+n.metricsAddr, "-v=2")
 	n.agent = startProcess(t, "agent-"+simNodeName, []string{"POD_NAMESPACE=mountmedic", "POD_NAME=mountmedic-" + simNodeName}, bin, args...)
 	return n
 }

@@ -26,7 +26,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -102,7 +101,8 @@ var labVolumes = []labVolume{
 //     on a ReadWriteOnce CSI volume and its own real agent dies with the
 //     faults: its kubelet Lease stops and its agent loses the API server.
 //     That agent fences (MountmedicNodeFenced; its publish mount is
-//     unmounted), the lab agent, elected leader, taints the node
+//     unmounted), the controller (`mountmedic controller` on the lab node,
+//     under its own ServiceAccount, elected leader) taints the node
 //     out-of-service and force-deletes the pod once the taint eviction
 //     controller has marked it terminating (MountmedicFailoverActed, the
 //     death-to-action histogram, pod deletions). At the end the node comes
@@ -123,13 +123,9 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	// liveControllers.
 	c := kubetest.Start(t, kubetest.Options{Controllers: liveControllers, ControllerManagerArgs: liveKCMArgs})
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
+	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-f", "controller/serviceaccount.yaml", "-f", "controller/rbac.yaml")
 	c.CreateNamespace(t, appsNS)
 	credentials := agentCredentials(ctx, t, c, labNode, "")
-	// The lab agent also leads the failover duty, whose election Lease
-	// the heartbeat policy refuses to the agents' ServiceAccount: until
-	// that duty moves to mountmedic controller, the lab agent's
-	// ServiceAccount is one of its own (a later flag wins).
-	credentials = append(credentials, "--kubeconfig="+leaderKubeconfig(ctx, t, c))
 
 	// Pods in the API and their volumes in a lab kubelet tree.
 	kl := lab.NewKubelet(t, filepath.Join(t.TempDir(), "var", "lib", "kubelet"))
@@ -150,14 +146,23 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	// aborted. Cleanups run last-in first-out: this one before the agent's.
 	t.Cleanup(unhang)
 
+	// The failover controller, on the lab node, under its own
+	// ServiceAccount, with the Deployment's arguments.
+	ctlArgs := append(slices.Clone(decodeController(t, renderOverlay(t, "controller", controllerOverlay)).Spec.Template.Spec.Containers[0].Args), liveControllerFlags...)
+	ctlAddr := freeAddr(t)
+	ctlArgs = append(ctlArgs, "--kubeconfig="+writeKubeconfig(t, c.ServiceAccountConfig(t, "mountmedic", "mountmedic-controller"), ""), "--metrics-addr="+ctlAddr, "-v=2")
+	ctl := startProcess(t, "controller", []string{"POD_NAMESPACE=mountmedic", "POD_NAME=" + controllerPod}, bin, ctlArgs...)
+
 	// The simulated node that is going to die, and its agent.
 	sim := startSimNode(ctx, t, c, bin, dsArgs)
 
-	// Prometheus scrapes both agents every second and evaluates the rules.
-	prom := startPrometheus(t, promBin, scrapeTarget{metricsAddr, labNode}, scrapeTarget{sim.metricsAddr, simNodeName})
+	// Prometheus scrapes both agents and the controller every second and
+	// evaluates the rules.
+	prom := startPrometheus(t, promBin, scrapeTarget{addr: metricsAddr, node: labNode}, scrapeTarget{addr: sim.metricsAddr, node: simNodeName},
+		scrapeTarget{addr: ctlAddr, node: labNode, pod: controllerPod})
 
-	// The faults, once the agent has seen the volumes healthy, the lab
-	// agent leads the failover duty and both heartbeats are renewed.
+	// The faults, once the agent has seen the volumes healthy, the
+	// controller leads the failover duty and both heartbeats are renewed.
 	waitQuery(ctx, t, prom, fmt.Sprintf(`sum(mountmedic_kubelet_mounts{node=%q, kind=~"publish|plugin"}) >= %d`, labNode, len(labVolumes)))
 	waitQuery(ctx, t, prom, fmt.Sprintf(`mountmedic_failover_leader{node=%q} == 1`, labNode))
 	for _, n := range []string{labNode, simNodeName} {
@@ -223,8 +228,16 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Errorf("promtool check metrics on the agent's /metrics: %v\n%s", err, out)
 	}
-	compareCapture(t, body)
+	compareCapture(t, body, metricsCapture)
+	ctlBody := httpGet(t, "http://"+ctlAddr+"/metrics")
+	cmd = exec.Command(pt, "check", "metrics")
+	cmd.Stdin = bytes.NewReader(ctlBody)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Errorf("promtool check metrics on the controller's /metrics: %v\n%s", err, out)
+	}
+	compareCapture(t, ctlBody, controllerCapture)
 	logUsage(t, prom)
+	_ = ctl
 
 	// The simulated node comes back: its agent lifts the fence, the leader
 	// removes its taint.
@@ -279,10 +292,10 @@ func liveQueries(t *testing.T) []liveQuery {
 	for _, r := range []string{`result="evicted"} > 0`, `result="blocked_by_pdb"} > 0`, `result="no_controller"} > 0`} {
 		qs = append(qs, liveQuery{name: "scenario: evictions " + r, want: true, expr: `mountmedic_evictions_total{` + r})
 	}
-	// The failover: the simulated node fenced itself, the lab agent leads
+	// The failover: the simulated node fenced itself, the controller leads
 	// and failed the node over, its pod was force-deleted.
 	for name, expr := range map[string]string{
-		"lab agent leads":         fmt.Sprintf(`mountmedic_failover_leader{node=%q} == 1`, labNode),
+		"controller leads":        fmt.Sprintf(`mountmedic_failover_leader{node=%q} == 1`, labNode),
 		"simulated node fenced":   fmt.Sprintf(`mountmedic_failover_node_fenced{node=%q} == 1`, simNodeName),
 		"node failed over":        fmt.Sprintf(`mountmedic_failover_failovers_total{node=%q, result="success"} > 0`, labNode),
 		"its pod force-deleted":   fmt.Sprintf(`mountmedic_failover_pod_deletions_total{node=%q, result="success"} > 0`, labNode),
@@ -510,32 +523,6 @@ func agentCredentials(ctx context.Context, t *testing.T, c *kubetest.Cluster, no
 	return []string{"--node-kubeconfig=" + nodeKubeconfig, "--kubeconfig=" + writeKubeconfig(t, c.PodTokenConfig(t, pod), server)}
 }
 
-// leaderKubeconfig is a kubeconfig of the ServiceAccount
-// mountmedic/mountmedic-leader, bound to the failover ClusterRole and the
-// Lease Role: the in-agent failover leader's account, until that duty moves
-// to mountmedic controller and its own account.
-func leaderKubeconfig(ctx context.Context, t *testing.T, c *kubetest.Cluster) string {
-	t.Helper()
-	const name = "mountmedic-leader"
-	rc := c.ServiceAccountConfig(t, "mountmedic", name) // creates the account
-	subjects := []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "mountmedic", Name: name}}
-	if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "mountmedic-failover"},
-		Subjects:   subjects,
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.Client.RbacV1().RoleBindings("mountmedic").Create(ctx, &rbacv1.RoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "mountmedic"},
-		Subjects:   subjects,
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	return writeKubeconfig(t, rc, "")
-}
-
 // freeAddr returns a loopback address with a port free right now.
 func freeAddr(t *testing.T) string {
 	t.Helper()
@@ -582,8 +569,12 @@ type promServer struct {
 	p   *process
 }
 
-// scrapeTarget is an agent's metrics address and its node.
-type scrapeTarget struct{ addr, node string }
+// scrapeTarget is an agent's (or the controller's) metrics address, its
+// node and its pod ("": mountmedic-<node>, an agent's).
+type scrapeTarget struct{ addr, node, pod string }
+
+// controllerPod is the lab controller's pod name.
+const controllerPod = "mountmedic-controller-0"
 
 // startPrometheus starts Prometheus on a free loopback port with a fresh
 // data directory, scraping the agents every second as job mountmedic with
@@ -607,12 +598,16 @@ scrape_configs:
     static_configs:
 `, rules, labJob)
 	for _, tg := range targets {
+		pod := tg.pod
+		if pod == "" {
+			pod = "mountmedic-" + tg.node
+		}
 		cfg += fmt.Sprintf(`      - targets: [%q]
         labels:
           node: %q
-          pod: mountmedic-%s
+          pod: %q
           namespace: mountmedic
-`, tg.addr, tg.node, tg.node)
+`, tg.addr, tg.node, pod)
 	}
 	cfgPath := filepath.Join(dir, "prometheus.yml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
@@ -767,15 +762,24 @@ func httpGet(t *testing.T, u string) []byte {
 	return b
 }
 
-// captureHeader opens testdata/metrics.txt.
-const captureHeader = `# CAPTURED from a real mountmedic agent in the fault lab (a dead, a hung and
-# an EIO FUSE volume, a shut-down ext4 volume, evictions; with --failover,
-# leading, after it failed a simulated dead node over) by
+// captureHeaders open testdata/metrics.txt and
+// testdata/controller-metrics.txt.
+var captureHeaders = map[string]string{
+	metricsCapture: `# CAPTURED from a real mountmedic agent in the fault lab (a dead, a hung and
+# an EIO FUSE volume, a shut-down ext4 volume, evictions; with --failover) by
 #   go test ./deploy/ -run TestLiveDashboardAndAlerts -update
 # The live test fails when the agent's metric families (names, types, label
 # names) differ from this file's; TestQueriesUseExportedMetrics checks the
-# dashboard's and the alerts' metric names against it without root.
-`
+# dashboard's and the alerts' metric names against it and
+# controller-metrics.txt without root.
+`,
+	controllerCapture: `# CAPTURED from a real mountmedic controller in the fault lab (leading,
+# after it failed a simulated dead node over) by
+#   go test ./deploy/ -run TestLiveDashboardAndAlerts -update
+# The live test fails when the controller's metric families (names, types,
+# label names) differ from this file's.
+`,
+}
 
 // shape is a metric family's type and label names.
 func shape(t *testing.T, text []byte) map[string]string {
@@ -803,38 +807,42 @@ func shape(t *testing.T, text []byte) map[string]string {
 	return out
 }
 
-func compareCapture(t *testing.T, live []byte) {
+func compareCapture(t *testing.T, live []byte, capture string) {
 	t.Helper()
 	if *update {
-		if err := os.WriteFile(metricsCapture, append([]byte(captureHeader), live...), 0o644); err != nil {
+		if err := os.WriteFile(capture, append([]byte(captureHeaders[capture]), live...), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
-	got, want := shape(t, live), shape(t, readFile(t, metricsCapture))
+	got, want := shape(t, live), shape(t, readFile(t, capture))
 	for name, s := range want {
 		if got[name] != s {
-			t.Errorf("metric %s: live %q, %s has %q (rerun with -update if the change is intended)", name, got[name], metricsCapture, s)
+			t.Errorf("metric %s: live %q, %s has %q (rerun with -update if the change is intended)", name, got[name], capture, s)
 		}
 	}
 	for name, s := range got {
 		if _, ok := want[name]; !ok {
-			t.Errorf("metric %s (%s) is not in %s (rerun with -update)", name, s, metricsCapture)
+			t.Errorf("metric %s (%s) is not in %s (rerun with -update)", name, s, capture)
 		}
 	}
 }
 
-// logUsage logs the lab agent's CPU and memory in the scenario (with the
-// failover duty on and leading), for the DaemonSet's requests.
+// logUsage logs the lab agent's and the controller's CPU and memory in the
+// scenario (with the failover duty on), for the requests of the DaemonSet
+// and the Deployment.
 func logUsage(t *testing.T, s *promServer) {
 	t.Helper()
-	for _, q := range []string{
-		`rate(process_cpu_seconds_total{job="mountmedic", node="` + labNode + `"}[1m])`,
-		`max_over_time(process_resident_memory_bytes{job="mountmedic", node="` + labNode + `"}[5m])`,
-		`max_over_time(go_memstats_heap_inuse_bytes{job="mountmedic", node="` + labNode + `"}[5m])`,
-		`max_over_time(go_threads{job="mountmedic", node="` + labNode + `"}[5m])`,
-	} {
-		if res, err := s.query(q, time.Now()); err == nil && len(res) > 0 {
-			t.Logf("agent %s = %g", q, float64(res[0].Value))
+	for _, pod := range []string{"mountmedic-" + labNode, controllerPod} {
+		sel := `{job="mountmedic", pod="` + pod + `"}`
+		for _, q := range []string{
+			`rate(process_cpu_seconds_total` + sel + `[1m])`,
+			`max_over_time(process_resident_memory_bytes` + sel + `[5m])`,
+			`max_over_time(go_memstats_heap_inuse_bytes` + sel + `[5m])`,
+			`max_over_time(go_threads` + sel + `[5m])`,
+		} {
+			if res, err := s.query(q, time.Now()); err == nil && len(res) > 0 {
+				t.Logf("%s = %g", q, float64(res[0].Value))
+			}
 		}
 	}
 }

@@ -326,6 +326,7 @@ func TestApplyServerDryRun(t *testing.T) {
 		t.Errorf("DaemonSet image = %q, want mountmedic:dev (the kustomization's images entry)", got)
 	}
 	checkAccess(t, c)
+	applyController(t, c, k)
 }
 
 // checkAccess asks the API server what the agent's ServiceAccount may do:
@@ -336,7 +337,6 @@ func TestApplyServerDryRun(t *testing.T) {
 // controller).
 func checkAccess(t *testing.T, c *kubetest.Cluster) {
 	t.Helper()
-	withoutFailoverLeader(context.Background(), t, c)
 	const user = "system:serviceaccount:mountmedic:mountmedic"
 	type ra = authorizationv1.ResourceAttributes
 	lease := func(verb, ns string) ra {
@@ -351,6 +351,10 @@ func checkAccess(t *testing.T, c *kubetest.Cluster) {
 		{"list leases", lease("list", "mountmedic"), true},
 		{"create a lease (its node's: the policy)", lease("create", "mountmedic"), true},
 		{"update a lease (its node's: the policy)", lease("update", "mountmedic"), true},
+		// The failover controller's grants are its own ServiceAccount's
+		// (deploy/controller/): none reaches other nodes from an agent.
+		{"patch node (failover taint)", ra{Verb: "patch", Resource: "nodes"}, false},
+		{"read kubelet leases", ra{Verb: "list", Group: "coordination.k8s.io", Resource: "leases", Namespace: "kube-node-lease"}, false},
 
 		{"delete leases", lease("delete", "mountmedic"), false},
 		{"patch leases", lease("patch", "mountmedic"), false},
@@ -406,11 +410,11 @@ func readFile(t *testing.T, path string) []byte {
 // is the one the command prints, and the metrics table names every
 // mountmedic metric of the real agent's capture.
 func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
-	readme := string(readFile(t, "README.md"))
+	_, readme := controllerFlagTable(t, string(readFile(t, "README.md")))
 	help := string(run(t, ".", buildMountmedic(t), "agent", "--help"))
 	flags, _, _ := strings.Cut(help, "Global Flags:")
 	defaults := helpDefaults(flags)
-	if len(defaults) < 40 {
+	if len(defaults) < 30 {
 		t.Fatalf("found only %d flags in mountmedic agent --help:\n%s", len(defaults), flags)
 	}
 	rows := readmeFlagRows(readme)
@@ -432,9 +436,11 @@ func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
 			t.Errorf("README.md says --%s defaults to %q; mountmedic agent --help says %q", name, lit, def.value)
 		}
 	}
-	for name := range shape(t, readFile(t, metricsCapture)) {
-		if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
-			t.Errorf("README.md's metrics table has no row for %s", name)
+	for _, capture := range []string{metricsCapture, controllerCapture} {
+		for name := range shape(t, readFile(t, capture)) {
+			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
+				t.Errorf("README.md's metrics table has no row for %s (%s)", name, capture)
+			}
 		}
 	}
 }
@@ -511,6 +517,13 @@ func readmeBlock(t *testing.T, first string) string {
 // beside a link to deploy/ (its resources: [../../deploy]) and renders it.
 func renderOverlay(t *testing.T, name, kustomization string) []object {
 	t.Helper()
+	return decodeAll(t, run(t, ".", kubectl(t), "kustomize", overlayDir(t, name, kustomization)))
+}
+
+// overlayDir writes an overlay as overlays/<name>/kustomization.yaml beside
+// a link to deploy/ and returns its directory.
+func overlayDir(t *testing.T, name, kustomization string) string {
+	t.Helper()
 	root := t.TempDir()
 	abs, err := filepath.Abs(".")
 	if err != nil {
@@ -526,13 +539,14 @@ func renderOverlay(t *testing.T, name, kustomization string) []object {
 	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(kustomization), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	return decodeAll(t, run(t, ".", kubectl(t), "kustomize", dir))
+	return dir
 }
 
 // TestReadmeFailoverOverlays renders the overlays README.md gives for the
-// failover duty: the one that turns it on (then the agent's own validation
-// judges the DaemonSet's arguments, as TestDaemonSetFlagsExist does for the
-// base), and the one that removes its RBAC.
+// failover duty: the one that turns it on with the controller Component
+// (then the agent's own validation judges the DaemonSet's arguments, as
+// TestDaemonSetFlagsExist does for the base), and the one that removes the
+// agents' heartbeat RBAC.
 func TestReadmeFailoverOverlays(t *testing.T) {
 	base := kustomize(t, ".")
 	on := renderOverlay(t, "failover", readmeBlock(t, "# overlays/failover/kustomization.yaml"))
@@ -541,13 +555,18 @@ func TestReadmeFailoverOverlays(t *testing.T) {
 	if want := append(slices.Clone(baseDS.Spec.Template.Spec.Containers[0].Args), "--failover", "--failover-dry-run"); !slices.Equal(args, want) {
 		t.Errorf("failover overlay DaemonSet args = %q, want %q", args, want)
 	}
-	if len(on) != len(base) {
-		t.Errorf("failover overlay renders %d objects, the base %d", len(on), len(base))
+	ctl := decodeController(t, on).Spec.Template.Spec.Containers[0].Args
+	plain := decodeController(t, renderOverlay(t, "controller", controllerOverlay)).Spec.Template.Spec.Containers[0].Args
+	if want := append(slices.Clone(plain), "--failover-dry-run"); !slices.Equal(ctl, want) {
+		t.Errorf("failover overlay controller args = %q, want %q", ctl, want)
+	}
+	if want := len(renderOverlay(t, "controller", controllerOverlay)); len(on) != want {
+		t.Errorf("failover overlay renders %d objects, the base with the controller %d", len(on), want)
 	}
 	checkAgentArgs(t, buildMountmedic(t), args)
 
 	off := renderOverlay(t, "no-failover-rbac", readmeBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
-	gone := map[string]bool{"ClusterRoleBinding/mountmedic-failover": true, "RoleBinding/mountmedic": true}
+	gone := map[string]bool{"RoleBinding/mountmedic": true}
 	kept := make(map[string]bool)
 	for _, o := range off {
 		kept[o.Kind+"/"+o.Metadata.Name] = true

@@ -51,7 +51,6 @@ func TestNodeBlastRadius(t *testing.T) {
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	withoutFailoverLeader(ctx, t, c)
 	c.CreateNamespace(t, appsNS)
 	admin := c.Client
 
@@ -470,16 +469,4 @@ func waitRefused(ctx context.Context, t *testing.T, what string, do func() error
 		t.Fatalf("%s: never refused (last: %v)", what, last)
 	}
 	return last
-}
-
-// withoutFailoverLeader deletes the ClusterRoleBinding of the in-agent
-// failover leader (mountmedic-failover), if deploy/ still has it: that
-// cluster-wide duty moves to its own Deployment and ServiceAccount
-// (mountmedic controller), and what is judged here is the agent without it.
-func withoutFailoverLeader(ctx context.Context, t *testing.T, c *kubetest.Cluster) {
-	t.Helper()
-	err := c.Client.RbacV1().ClusterRoleBindings().Delete(ctx, "mountmedic-failover", metav1.DeleteOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		t.Fatalf("delete ClusterRoleBinding mountmedic-failover: %v", err)
-	}
 }

@@ -21,6 +21,7 @@ const (
 	prometheusRuleFile = "prometheus/prometheusrule.yaml"
 	dashboardFile      = "grafana/mountmedic.json"
 	metricsCapture     = "testdata/metrics.txt"
+	controllerCapture  = "testdata/controller-metrics.txt"
 )
 
 // prometheusRuleHeader opens the generated PrometheusRule.
@@ -286,17 +287,19 @@ var metricName = regexp.MustCompile(`\b(mountmedic_[a-z_]+|process_[a-z_]+|go_[a
 // (testdata/metrics.txt, which the live test writes with -update and
 // compares), so that a renamed metric fails here, without root.
 func TestQueriesUseExportedMetrics(t *testing.T) {
-	parser := expfmt.NewTextParser(model.LegacyValidation)
-	families, err := parser.TextToMetricFamilies(bytes.NewReader(readFile(t, metricsCapture)))
-	if err != nil {
-		t.Fatalf("%s: %v", metricsCapture, err)
-	}
 	exported := make(map[string]bool)
-	for name, f := range families {
-		exported[name] = true
-		if f.GetType().String() == "HISTOGRAM" {
-			for _, s := range []string{"_bucket", "_sum", "_count"} {
-				exported[name+s] = true
+	for _, capture := range []string{metricsCapture, controllerCapture} {
+		parser := expfmt.NewTextParser(model.LegacyValidation)
+		families, err := parser.TextToMetricFamilies(bytes.NewReader(readFile(t, capture)))
+		if err != nil {
+			t.Fatalf("%s: %v", capture, err)
+		}
+		for name, f := range families {
+			exported[name] = true
+			if f.GetType().String() == "HISTOGRAM" {
+				for _, s := range []string{"_bucket", "_sum", "_count"} {
+					exported[name+s] = true
+				}
 			}
 		}
 	}
@@ -316,6 +319,6 @@ func TestQueriesUseExportedMetrics(t *testing.T) {
 		}
 	}
 	if len(missing) > 0 {
-		t.Errorf("queries use metrics the agent does not export (per %s): %v", metricsCapture, missing)
+		t.Errorf("queries use metrics neither the agent nor the controller exports (per %s and %s): %v", metricsCapture, controllerCapture, missing)
 	}
 }

@@ -65,13 +65,17 @@ func runLanes(b *testing.B, h *harness, round int, limit time.Duration) {
 	cfg := DefaultConfig()
 	cfg.Enabled = true
 	cfg.Namespace = agentNS
-	cfg.LeaderLease = "failover-leader-bench" + suffix
-	cfg.NodeSelector = caseLabel + "=mountmedic" + suffix
+	ctl := DefaultControllerConfig()
+	ctl.Namespace = agentNS
+	ctl.LeaderLease = "failover-leader-bench" + suffix
+	ctl.NodeSelector = caseLabel + "=mountmedic" + suffix
 
 	var lanes []*lane
 	for _, name := range []string{"mountmedic", "manual", "stock"} {
 		l := &lane{name: name}
-		l.s = h.scenario(b, name+suffix, cfg)
+		l.s = h.scenario(b, name+suffix)
+		l.s.cfg, l.s.ctl = cfg, ctl
+		h.allowLeaderLease(b, ctl.LeaderLease)
 		agents := name == "mountmedic"
 		l.victim = l.s.addNode(name+suffix+"-dies", agents)
 		l.target = l.s.addNode(name+suffix+"-lives", agents)
@@ -79,7 +83,7 @@ func runLanes(b *testing.B, h *harness, round int, limit time.Duration) {
 		l.old = l.s.podOf(h.ctx, "db")
 		lanes = append(lanes, l)
 	}
-	_, reg, _ := lanes[0].s.controller(cfg, "bench-leader"+suffix)
+	_, reg, _ := lanes[0].s.controller(ctl, "bench-leader"+suffix)
 	if err := waitFor(h.ctx, time.Minute, func(context.Context) (bool, error) {
 		return metric(b, reg, "mountmedic_failover_leader", nil) == 1, nil
 	}); err != nil {
@@ -87,7 +91,7 @@ func runLanes(b *testing.B, h *harness, round int, limit time.Duration) {
 	}
 	// Let the leader watch the nodes alive for a while, as in a cluster
 	// that has been running.
-	time.Sleep(cfg.FenceWindow(0))
+	time.Sleep(ctl.FenceWindow(0))
 
 	b.ResetTimer()
 	died := time.Now()

@@ -40,41 +40,70 @@ const (
 // Modes lists the modes, for flag help and errors.
 var Modes = []Mode{ModeTaint, ModeForceDelete}
 
-// Config is the failover duty's configuration. cmd/mountmedic binds its
-// flags with AddFlags; start from DefaultConfig and call Validate.
-//
-// The same binary runs the node side (NewHeartbeat, on every node) and the
-// cluster side (NewController, one active instance through leader
-// election), and both must agree on the fence window and the eligibility
-// rules: give every agent the same flags.
+// Policy is the eligibility rules both halves apply: the controller fails
+// over only the pods they admit, and a fencing node stops exactly those
+// (decide). Give the agents and the controller the same lists.
+type Policy struct {
+	// IncludeNamespaces, when not empty, limits failover to pods in these
+	// namespaces; ExcludeNamespaces are never failed over.
+	IncludeNamespaces []string
+	ExcludeNamespaces []string
+	// IncludeStorageClasses, when not empty, limits failover to volumes of
+	// these StorageClasses; ExcludeStorageClasses never count.
+	IncludeStorageClasses []string
+	ExcludeStorageClasses []string
+}
+
+// addFlags binds the policy's flags.
+func (p *Policy) addFlags(fl *pflag.FlagSet) {
+	fl.StringSliceVar(&p.IncludeNamespaces, "failover-include-namespaces", p.IncludeNamespaces, "fail over only pods in these namespaces (default all)")
+	fl.StringSliceVar(&p.ExcludeNamespaces, "failover-exclude-namespaces", p.ExcludeNamespaces, "never fail over pods in these namespaces")
+	fl.StringSliceVar(&p.IncludeStorageClasses, "failover-include-storage-classes", p.IncludeStorageClasses, "fail over only pods with ReadWriteOnce volumes of these StorageClasses (default all)")
+	fl.StringSliceVar(&p.ExcludeStorageClasses, "failover-exclude-storage-classes", p.ExcludeStorageClasses, "volumes of these StorageClasses never make a pod eligible")
+}
+
+// validate checks the lists.
+func (p *Policy) validate(bad func(format string, args ...any)) {
+	for _, ns := range slices.Concat(p.IncludeNamespaces, p.ExcludeNamespaces) {
+		if msgs := validation.IsDNS1123Label(ns); len(msgs) > 0 {
+			bad("namespace %q in --failover-include-namespaces/--failover-exclude-namespaces: %s", ns, strings.Join(msgs, "; "))
+		}
+	}
+	for _, ns := range p.IncludeNamespaces {
+		if slices.Contains(p.ExcludeNamespaces, ns) {
+			bad("namespace %q is in both --failover-include-namespaces and --failover-exclude-namespaces: keep it in one", ns)
+		}
+	}
+	for _, sc := range slices.Concat(p.IncludeStorageClasses, p.ExcludeStorageClasses) {
+		if msgs := validation.IsDNS1123Subdomain(sc); len(msgs) > 0 {
+			bad("StorageClass %q in --failover-include-storage-classes/--failover-exclude-storage-classes: %s", sc, strings.Join(msgs, "; "))
+		}
+	}
+	for _, sc := range p.IncludeStorageClasses {
+		if slices.Contains(p.ExcludeStorageClasses, sc) {
+			bad("StorageClass %q is in both --failover-include-storage-classes and --failover-exclude-storage-classes: keep it in one", sc)
+		}
+	}
+}
+
+// Config is the node side of the duty (the heartbeat and the fence, in
+// every agent). cmd/mountmedic binds its flags with AddFlags; start from
+// DefaultConfig and call Validate. The cluster side has its own
+// ControllerConfig: agents never judge other nodes.
 type Config struct {
-	// Enabled turns the whole duty on (--failover). Off by default: the
-	// node side stops containers when it loses the API server for
-	// FenceAfter, which a cluster must choose knowingly.
+	// Enabled turns the node side on (--failover). Off by default: the
+	// node stops containers when it loses the API server for FenceAfter,
+	// which a cluster must choose knowingly.
 	Enabled bool
 
 	// NodeName is this node, for the heartbeat (the agent's --node-name).
 	NodeName string
-	// Namespace holds the heartbeat Leases and the leader election Lease
-	// (--failover-namespace, default $POD_NAMESPACE, else "mountmedic").
+	// Namespace holds the heartbeat Leases (--failover-namespace, default
+	// $POD_NAMESPACE, else "mountmedic").
 	Namespace string
-	// Identity names this instance in the Leases it holds (default
+	// Identity names this agent in the heartbeat Lease it holds (default
 	// $POD_NAME, else the host name).
 	Identity string
-	// LeaderLease is the name of the leader election Lease.
-	LeaderLease string
-	// Candidate: this agent runs a Controller and campaigns for the leader
-	// Lease. Every candidate reads the Lease each RetryPeriod, so in large
-	// clusters make only a few agents candidates (one DaemonSet with
-	// --failover-leader-candidate=false and one, on a few nodes, with true).
-	Candidate bool
-
-	// Mode is taint (default) or force-delete.
-	Mode Mode
-	// DeletePods, in taint mode, also force-deletes the eligible pods once
-	// they are terminating (the pod garbage collector would do it within
-	// its 20 s period).
-	DeletePods bool
 
 	// HeartbeatInterval is how often each agent renews its node's heartbeat
 	// Lease; each wait adds up to 10% of jitter, so an agent writes no more
@@ -84,8 +113,11 @@ type Config struct {
 	// (counted from the start of its last successful renewal) fences: it
 	// stops the containers of the pods the controller could fail over and
 	// lazily unmounts their volumes. Its heartbeat Lease advertises it as
-	// leaseDurationSeconds.
+	// leaseDurationSeconds, which is what the controller waits for.
 	FenceAfter time.Duration
+	// FenceStopGrace is the grace period a fenced container gets after
+	// SIGTERM.
+	FenceStopGrace time.Duration
 	// PeerKeyFile holds the key the agents authenticate their peer-check
 	// answers with (a Secret mounted in the DaemonSet). Empty: no peer
 	// check, an agent that cannot renew for FenceAfter fences even when
@@ -106,117 +138,72 @@ type Config struct {
 	// from the heartbeat Leases (one list of one shard, from the watch
 	// cache).
 	PeerRefresh time.Duration
-	// FenceStopGrace is the grace period a fenced container gets after
-	// SIGTERM.
-	FenceStopGrace time.Duration
-	// FenceMargin is added to the fence window on the cluster side: the
-	// controller acts only when a heartbeat has not changed for
-	// max(FenceAfter, the Lease's leaseDurationSeconds) + FenceMargin by its
-	// own clock. It must cover the time fencing takes (FenceStopGrace and
-	// the unmounts) and the agent's check period.
-	FenceMargin time.Duration
-	// KubeletGrace: the controller acts only when the node's kubelet Lease
-	// (and its Ready heartbeat) has not changed for this long by its own
-	// clock, besides the Ready condition not being True.
-	KubeletGrace time.Duration
-	// TrustShutdownTaint lets the cloud provider's
-	// node.cloudprovider.kubernetes.io/shutdown taint stand in for a stale
-	// heartbeat. Off by default: cloud providers also set it on a
-	// hibernated or suspended instance, which resumes with its containers
-	// and mounts as they were, unfenced.
-	TrustShutdownTaint bool
 
-	// MaxNodes is how many nodes may be in failover at once (acted on, with
-	// eligible pods still on them). A zone outage then fails nodes over one
-	// batch at a time instead of all at once.
-	MaxNodes int
-	// NodeSelector limits the duty to nodes with these labels (a label
-	// selector; empty means every node).
-	NodeSelector string
+	// Policy: which pods a fence stops (those the controller may fail over).
+	Policy
 
-	// IncludeNamespaces, when not empty, limits failover to pods in these
-	// namespaces; ExcludeNamespaces are never failed over.
-	IncludeNamespaces []string
-	ExcludeNamespaces []string
-	// IncludeStorageClasses, when not empty, limits failover to volumes of
-	// these StorageClasses; ExcludeStorageClasses never count.
-	IncludeStorageClasses []string
-	ExcludeStorageClasses []string
-
-	// DryRun decides and reports (events and logs say what would happen,
-	// metrics count dry_run), and changes nothing: no taint, no deletion,
-	// no fence. The heartbeat is still renewed.
+	// DryRun reports what the fence would stop and stops nothing. The
+	// heartbeat is still renewed.
 	DryRun bool
-
-	// LeaseDuration, RenewDeadline and RetryPeriod tune leader election.
-	LeaseDuration time.Duration
-	RenewDeadline time.Duration
-	RetryPeriod   time.Duration
 	// APITimeout bounds each API call.
 	APITimeout time.Duration
-	// EvalInterval is how often the leader re-judges every node (evidence
-	// ages with time, not only with events).
-	EvalInterval time.Duration
 }
 
 // Defaults of the flags.
 const (
 	DefaultNamespace   = "mountmedic"
 	DefaultLeaderLease = "mountmedic-failover-leader"
+	// DefaultStandDownShare: from this share of not-Ready nodes (and more
+	// than two of them) the controller fails no node over. kube's node
+	// lifecycle controller stops evicting a zone at 0.55
+	// (--unhealthy-zone-threshold); ours is lower because of the agents'
+	// peer check: a node of a group cut off together (a share f of the
+	// nodes) holds its fence, wrongly, only when every one of its Peers (7)
+	// peers is in the group, f^7: below 0.2, about 1e-5 per node, 0.013
+	// nodes in a 5,000-node cluster losing 1,000 at once; at 0.55, 1.5%
+	// (about 40 nodes), each a possible second writer.
+	DefaultStandDownShare = 0.2
 )
 
-// DefaultConfig returns the defaults the flags start from. With
-// Kubernetes' default --node-monitor-grace-period of 50 s, a dead node is
-// failed over about 50-55 s after it died: the fence window (30 s + 15 s)
-// ends before kubelet's Ready condition turns Unknown.
-func DefaultConfig() Config {
-	ns := os.Getenv("POD_NAMESPACE")
+// podEnv returns the namespace and identity the downward API gives.
+func podEnv() (ns, id string) {
+	ns = os.Getenv("POD_NAMESPACE")
 	if ns == "" {
 		ns = DefaultNamespace
 	}
-	id := os.Getenv("POD_NAME")
+	id = os.Getenv("POD_NAME")
 	if id == "" {
 		id, _ = os.Hostname()
 	}
+	return ns, id
+}
+
+// DefaultConfig returns the defaults the agent's flags start from.
+func DefaultConfig() Config {
+	ns, id := podEnv()
 	return Config{
-		NodeName:           os.Getenv("NODE_NAME"),
-		Namespace:          ns,
-		Identity:           id,
-		LeaderLease:        DefaultLeaderLease,
-		Candidate:          true,
-		Mode:               ModeTaint,
-		DeletePods:         true,
-		HeartbeatInterval:  10 * time.Second,
-		FenceAfter:         30 * time.Second,
-		FenceStopGrace:     5 * time.Second,
-		FenceMargin:        15 * time.Second,
-		KubeletGrace:       40 * time.Second,
-		TrustShutdownTaint: false,
-		PeerListen:         ":9810",
-		PeerAdvertise:      os.Getenv("POD_IP"),
-		Peers:              7,
-		PeerTimeout:        2 * time.Second,
-		PeerRefresh:        10 * time.Minute,
-		MaxNodes:           1,
-		LeaseDuration:      15 * time.Second,
-		RenewDeadline:      10 * time.Second,
-		RetryPeriod:        2 * time.Second,
-		APITimeout:         10 * time.Second,
-		EvalInterval:       time.Second,
+		NodeName:          os.Getenv("NODE_NAME"),
+		Namespace:         ns,
+		Identity:          id,
+		HeartbeatInterval: 10 * time.Second,
+		FenceAfter:        30 * time.Second,
+		FenceStopGrace:    5 * time.Second,
+		PeerListen:        ":9810",
+		PeerAdvertise:     os.Getenv("POD_IP"),
+		Peers:             7,
+		PeerTimeout:       2 * time.Second,
+		PeerRefresh:       10 * time.Minute,
+		APITimeout:        10 * time.Second,
 	}
 }
 
-// AddFlags binds the failover flags (all but NodeName, which the agent's
-// --node-name gives) into c. Call it on the agent command's flag set after
-// DefaultConfig.
+// AddFlags binds the node side's flags (all but NodeName, which the
+// agent's --node-name gives) into c. Call it on the agent command's flag
+// set after DefaultConfig.
 func (c *Config) AddFlags(fl *pflag.FlagSet) {
-	fl.BoolVar(&c.Enabled, "failover", c.Enabled, "run the node failover duty: renew this node's heartbeat, fence when it cannot, and (the elected leader) fail pods with ReadWriteOnce volumes over from dead nodes")
-	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the heartbeat and leader election Leases (the default comes from $POD_NAMESPACE)")
-	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this instance's name in the Leases it holds (the default comes from $POD_NAME)")
-	fl.StringVar(&c.LeaderLease, "failover-leader-lease", c.LeaderLease, "name of the leader election Lease")
-	fl.BoolVar(&c.Candidate, "failover-leader-candidate", c.Candidate, "run the cluster side here too: campaign for the leader Lease and, when elected, fail dead nodes over")
-	fl.Var(newModeValue(&c.Mode), "failover-mode", "how to fail a dead node over: taint (node.kubernetes.io/out-of-service) or force-delete (pods and VolumeAttachments)")
-	fl.BoolVar(&c.DeletePods, "failover-delete-pods", c.DeletePods, "in taint mode, force-delete the eligible pods as soon as they are terminating instead of waiting for the pod garbage collector's 20s period")
+	fl.BoolVar(&c.Enabled, "failover", c.Enabled, "run the node side of the failover duty: renew this node's heartbeat Lease and fence this node's pods with ReadWriteOnce volumes when it cannot (the cluster side is the mountmedic controller command)")
+	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the heartbeat Leases (the default comes from $POD_NAMESPACE)")
+	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this agent's name in the heartbeat Lease it holds (the default comes from $POD_NAME)")
 	fl.DurationVar(&c.HeartbeatInterval, "failover-heartbeat-interval", c.HeartbeatInterval, "how often each agent renews its node's heartbeat Lease")
 	fl.DurationVar(&c.FenceAfter, "failover-fence-after", c.FenceAfter, "an agent that cannot renew its heartbeat for this long stops the containers of pods with ReadWriteOnce volumes and unmounts them")
 	fl.StringVar(&c.PeerKeyFile, "failover-peer-key-file", c.PeerKeyFile, "key (at least 32 bytes) the agents authenticate peer-check answers with; empty: no peer check, so an API server outage longer than --failover-fence-after fences every node")
@@ -226,20 +213,128 @@ func (c *Config) AddFlags(fl *pflag.FlagSet) {
 	fl.DurationVar(&c.PeerTimeout, "failover-peer-timeout", c.PeerTimeout, "deadline of a peer's answer")
 	fl.DurationVar(&c.PeerRefresh, "failover-peer-refresh", c.PeerRefresh, "how often an agent picks its peers again from the heartbeat Leases")
 	fl.DurationVar(&c.FenceStopGrace, "failover-fence-stop-grace", c.FenceStopGrace, "grace period of a container stopped by fencing")
-	fl.DurationVar(&c.FenceMargin, "failover-fence-margin", c.FenceMargin, "extra time the controller waits past the fence window before acting (covers the time fencing takes)")
-	fl.DurationVar(&c.KubeletGrace, "failover-kubelet-grace", c.KubeletGrace, "the node's kubelet Lease must not have changed for this long, besides the node being NotReady")
-	fl.BoolVar(&c.TrustShutdownTaint, "failover-trust-shutdown-taint", c.TrustShutdownTaint, "accept the cloud provider's node.cloudprovider.kubernetes.io/shutdown taint in place of a stale heartbeat (a hibernated instance carries it too and resumes unfenced)")
-	fl.IntVar(&c.MaxNodes, "failover-max-nodes", c.MaxNodes, "nodes that may be in failover at once")
-	fl.StringVar(&c.NodeSelector, "failover-node-selector", c.NodeSelector, "label selector of the nodes to fail over (default all)")
-	fl.StringSliceVar(&c.IncludeNamespaces, "failover-include-namespaces", c.IncludeNamespaces, "fail over only pods in these namespaces (default all)")
-	fl.StringSliceVar(&c.ExcludeNamespaces, "failover-exclude-namespaces", c.ExcludeNamespaces, "never fail over pods in these namespaces")
-	fl.StringSliceVar(&c.IncludeStorageClasses, "failover-include-storage-classes", c.IncludeStorageClasses, "fail over only pods with ReadWriteOnce volumes of these StorageClasses (default all)")
-	fl.StringSliceVar(&c.ExcludeStorageClasses, "failover-exclude-storage-classes", c.ExcludeStorageClasses, "volumes of these StorageClasses never make a pod eligible")
-	fl.BoolVar(&c.DryRun, "failover-dry-run", c.DryRun, "decide and report (events, logs, metrics), taint, delete and fence nothing")
+	c.Policy.addFlags(fl)
+	fl.BoolVar(&c.DryRun, "failover-dry-run", c.DryRun, "report what a fence would stop, stop nothing")
+	fl.DurationVar(&c.APITimeout, "failover-api-timeout", c.APITimeout, "deadline of each API call of the failover heartbeat")
+}
+
+// ControllerConfig is the cluster side of the duty: `mountmedic
+// controller`, a Deployment whose replicas elect one leader among
+// themselves. cmd/mountmedic binds its flags with AddFlags; start from
+// DefaultControllerConfig and call Validate. The flag names are those the
+// agent had when it ran the controller, so the same values carry over.
+type ControllerConfig struct {
+	// Namespace holds the agents' heartbeat Leases and the leader election
+	// Lease.
+	Namespace string
+	// Identity names this replica in the leader Lease.
+	Identity string
+	// LeaderLease is the name of the leader election Lease.
+	LeaderLease string
+	// LeaseDuration, RenewDeadline and RetryPeriod tune leader election.
+	LeaseDuration time.Duration
+	RenewDeadline time.Duration
+	RetryPeriod   time.Duration
+
+	// Mode is taint (default) or force-delete.
+	Mode Mode
+	// DeletePods, in taint mode, also force-deletes the eligible pods once
+	// they are terminating (the pod garbage collector would do it within
+	// its 20 s period).
+	DeletePods bool
+
+	// FenceAfter is the least fence window the controller assumes for a
+	// heartbeat: a Lease advertising a longer one (leaseDurationSeconds)
+	// is waited for that long. Give the agents' --failover-fence-after.
+	FenceAfter time.Duration
+	// FenceMargin is added to the fence window: the controller acts only
+	// when a heartbeat has not changed for max(FenceAfter, the Lease's
+	// leaseDurationSeconds) + FenceMargin by its own clock. It must cover
+	// the time fencing takes (the agents' stop grace and the unmounts) and
+	// the agent's check period.
+	FenceMargin time.Duration
+	// KubeletGrace: the controller acts only when the node's kubelet Lease
+	// (and its Ready heartbeat) has not changed for this long by its own
+	// clock, besides the Ready condition not being True.
+	KubeletGrace time.Duration
+	// TrustShutdownTaint lets the cloud provider's
+	// node.cloudprovider.kubernetes.io/shutdown taint stand in for a stale
+	// heartbeat. Off by default: a hibernated instance carries it too and
+	// resumes with its containers running and unfenced.
+	TrustShutdownTaint bool
+
+	// MaxNodes is how many nodes may be in failover at once (acted on, with
+	// eligible pods still on them). A zone outage then fails nodes over one
+	// batch at a time instead of all at once.
+	MaxNodes int
+	// StandDownShare: while at least this share of the judged nodes (and
+	// more than two), or all of them, are not Ready, the controller acts on
+	// none (a disrupted zone or a control-plane problem looks like that;
+	// kube's node lifecycle controller stops evicting likewise).
+	StandDownShare float64
+	// NodeSelector limits the duty to nodes with these labels (a label
+	// selector; empty means every node).
+	NodeSelector string
+
+	// Policy: which pods are failed over. The agents' lists must match.
+	Policy
+
+	// DryRun decides and reports (events and logs say what would happen,
+	// metrics count dry_run), and changes nothing: no taint, no deletion.
+	DryRun bool
+	// APITimeout bounds each API call.
+	APITimeout time.Duration
+	// Recheck is how often a node in failover, or one deferred, is looked
+	// at again (the other nodes are judged on their own events and when
+	// their evidence comes of age).
+	Recheck time.Duration
+}
+
+// DefaultControllerConfig returns the defaults the controller's flags
+// start from. With Kubernetes' default --node-monitor-grace-period of 50 s,
+// a dead node is failed over about 50-55 s after it died: the fence window
+// (30 s + 15 s) ends before kubelet's Ready condition turns Unknown.
+func DefaultControllerConfig() ControllerConfig {
+	ns, id := podEnv()
+	return ControllerConfig{
+		Namespace:      ns,
+		Identity:       id,
+		LeaderLease:    DefaultLeaderLease,
+		LeaseDuration:  15 * time.Second,
+		RenewDeadline:  10 * time.Second,
+		RetryPeriod:    2 * time.Second,
+		Mode:           ModeTaint,
+		DeletePods:     true,
+		FenceAfter:     30 * time.Second,
+		FenceMargin:    15 * time.Second,
+		KubeletGrace:   40 * time.Second,
+		MaxNodes:       1,
+		StandDownShare: DefaultStandDownShare,
+		APITimeout:     10 * time.Second,
+		Recheck:        2 * time.Second,
+	}
+}
+
+// AddFlags binds the controller's flags into c.
+func (c *ControllerConfig) AddFlags(fl *pflag.FlagSet) {
+	fl.StringVar(&c.Namespace, "failover-namespace", c.Namespace, "namespace of the agents' heartbeat Leases and of the leader election Lease (the default comes from $POD_NAMESPACE)")
+	fl.StringVar(&c.Identity, "failover-identity", c.Identity, "this replica's name in the leader Lease (the default comes from $POD_NAME)")
+	fl.StringVar(&c.LeaderLease, "failover-leader-lease", c.LeaderLease, "name of the leader election Lease")
 	fl.DurationVar(&c.LeaseDuration, "failover-leader-lease-duration", c.LeaseDuration, "leader election lease duration")
 	fl.DurationVar(&c.RenewDeadline, "failover-leader-renew-deadline", c.RenewDeadline, "leader election renew deadline")
 	fl.DurationVar(&c.RetryPeriod, "failover-leader-retry-period", c.RetryPeriod, "leader election retry period")
-	fl.DurationVar(&c.APITimeout, "failover-api-timeout", c.APITimeout, "deadline of each API call of the failover duty")
+	fl.Var(newModeValue(&c.Mode), "failover-mode", "how to fail a dead node over: taint (node.kubernetes.io/out-of-service) or force-delete (pods and VolumeAttachments)")
+	fl.BoolVar(&c.DeletePods, "failover-delete-pods", c.DeletePods, "in taint mode, force-delete the eligible pods as soon as they are terminating instead of waiting for the pod garbage collector's 20s period")
+	fl.DurationVar(&c.FenceAfter, "failover-fence-after", c.FenceAfter, "the agents' --failover-fence-after: the least time a heartbeat must be silent (a Lease advertising more is waited for longer)")
+	fl.DurationVar(&c.FenceMargin, "failover-fence-margin", c.FenceMargin, "extra time the controller waits past the fence window before acting (covers the time fencing takes)")
+	fl.DurationVar(&c.KubeletGrace, "failover-kubelet-grace", c.KubeletGrace, "the node's kubelet Lease must not have changed for this long, besides the node being NotReady")
+	fl.BoolVar(&c.TrustShutdownTaint, "failover-trust-shutdown-taint", c.TrustShutdownTaint, "accept the cloud provider's node.cloudprovider.kubernetes.io/shutdown taint in place of a stale heartbeat (a hibernated node carries it too, unfenced)")
+	fl.IntVar(&c.MaxNodes, "failover-max-nodes", c.MaxNodes, "nodes that may be in failover at once")
+	fl.Float64Var(&c.StandDownShare, "failover-stand-down-share", c.StandDownShare, "fail no node over while at least this share of the judged nodes (and more than two), or all of them, are not Ready; keep it at or below 0.25 with the agents' peer check (a group cut off together must not be failed over)")
+	fl.StringVar(&c.NodeSelector, "failover-node-selector", c.NodeSelector, "label selector of the nodes to fail over (default all)")
+	c.Policy.addFlags(fl)
+	fl.BoolVar(&c.DryRun, "failover-dry-run", c.DryRun, "decide and report (events, logs, metrics), taint and delete nothing")
+	fl.DurationVar(&c.APITimeout, "failover-api-timeout", c.APITimeout, "deadline of each API call of the controller")
 }
 
 // modeValue is a pflag.Value for Mode.
@@ -267,7 +362,7 @@ func (v *modeValue) Type() string { return "mode" }
 
 // FenceWindow is how long the controller waits after a heartbeat stopped
 // changing, for a Lease that advertises leaseSeconds (0: not advertised).
-func (c *Config) FenceWindow(leaseSeconds int32) time.Duration {
+func (c *ControllerConfig) FenceWindow(leaseSeconds int32) time.Duration {
 	w := c.FenceAfter
 	if d := time.Duration(leaseSeconds) * time.Second; d > w {
 		w = d
@@ -275,27 +370,64 @@ func (c *Config) FenceWindow(leaseSeconds int32) time.Duration {
 	return w + c.FenceMargin
 }
 
-// Validate checks the configuration; each error names the flag and the fix.
-// A disabled configuration is not checked.
-func (c Config) Validate() error { return c.validate(true) }
-
-// validate checks the configuration; the controller alone needs no node
-// name.
-func (c Config) validate(needNode bool) error {
+// Validate checks the node side's configuration; each error names the flag
+// and the fix. A disabled configuration is not checked.
+func (c Config) Validate() error {
 	if !c.Enabled {
 		return nil
 	}
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	if !needNode && c.NodeName == "" {
-		// The controller runs anywhere.
-	} else if c.NodeName == "" {
+	if c.NodeName == "" {
 		bad("--node-name is empty: the failover heartbeat needs this node's name (NODE_NAME from the downward API)")
 	} else if msgs := validation.IsDNS1123Subdomain(c.NodeName); len(msgs) > 0 {
 		bad("--node-name %q is not a node name: %s", c.NodeName, strings.Join(msgs, "; "))
 	}
 	if msgs := validation.IsDNS1123Label(c.Namespace); len(msgs) > 0 {
 		bad("--failover-namespace %q: %s; give the agent's namespace (POD_NAMESPACE)", c.Namespace, strings.Join(msgs, "; "))
+	}
+	if c.Identity == "" {
+		bad("--failover-identity is empty: set POD_NAME from the downward API or pass a unique name")
+	}
+	positive := func(flag string, d time.Duration) {
+		if d <= 0 {
+			bad("--%s %s: must be positive", flag, d)
+		}
+	}
+	positive("failover-heartbeat-interval", c.HeartbeatInterval)
+	positive("failover-fence-after", c.FenceAfter)
+	positive("failover-fence-stop-grace", c.FenceStopGrace)
+	positive("failover-api-timeout", c.APITimeout)
+	if c.PeerKeyFile != "" {
+		if c.Peers < 1 {
+			bad("--failover-peers %d: must be at least 1 with --failover-peer-key-file", c.Peers)
+		}
+		positive("failover-peer-timeout", c.PeerTimeout)
+		positive("failover-peer-refresh", c.PeerRefresh)
+		if c.PeerTimeout >= c.HeartbeatInterval && c.HeartbeatInterval > 0 {
+			bad("--failover-peer-timeout %s must be below --failover-heartbeat-interval %s: a peer check must end before the next renewal", c.PeerTimeout, c.HeartbeatInterval)
+		}
+		if _, _, err := net.SplitHostPort(c.PeerListen); err != nil {
+			bad("--failover-peer-listen %q: %v; give host:port, e.g. :9810", c.PeerListen, err)
+		}
+	}
+	if c.HeartbeatInterval > 0 && c.FenceAfter > 0 && c.FenceAfter < 2*c.HeartbeatInterval {
+		bad("--failover-fence-after %s is below two --failover-heartbeat-interval (%s): one lost renewal would fence; raise --failover-fence-after", c.FenceAfter, c.HeartbeatInterval)
+	}
+	if c.FenceAfter > 0 && c.FenceAfter%time.Second != 0 {
+		bad("--failover-fence-after %s: give whole seconds (the heartbeat Lease advertises it in seconds)", c.FenceAfter)
+	}
+	c.Policy.validate(bad)
+	return errors.Join(errs...)
+}
+
+// Validate checks the controller's configuration; each error names the
+// flag and the fix.
+func (c ControllerConfig) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if msgs := validation.IsDNS1123Label(c.Namespace); len(msgs) > 0 {
+		bad("--failover-namespace %q: %s; give the agents' namespace (POD_NAMESPACE)", c.Namespace, strings.Join(msgs, "; "))
 	}
 	if c.Identity == "" {
 		bad("--failover-identity is empty: set POD_NAME from the downward API or pass a unique name")
@@ -311,41 +443,20 @@ func (c Config) validate(needNode bool) error {
 			bad("--%s %s: must be positive", flag, d)
 		}
 	}
-	positive("failover-heartbeat-interval", c.HeartbeatInterval)
 	positive("failover-fence-after", c.FenceAfter)
-	positive("failover-fence-stop-grace", c.FenceStopGrace)
 	positive("failover-fence-margin", c.FenceMargin)
 	positive("failover-kubelet-grace", c.KubeletGrace)
 	positive("failover-leader-lease-duration", c.LeaseDuration)
 	positive("failover-leader-renew-deadline", c.RenewDeadline)
 	positive("failover-leader-retry-period", c.RetryPeriod)
 	positive("failover-api-timeout", c.APITimeout)
-	if c.PeerKeyFile != "" {
-		if c.Peers < 1 {
-			bad("--failover-peers %d: must be at least 1 with --failover-peer-key-file", c.Peers)
-		}
-		positive("failover-peer-timeout", c.PeerTimeout)
-		positive("failover-peer-refresh", c.PeerRefresh)
-		if c.PeerTimeout >= c.HeartbeatInterval && c.HeartbeatInterval > 0 {
-			bad("--failover-peer-timeout %s must be below --failover-heartbeat-interval %s: a peer check must end before the next renewal", c.PeerTimeout, c.HeartbeatInterval)
-		}
-		if _, _, err := net.SplitHostPort(c.PeerListen); err != nil {
-			bad("--failover-peer-listen %q: %v; give host:port, e.g. :9810", c.PeerListen, err)
-		}
+	if c.Recheck <= 0 {
+		bad("failover Recheck %s: must be positive", c.Recheck)
 	}
-	if c.EvalInterval <= 0 {
-		bad("failover EvalInterval %s: must be positive", c.EvalInterval)
-	}
-	if c.HeartbeatInterval > 0 && c.FenceAfter > 0 && c.FenceAfter < 2*c.HeartbeatInterval {
-		bad("--failover-fence-after %s is below two --failover-heartbeat-interval (%s): one lost renewal would fence; raise --failover-fence-after", c.FenceAfter, c.HeartbeatInterval)
-	}
-	if c.FenceAfter > 0 && c.FenceAfter%time.Second != 0 {
-		bad("--failover-fence-after %s: give whole seconds (the heartbeat Lease advertises it in seconds)", c.FenceAfter)
-	}
-	// Fencing must end inside the margin: one check period (a second), the
-	// stop grace, and time for the CRI and the unmounts.
-	if c.FenceStopGrace > 0 && c.FenceMargin > 0 && c.FenceMargin < c.FenceStopGrace+5*time.Second {
-		bad("--failover-fence-margin %s must exceed --failover-fence-stop-grace %s by at least 5s (the time fencing takes): raise the margin or lower the grace", c.FenceMargin, c.FenceStopGrace)
+	// The margin must cover the fence itself: one check period, the
+	// agents' stop grace (5 s by default) and the CRI and unmounts.
+	if c.FenceMargin > 0 && c.FenceMargin < 6*time.Second {
+		bad("--failover-fence-margin %s: must be at least 6s (the agents' --failover-fence-stop-grace plus the time fencing takes)", c.FenceMargin)
 	}
 	if c.LeaseDuration > 0 && c.RenewDeadline >= c.LeaseDuration {
 		bad("--failover-leader-renew-deadline %s must be below --failover-leader-lease-duration %s", c.RenewDeadline, c.LeaseDuration)
@@ -354,30 +465,14 @@ func (c Config) validate(needNode bool) error {
 		bad("--failover-leader-retry-period %s must be below --failover-leader-renew-deadline %s", c.RetryPeriod, c.RenewDeadline)
 	}
 	if c.MaxNodes < 1 {
-		bad("--failover-max-nodes %d: must be at least 1 (turn the duty off with --failover=false)", c.MaxNodes)
+		bad("--failover-max-nodes %d: must be at least 1 (do not run the controller to turn fail-over off)", c.MaxNodes)
+	}
+	if c.StandDownShare <= 0 || c.StandDownShare > 1 {
+		bad("--failover-stand-down-share %v: give a share above 0 and at most 1 (1 stands down only when every node looks dead)", c.StandDownShare)
 	}
 	if _, err := labels.Parse(c.NodeSelector); err != nil {
 		bad("--failover-node-selector %q: %v", c.NodeSelector, err)
 	}
-	for _, ns := range slices.Concat(c.IncludeNamespaces, c.ExcludeNamespaces) {
-		if msgs := validation.IsDNS1123Label(ns); len(msgs) > 0 {
-			bad("namespace %q in --failover-include-namespaces/--failover-exclude-namespaces: %s", ns, strings.Join(msgs, "; "))
-		}
-	}
-	for _, ns := range c.IncludeNamespaces {
-		if slices.Contains(c.ExcludeNamespaces, ns) {
-			bad("namespace %q is in both --failover-include-namespaces and --failover-exclude-namespaces: keep it in one", ns)
-		}
-	}
-	for _, sc := range slices.Concat(c.IncludeStorageClasses, c.ExcludeStorageClasses) {
-		if msgs := validation.IsDNS1123Subdomain(sc); len(msgs) > 0 {
-			bad("StorageClass %q in --failover-include-storage-classes/--failover-exclude-storage-classes: %s", sc, strings.Join(msgs, "; "))
-		}
-	}
-	for _, sc := range c.IncludeStorageClasses {
-		if slices.Contains(c.ExcludeStorageClasses, sc) {
-			bad("StorageClass %q is in both --failover-include-storage-classes and --failover-exclude-storage-classes: keep it in one", sc)
-		}
-	}
+	c.Policy.validate(bad)
 	return errors.Join(errs...)
 }

@@ -6,26 +6,30 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sort"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/time/rate"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	coordinationlisters "k8s.io/client-go/listers/coordination/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 )
 
@@ -40,6 +44,10 @@ const (
 	ReasonFailoverHeld     = "FailoverHeld"
 	ReasonNodeRecovered    = "FailoverEnded"
 	ReasonOperatorTaint    = "OutOfServiceByOperator"
+	// ReasonStandDown and ReasonStandDownOver are on the leader Lease:
+	// too many nodes are not Ready at once to fail any over, and no longer.
+	ReasonStandDown     = "FailoverStandDown"
+	ReasonStandDownOver = "FailoverStandDownOver"
 )
 
 // Event actions.
@@ -59,29 +67,36 @@ type eventRecorder interface {
 	Eventf(regarding runtime.Object, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
 }
 
-// Controller is the cluster side of the duty. Every agent runs one; the one
-// that holds the leader election Lease (Config.LeaderLease) judges every
-// node in scope each EvalInterval and fails confirmed-dead nodes over, at
-// most MaxNodes at a time. The others wait as standbys and keep no state:
-// everything a new leader needs is on the API server (the taint or mark on
-// the node), so a leader change mid-failover repeats nothing.
+// Controller is the cluster side of the duty, run by `mountmedic
+// controller` (a Deployment; agents never run it). Its replicas elect one
+// leader through the Lease ControllerConfig.LeaderLease; the leader watches
+// the nodes in scope, their kubelet Leases and their heartbeat Leases
+// (stripped to the fields it reads), judges a node when one of them changes
+// or when its evidence comes of age (a work queue, one key per node, with
+// per-node backoff), re-reads the node and both Leases from the API server
+// before it acts, and fails confirmed-dead nodes over, at most MaxNodes at
+// a time, standing down while too many nodes are not Ready at once. The
+// standbys keep no state: everything a new leader needs is on the API
+// server (the taint or mark on the node), so a leader change mid-failover
+// repeats nothing.
 type Controller struct {
-	cfg      Config
+	cfg      ControllerConfig
 	client   kubernetes.Interface
 	metrics  *controllerMetrics
 	selector labels.Selector
 	now      func() time.Time
 	rec      eventRecorder
 	claims   *claimCache
+	// watchHook, when set (tests), wraps the list-watch of each informer
+	// ("nodes", "kubelet-leases", "heartbeat-leases"): a test makes one
+	// lag to show that the fresh reads catch it.
+	watchHook func(kind string, lw cache.ListerWatcher) cache.ListerWatcher
 }
 
 // NewController prepares the cluster side; reg receives the metrics (nil:
 // none).
-func NewController(cfg Config, client kubernetes.Interface, reg prometheus.Registerer) (*Controller, error) {
-	if !cfg.Enabled {
-		return nil, errors.New("failover controller: the duty is disabled (--failover=false)")
-	}
-	if err := cfg.validate(false); err != nil {
+func NewController(cfg ControllerConfig, client kubernetes.Interface, reg prometheus.Registerer) (*Controller, error) {
+	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if client == nil {
@@ -107,7 +122,8 @@ func (c *Controller) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("identity", c.cfg.Identity, "leaderLease", klog.KRef(c.cfg.Namespace, c.cfg.LeaderLease))
 	ctx = klog.NewContext(ctx, logger)
 	logger.Info("Starting failover controller", "mode", c.cfg.Mode, "fenceAfter", c.cfg.FenceAfter, "fenceMargin", c.cfg.FenceMargin,
-		"kubeletGrace", c.cfg.KubeletGrace, "maxNodes", c.cfg.MaxNodes, "nodeSelector", c.cfg.NodeSelector, "dryRun", c.cfg.DryRun)
+		"kubeletGrace", c.cfg.KubeletGrace, "maxNodes", c.cfg.MaxNodes, "standDownShare", c.cfg.StandDownShare, "nodeSelector", c.cfg.NodeSelector,
+		"trustShutdownTaint", c.cfg.TrustShutdownTaint, "dryRun", c.cfg.DryRun)
 	if c.rec == nil {
 		b := events.NewBroadcaster(&events.EventSinkImpl{Interface: c.client.EventsV1()})
 		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
@@ -224,67 +240,402 @@ type nodeState struct {
 	nextCheck time.Time
 }
 
-// term is one leadership term's view of the cluster.
+// term is one leadership term: the watches, the queue and what the leader
+// remembers. Only the worker goroutine touches obs, state, dead, failing
+// and standingDown.
 type term struct {
+	c         *Controller
 	nodes     corelisters.NodeLister
 	kubelet   coordinationlisters.LeaseNamespaceLister
 	heartbeat coordinationlisters.LeaseNamespaceLister
-	obs       *observer
-	state     map[string]*nodeState
+	informers []cache.SharedIndexInformer
+	queue     workqueue.TypedRateLimitingInterface[string]
+	sight     *sight
 	isLeader  func() bool
+
+	obs   *observer
+	state map[string]*nodeState
+	// dead are the judged nodes that look dead: not Ready (cached view);
+	// failing those in failover (acted on, eligible pods left).
+	dead, failing map[string]bool
+	standingDown  bool
+	// regains is the sight's count when the worker last restarted the
+	// silence clocks.
+	regains int
 }
 
-// lead runs the leader's loop until ctx ends.
+// regainKey is a queue key no node has (node names are DNS subdomains): it
+// wakes the worker when sight returns.
+const regainKey = "/regained"
+
+// newTerm builds the term's informers (not started) and queue.
+func (c *Controller) newTerm(isLeader func() bool) *term {
+	t := &term{c: c, isLeader: isLeader, obs: newObserver(), state: map[string]*nodeState{},
+		dead: map[string]bool{}, failing: map[string]bool{}, sight: newSight(c.now)}
+	// Per node: an exponential backoff after a failed action, 1 s to 2 min;
+	// overall, at most 10 retries a second (a burst of 50).
+	t.queue = workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedMaxOfRateLimiter(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](time.Second, 2*time.Minute),
+			&workqueue.TypedBucketRateLimiter[string]{Limiter: rate.NewLimiter(rate.Limit(10), 50)}),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "mountmedic_failover"})
+	t.sight.regained = func() { t.queue.Add(regainKey) }
+
+	hook := func(kind string, lw cache.ListerWatcher) cache.ListerWatcher {
+		if c.watchHook != nil {
+			return c.watchHook(kind, lw)
+		}
+		return lw
+	}
+	sel := c.cfg.NodeSelector
+	nodes := c.client.CoreV1().Nodes()
+	nodeInf := t.informer(hook("nodes", t.sight.listWatch(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			o.LabelSelector = sel
+			return nodes.List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.LabelSelector = sel
+			return nodes.Watch(ctx, o)
+		})), &corev1.Node{}, stripNode)
+	t.nodes = corelisters.NewNodeLister(nodeInf.GetIndexer())
+
+	leaseInf := func(kind, ns, selector string) cache.SharedIndexInformer {
+		leases := c.client.CoordinationV1().Leases(ns)
+		return t.informer(hook(kind, t.sight.listWatch(
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				o.LabelSelector = selector
+				return leases.List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				o.LabelSelector = selector
+				return leases.Watch(ctx, o)
+			})), &coordinationv1.Lease{}, stripLease)
+	}
+	t.kubelet = coordinationlisters.NewLeaseLister(leaseInf("kubelet-leases", KubeletLeaseNamespace, "").GetIndexer()).Leases(KubeletLeaseNamespace)
+	hbSel := labels.SelectorFromSet(labels.Set{HeartbeatLabel: HeartbeatLabelValue}).String()
+	t.heartbeat = coordinationlisters.NewLeaseLister(leaseInf("heartbeat-leases", c.cfg.Namespace, hbSel).GetIndexer()).Leases(c.cfg.Namespace)
+	return t
+}
+
+// informer makes an informer whose every event queues the node it names
+// (a Node, or a Lease named after its node).
+func (t *term) informer(lw cache.ListerWatcher, obj runtime.Object, transform cache.TransformFunc) cache.SharedIndexInformer {
+	inf := cache.NewSharedIndexInformerWithOptions(lw, obj, cache.SharedIndexInformerOptions{})
+	_ = inf.SetTransform(transform) // cannot fail before Run
+	enqueue := func(obj any) {
+		if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = tomb.Obj
+		}
+		if m, err := meta.Accessor(obj); err == nil {
+			t.queue.Add(m.GetName())
+		}
+	}
+	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueue,
+		UpdateFunc: func(_, n any) { enqueue(n) },
+		DeleteFunc: enqueue,
+	})
+	t.informers = append(t.informers, inf)
+	return inf
+}
+
+// lead runs the leader's term until ctx ends.
 func (c *Controller) lead(ctx context.Context, isLeader func() bool) {
 	logger := klog.FromContext(ctx)
 	c.metrics.leader.Set(1)
 	defer c.metrics.leader.Set(0)
 	defer c.metrics.inFailover.Set(0)
+	defer c.metrics.standDown.Set(0)
+	defer c.metrics.nodesDead.Set(0)
+	defer c.metrics.nodesJudged.Set(0)
 	logger.Info("Became the failover leader; judging nodes only after watching them for a full window")
 
-	nodeF := informers.NewSharedInformerFactoryWithOptions(c.client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.cfg.NodeSelector }))
-	kubeletF := informers.NewSharedInformerFactoryWithOptions(c.client, 0, informers.WithNamespace(KubeletLeaseNamespace))
-	hbF := informers.NewSharedInformerFactoryWithOptions(c.client, 0, informers.WithNamespace(c.cfg.Namespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.LabelSelector = labels.SelectorFromSet(labels.Set{HeartbeatLabel: HeartbeatLabelValue}).String()
-		}))
-	// The listers register their informers with the factories before
-	// they start. Nodes are judged on the tick alone: an event-driven
-	// evaluation would run on every renewal of every node's Leases.
-	t := &term{
-		nodes:     nodeF.Core().V1().Nodes().Lister(),
-		kubelet:   kubeletF.Coordination().V1().Leases().Lister().Leases(KubeletLeaseNamespace),
-		heartbeat: hbF.Coordination().V1().Leases().Lister().Leases(c.cfg.Namespace),
-		obs:       newObserver(),
-		state:     make(map[string]*nodeState),
-		isLeader:  isLeader,
+	t := c.newTerm(isLeader)
+	defer t.queue.ShutDown()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	ictx, stop := context.WithCancel(ctx)
+	defer stop()
+	for _, inf := range t.informers {
+		wg.Go(func() { inf.RunWithContext(ictx) })
 	}
-	for _, f := range []informers.SharedInformerFactory{nodeF, kubeletF, hbF} {
-		f.Start(ctx.Done())
-		defer f.Shutdown()
-	}
-	for _, f := range []informers.SharedInformerFactory{nodeF, kubeletF, hbF} {
-		for typ, ok := range f.WaitForCacheSync(ctx.Done()) {
-			if !ok {
-				if ctx.Err() == nil {
-					logger.Error(nil, "Failover informer did not sync", "type", typ.String())
-				}
-				return
+	for _, inf := range t.informers {
+		if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+			if ctx.Err() == nil {
+				logger.Error(nil, "Failover informer did not sync")
 			}
-		}
-	}
-	tick := time.NewTicker(c.cfg.EvalInterval)
-	defer tick.Stop()
-	for {
-		c.evaluate(ctx, t)
-		select {
-		case <-ctx.Done():
-			logger.Info("Stopped leading the failover duty")
 			return
-		case <-tick.C:
 		}
 	}
+	go func() {
+		<-ctx.Done()
+		t.queue.ShutDown()
+	}()
+	for t.next(ctx) {
+	}
+	logger.Info("Stopped leading the failover duty")
+}
+
+// next processes one queued node; false once the queue shuts down.
+func (t *term) next(ctx context.Context) bool {
+	name, quit := t.queue.Get()
+	if quit {
+		return false
+	}
+	defer t.queue.Done(name)
+	if ctx.Err() != nil {
+		return false
+	}
+	t.process(ctx, name)
+	return true
+}
+
+// errRetry asks for the node to be judged again after its backoff.
+var errRetry = errors.New("retry after backoff")
+
+// process judges one node from the informers' view and acts on it.
+func (t *term) process(ctx context.Context, name string) {
+	c := t.c
+	now := c.now()
+	t.checkSight(ctx, now)
+	if name == regainKey {
+		return
+	}
+	logger := klog.FromContext(ctx).WithValues("node", klog.KRef("", name))
+	ctx = klog.NewContext(ctx, logger)
+	node, err := t.nodes.Get(name)
+	if err != nil {
+		// Gone, or out of the selector's scope.
+		t.forget(name)
+		t.updateStandDown(ctx)
+		return
+	}
+	kl, _ := t.kubelet.Get(name)
+	hb, _ := t.heartbeat.Get(name)
+	ev := c.cfg.gather(t.obs, node, kl, hb, now)
+	j := c.cfg.judge(ev)
+	st := t.state[name]
+	if st == nil {
+		st = &nodeState{}
+		t.state[name] = st
+	}
+	err = t.handle(ctx, node, ev, j, st, now)
+	t.updateStandDown(ctx)
+	c.metrics.inFailover.Set(float64(len(t.failing)))
+	if errors.Is(err, errRetry) {
+		t.queue.AddRateLimited(name)
+		return
+	}
+	t.queue.Forget(name)
+}
+
+// handle is process's decision for one node; errRetry asks for a retry
+// after the node's backoff.
+func (t *term) handle(ctx context.Context, node *corev1.Node, ev evidence, j judgement, st *nodeState, now time.Time) error {
+	c := t.c
+	logger := klog.FromContext(ctx)
+	name := node.Name
+	marked := ev.OutOfService == oosOurs || ev.ForceMarked
+	// Every node whose Ready condition is not True counts towards the
+	// stand-down, as in kube's node lifecycle controller: nodes that die
+	// together turn NotReady together, before any of them is confirmed dead.
+	if ev.Ready != corev1.ConditionTrue {
+		t.dead[name] = true
+	} else {
+		delete(t.dead, name)
+	}
+	switch {
+	case marked && ev.Ready == corev1.ConditionTrue:
+		delete(t.failing, name)
+		*st = nodeState{verdict: verdictAlive}
+		if !c.recover(ctx, node, ev) {
+			return errRetry
+		}
+		return nil
+	case marked:
+		st.verdict, st.announced = verdictDead, true
+		if !st.done {
+			done, err := t.continueFailover(ctx, node)
+			if err != nil {
+				t.failing[name] = true
+				return err
+			}
+			st.done = done
+		}
+		if st.done {
+			delete(t.failing, name)
+		} else {
+			t.failing[name] = true
+			t.queue.AddAfter(name, c.cfg.Recheck)
+		}
+		return nil
+	case st.dryRunActed && ev.Ready != corev1.ConditionTrue:
+		t.failing[name] = true
+		return nil
+	}
+	delete(t.failing, name)
+	if j.verdict != st.verdict {
+		st.deferred, st.dryRunActed, st.nextCheck = false, false, time.Time{}
+	}
+	if j.verdict != st.verdict || j.code != st.code {
+		st.verdict, st.code, st.announced = j.verdict, j.code, false
+	}
+	switch j.verdict {
+	case verdictDead:
+		return t.consider(ctx, node, ev, j, st, now)
+	case verdictAlive:
+		if !st.announced {
+			logger.V(4).Info("Node alive", ev.keysAndValues()...)
+			st.announced = true
+		}
+	default:
+		if !st.announced {
+			st.announced = true
+			logger.Info("Not failing the node over", append([]any{"verdict", j.verdict.String(), "reason", j.why}, ev.keysAndValues()...)...)
+			reason := ReasonFailoverHeld
+			if j.verdict == verdictOperator {
+				reason = ReasonOperatorTaint
+			}
+			c.event(node, nil, corev1.EventTypeNormal, reason, actionJudge, "Not failing over: %s. Evidence: %s", j.why, ev)
+		}
+		if d := c.cfg.comesOfAge(ev); d > 0 {
+			// Nothing else may happen to this node: judge it again when
+			// its silence could be long enough.
+			t.queue.AddAfter(name, d+50*time.Millisecond)
+		}
+	}
+	return nil
+}
+
+// comesOfAge is how long until a node that is not Ready could be judged
+// dead if nothing changes (0: it cannot, or it is not waiting).
+func (c *ControllerConfig) comesOfAge(ev evidence) time.Duration {
+	if ev.Ready == corev1.ConditionTrue || ev.OutOfService == oosOther {
+		return 0
+	}
+	d := c.KubeletGrace - ev.KubeletSilent
+	if ev.Heartbeat == heartbeatHeld {
+		d = max(d, ev.FenceWindow-ev.HeartbeatSilent)
+	}
+	return max(d, 0)
+}
+
+// forget drops a node that left the cluster or the scope.
+func (t *term) forget(name string) {
+	delete(t.state, name)
+	delete(t.dead, name)
+	delete(t.failing, name)
+	t.obs.forgetNode(name)
+	t.queue.Forget(name)
+}
+
+// checkSight restarts every silence clock once the watches see the API
+// server again after they lost it.
+func (t *term) checkSight(ctx context.Context, now time.Time) {
+	_, since, regains := t.sight.state()
+	if regains == t.regains {
+		return
+	}
+	t.regains = regains
+	t.obs.restartAll(now)
+	t.c.metrics.sightRegained.Inc()
+	klog.FromContext(ctx).Info("Watching the API server again after losing it: no silence before now counts; every node must stay silent a full window again",
+		"blindSince", since.Format(time.RFC3339), "blindFor", now.Sub(since).Round(time.Second).String(), "nodes", len(t.state))
+}
+
+// standDown says whether too many judged nodes look dead (are not Ready) to
+// act on any: more than two and at least StandDownShare of them, or all of
+// them (kube's node lifecycle controller's partial and full disruption).
+func (t *term) standDown() bool {
+	dead, total := len(t.dead), len(t.state)
+	if dead == 0 {
+		return false
+	}
+	return (dead == total && total > 1) || (dead > 2 && float64(dead) >= t.c.cfg.StandDownShare*float64(total))
+}
+
+// updateStandDown reports a stand-down beginning or ending.
+func (t *term) updateStandDown(ctx context.Context) {
+	c := t.c
+	c.metrics.nodesDead.Set(float64(len(t.dead)))
+	c.metrics.nodesJudged.Set(float64(len(t.state)))
+	sd := t.standDown()
+	if sd == t.standingDown {
+		return
+	}
+	t.standingDown = sd
+	logger := klog.FromContext(ctx)
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: c.cfg.Namespace, Name: c.cfg.LeaderLease}}
+	if sd {
+		c.metrics.standDown.Set(1)
+		c.metrics.standDowns.Inc()
+		logger.Info("Standing down: too many nodes are not Ready at once to fail any over (a zone or control-plane problem looks like this)",
+			"notReadyNodes", len(t.dead), "judgedNodes", len(t.state), "standDownShare", c.cfg.StandDownShare)
+		c.event(lease, nil, corev1.EventTypeWarning, ReasonStandDown, actionJudge,
+			"%d of %d judged nodes are not Ready (stand-down share %.2f): failing none over until fewer are", len(t.dead), len(t.state), c.cfg.StandDownShare)
+		return
+	}
+	c.metrics.standDown.Set(0)
+	logger.Info("Stand-down over: few enough nodes are not Ready", "notReadyNodes", len(t.dead), "judgedNodes", len(t.state))
+	c.event(lease, nil, corev1.EventTypeNormal, ReasonStandDownOver, actionJudge,
+		"%d of %d judged nodes are not Ready: failing dead nodes over again", len(t.dead), len(t.state))
+}
+
+// consider takes a node the informers say is dead towards a fail-over.
+// Deferred nodes (blind, stand-down, cap, recheck time) cost no API call.
+func (t *term) consider(ctx context.Context, node *corev1.Node, ev evidence, j judgement, st *nodeState, now time.Time) error {
+	c := t.c
+	logger := klog.FromContext(ctx)
+	name := node.Name
+	if blind, _, _ := t.sight.state(); blind {
+		t.queue.AddAfter(name, c.cfg.Recheck)
+		return nil
+	}
+	if t.standDown() {
+		t.queue.AddAfter(name, c.cfg.Recheck)
+		return nil
+	}
+	if now.Before(st.nextCheck) {
+		t.queue.AddAfter(name, st.nextCheck.Sub(now))
+		return nil
+	}
+	if len(t.failing) >= c.cfg.MaxNodes {
+		if !st.deferred {
+			st.deferred = true
+			c.metrics.failovers.WithLabelValues(resultDeferred).Inc()
+			logger.Info("Node is dead but --failover-max-nodes nodes are in failover already: deferring", append([]any{"inFailover", len(t.failing), "maxNodes", c.cfg.MaxNodes}, ev.keysAndValues()...)...)
+			c.event(node, nil, corev1.EventTypeWarning, ReasonFailoverDeferred, actionJudge,
+				"Node confirmed dead (%s) but %d node(s) are in failover already (--failover-max-nodes %d): waiting", ev, len(t.failing), c.cfg.MaxNodes)
+		}
+		t.queue.AddAfter(name, c.cfg.Recheck)
+		return nil
+	}
+	pods, uncertain, err := c.eligiblePods(ctx, name)
+	if err != nil {
+		logger.Error(err, "List the pods of a dead node")
+		return errRetry
+	}
+	if len(pods) == 0 {
+		if !st.announced {
+			st.announced = true
+			logger.Info("Node is dead but runs no pod to fail over", append([]any{"reason", j.why, "uncertainPods", uncertain}, ev.keysAndValues()...)...)
+		}
+		// A claim that could not be read is retried after the backoff;
+		// otherwise the node is looked at again now and then.
+		if uncertain > 0 {
+			return errRetry
+		}
+		st.nextCheck = now.Add(30 * time.Second)
+		t.queue.AddAfter(name, 30*time.Second)
+		return nil
+	}
+	acted, err := t.act(ctx, candidate{node: node, ev: ev, why: j.why}, pods, st, now)
+	if acted {
+		t.failing[name] = true
+		t.queue.AddAfter(name, c.cfg.Recheck)
+	}
+	return err
 }
 
 // candidate is a node judged dead and not yet acted on.
@@ -294,141 +645,79 @@ type candidate struct {
 	why  string
 }
 
-// evaluate judges every node once and acts on what is due.
-func (c *Controller) evaluate(ctx context.Context, t *term) {
-	logger := klog.FromContext(ctx)
-	now := c.now()
-	all, err := t.nodes.List(c.selector)
+// fresh reads the node and both its Leases from the API server (plain GETs:
+// quorum reads, never the watch cache) and judges them with the leader's
+// observer: a Lease whose fresh version differs from the one the informer
+// gave was renewed meanwhile, which restarts its silence. It returns the
+// fresh node, its evidence and the judgement.
+func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.Node, evidence, judgement, error) {
+	c := t.c
+	get := func(f func(context.Context) error) error {
+		cctx, cancel := context.WithTimeout(ctx, c.cfg.APITimeout)
+		defer cancel()
+		return f(cctx)
+	}
+	var node *corev1.Node
+	var kl, hb *coordinationv1.Lease
+	err := get(func(ctx context.Context) (err error) {
+		node, err = c.client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		return err
+	})
 	if err != nil {
-		logger.Error(err, "List nodes from the informer")
-		return
+		return nil, evidence{}, judgement{}, fmt.Errorf("get node %s: %w", name, err)
 	}
-	sort.Slice(all, func(i, j int) bool { return all[i].Name < all[j].Name })
-	seen := make(map[string]bool, len(all))
-	inFailover := 0
-	var cands []candidate
-	for _, node := range all {
-		if ctx.Err() != nil {
-			return
-		}
-		seen[node.Name] = true
-		st := t.state[node.Name]
-		if st == nil {
-			st = &nodeState{}
-			t.state[node.Name] = st
-		}
-		kl, _ := t.kubelet.Get(node.Name)
-		hb, _ := t.heartbeat.Get(node.Name)
-		ev := c.cfg.gather(t.obs, node, kl, hb, now)
-		j := c.cfg.judge(ev)
-		v, why := j.verdict, j.why
-		nlog := logger.WithValues("node", klog.KObj(node))
-		marked := ev.OutOfService == oosOurs || ev.ForceMarked
+	err = get(func(ctx context.Context) (err error) {
+		kl, err = c.client.CoordinationV1().Leases(KubeletLeaseNamespace).Get(ctx, name, metav1.GetOptions{})
+		return err
+	})
+	if apierrors.IsNotFound(err) {
+		kl, err = nil, nil
+	}
+	if err != nil {
+		return nil, evidence{}, judgement{}, fmt.Errorf("get kubelet lease %s/%s: %w", KubeletLeaseNamespace, name, err)
+	}
+	err = get(func(ctx context.Context) (err error) {
+		hb, err = c.client.CoordinationV1().Leases(c.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
+		return err
+	})
+	if apierrors.IsNotFound(err) || (err == nil && hb.Labels[HeartbeatLabel] != HeartbeatLabelValue) {
+		hb, err = nil, nil
+	}
+	if err != nil {
+		return nil, evidence{}, judgement{}, fmt.Errorf("get heartbeat lease %s/%s: %w", c.cfg.Namespace, name, err)
+	}
+	ev := c.cfg.gather(t.obs, node, kl, hb, now)
+	return node, ev, c.cfg.judge(ev), nil
+}
 
-		switch {
-		case marked && ev.Ready == corev1.ConditionTrue:
-			c.recover(klog.NewContext(ctx, nlog), node, ev)
-			*st = nodeState{verdict: verdictAlive}
-			continue
-		case marked:
-			if !st.done {
-				st.done = c.continueFailover(klog.NewContext(ctx, nlog), t, node)
-			}
-			if !st.done {
-				inFailover++
-			}
-			st.verdict, st.announced = verdictDead, true
-			continue
-		case st.dryRunActed && ev.Ready != corev1.ConditionTrue:
-			inFailover++
-			continue
-		}
-		if v != st.verdict {
-			st.deferred, st.dryRunActed, st.nextCheck = false, false, time.Time{}
-		}
-		if v != st.verdict || j.code != st.code {
-			st.verdict, st.code, st.announced = v, j.code, false
-		}
-		switch v {
-		case verdictDead:
-			if !now.Before(st.nextCheck) {
-				cands = append(cands, candidate{node: node, ev: ev, why: why})
-			}
-		case verdictAlive:
-			if !st.announced {
-				nlog.V(4).Info("Node alive", ev.keysAndValues()...)
-				st.announced = true
-			}
-		default:
-			if !st.announced {
-				st.announced = true
-				nlog.Info("Not failing the node over", append([]any{"verdict", v.String(), "reason", why}, ev.keysAndValues()...)...)
-				reason := ReasonFailoverHeld
-				if v == verdictOperator {
-					reason = ReasonOperatorTaint
-				}
-				c.event(node, nil, corev1.EventTypeNormal, reason, actionJudge, "Not failing over: %s. Evidence: %s", why, ev)
-			}
-		}
+// confirm re-reads a node before a taint or a pod deletion and reports
+// whether the fresh state still says dead; the fresh node carries the
+// resourceVersion the action is conditioned on.
+func (t *term) confirm(ctx context.Context, name string, now time.Time) (*corev1.Node, evidence, bool, error) {
+	node, ev, j, err := t.fresh(ctx, name, now)
+	if err != nil {
+		return nil, ev, false, err
 	}
-	for name := range t.state {
-		if !seen[name] {
-			delete(t.state, name)
-			t.obs.forgetNode(name)
-		}
+	if j.verdict != verdictDead {
+		t.c.metrics.freshRefusals.Inc()
+		klog.FromContext(ctx).Info("Not acting: the node's fresh state from the API server does not confirm it dead (the watch was behind)",
+			append([]any{"verdict", j.verdict.String(), "reason", j.why}, ev.keysAndValues()...)...)
+		return node, ev, false, nil
 	}
-
-	for _, cd := range cands {
-		if ctx.Err() != nil {
-			return
-		}
-		st := t.state[cd.node.Name]
-		if st.deferred && inFailover >= c.cfg.MaxNodes {
-			// Still at the cap: its pods were listed when it was
-			// deferred; they are listed again once it can be acted on.
-			continue
-		}
-		nlog := logger.WithValues("node", klog.KObj(cd.node))
-		pods, uncertain, err := c.eligiblePods(ctx, cd.node.Name)
-		if err != nil {
-			nlog.Error(err, "List the pods of a dead node")
-			continue
-		}
-		if len(pods) == 0 {
-			if !st.announced {
-				st.announced = true
-				nlog.Info("Node is dead but runs no pod to fail over", append([]any{"reason", cd.why, "uncertainPods", uncertain}, cd.ev.keysAndValues()...)...)
-			}
-			// A claim that could not be read is retried soon; otherwise
-			// the node is looked at again now and then.
-			if uncertain == 0 {
-				st.nextCheck = now.Add(30 * time.Second)
-			}
-			continue
-		}
-		if inFailover >= c.cfg.MaxNodes {
-			if !st.deferred {
-				st.deferred = true
-				c.metrics.failovers.WithLabelValues(resultDeferred).Inc()
-				nlog.Info("Node is dead but --failover-max-nodes nodes are in failover already: deferring", append([]any{"inFailover", inFailover, "maxNodes", c.cfg.MaxNodes, "pods", podNames(pods)}, cd.ev.keysAndValues()...)...)
-				c.event(cd.node, nil, corev1.EventTypeWarning, ReasonFailoverDeferred, actionJudge,
-					"Node confirmed dead (%s) but %d node(s) are in failover already (--failover-max-nodes %d): waiting", cd.ev, inFailover, c.cfg.MaxNodes)
-			}
-			continue
-		}
-		if c.act(klog.NewContext(ctx, nlog), t, cd, pods, st, now) {
-			inFailover++
-		}
-	}
-	c.claims.sweep()
-	c.metrics.inFailover.Set(float64(inFailover))
+	return node, ev, true, nil
 }
 
 // eligiblePod is a pod of a dead node that the policy admits.
 type eligiblePod struct {
 	pod *corev1.Pod
 	pvs []string
+	// attachments are the VolumeAttachments of its CSI volumes on the
+	// node, by name.
+	attachments []volumeAttachment
 }
+
+// volumeAttachment names the attachment of a PV on a node.
+type volumeAttachment struct{ name, pv string }
 
 func podNames(pods []eligiblePod) []string {
 	out := make([]string, 0, len(pods))
@@ -451,10 +740,17 @@ func (c *Controller) eligiblePods(ctx context.Context, node string) ([]eligibleP
 	uncertain := 0
 	for i := range list.Items {
 		pod := &list.Items[i]
-		d := c.cfg.decide(pod, c.claims.read(ctx, pod))
+		claims := c.claims.read(ctx, pod)
+		d := c.cfg.decide(pod, claims)
 		switch {
 		case d.Eligible:
-			out = append(out, eligiblePod{pod: pod, pvs: d.PVs})
+			ep := eligiblePod{pod: pod, pvs: d.PVs}
+			for _, info := range claims {
+				if info.Driver != "" && slices.Contains(d.PVs, info.PV) {
+					ep.attachments = append(ep.attachments, volumeAttachment{name: attachmentName(info.VolumeHandle, info.Driver, node), pv: info.PV})
+				}
+			}
+			out = append(out, ep)
 		case d.Uncertain:
 			uncertain++
 			klog.FromContext(ctx).Info("Cannot tell whether a pod of a dead node is eligible; trying again", "pod", klog.KObj(pod))
@@ -462,23 +758,39 @@ func (c *Controller) eligiblePods(ctx context.Context, node string) ([]eligibleP
 			klog.FromContext(ctx).V(4).Info("Pod not failed over", "pod", klog.KObj(pod), "reason", d.Reason)
 		}
 	}
+	c.claims.sweep()
 	return out, uncertain, nil
 }
 
-// act fails a dead node over; it reports whether the node is in failover
-// now.
-func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []eligiblePod, st *nodeState, now time.Time) bool {
+// act fails a dead node over once its fresh state confirms it dead; it
+// reports whether the node is in failover now.
+func (t *term) act(ctx context.Context, cd candidate, pods []eligiblePod, st *nodeState, now time.Time) (bool, error) {
+	c := t.c
 	logger := klog.FromContext(ctx)
-	sinceLife := cd.ev.KubeletSilent
-	if cd.ev.Heartbeat == heartbeatHeld && cd.ev.HeartbeatSilent < sinceLife {
-		sinceLife = cd.ev.HeartbeatSilent
-	}
 	names := podNames(pods)
 	what := fmt.Sprintf("tainted %s=%s:NoExecute", TaintOutOfService, TaintValue)
 	if c.cfg.Mode == ModeForceDelete {
 		what = "force-deleted the pods and their VolumeAttachments on the node"
 	} else if c.cfg.DeletePods {
 		what += " and force-deleted the pods"
+	}
+	if !t.isLeader() {
+		logger.Info("No longer the failover leader: not acting")
+		return false, nil
+	}
+	node, ev, dead, err := t.confirm(ctx, cd.node.Name, now)
+	if err != nil {
+		logger.Error(err, "Reading the node's fresh state before failing it over failed")
+		return false, errRetry
+	}
+	if !dead {
+		st.verdict, st.announced = verdictSuspect, false
+		return false, nil
+	}
+	cd.node, cd.ev = node, ev
+	sinceLife := cd.ev.KubeletSilent
+	if cd.ev.Heartbeat == heartbeatHeld && cd.ev.HeartbeatSilent < sinceLife {
+		sinceLife = cd.ev.HeartbeatSilent
 	}
 	kv := append([]any{"reason", cd.why, "mode", string(c.cfg.Mode), "pods", names, "sinceLastLife", sinceLife.Round(time.Second).String(), "dryRun", c.cfg.DryRun}, cd.ev.keysAndValues()...)
 	if c.cfg.DryRun {
@@ -490,13 +802,8 @@ func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []elig
 		}
 		c.metrics.failovers.WithLabelValues(resultDryRun).Inc()
 		st.dryRunActed, st.announced = true, true
-		return true
+		return true, nil
 	}
-	if !t.isLeader() {
-		logger.Info("No longer the failover leader: not acting")
-		return false
-	}
-	var err error
 	if c.cfg.Mode == ModeForceDelete {
 		err = c.mark(ctx, cd.node, now)
 	} else {
@@ -504,15 +811,15 @@ func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []elig
 	}
 	if err != nil {
 		if apierrors.IsConflict(err) {
-			// The node changed under us (perhaps another leader acted):
-			// judge it again from the informer's fresh copy.
+			// The node changed since the fresh read (perhaps another
+			// leader acted): judge it again.
 			logger.V(2).Info("Node changed while failing it over; judging it again", "err", err)
-			return false
+			return false, errRetry
 		}
 		c.metrics.failovers.WithLabelValues(resultFailure).Inc()
 		logger.Error(err, "Failing the node over failed", kv...)
 		c.event(cd.node, nil, corev1.EventTypeWarning, ReasonFailoverFailed, actionTaint, "Node confirmed dead (%s) but the fail-over failed: %v", cd.why, err)
-		return false
+		return false, errRetry
 	}
 	logger.Info("Failed the node over", kv...)
 	c.metrics.failovers.WithLabelValues(resultSuccess).Inc()
@@ -523,22 +830,14 @@ func (c *Controller) act(ctx context.Context, t *term, cd candidate, pods []elig
 		c.event(p.pod, cd.node, corev1.EventTypeWarning, ReasonFailedOver, actionDelete, "Failing over from dead node %s (%s): %s", cd.node.Name, what, cd.why)
 	}
 	if c.cfg.Mode == ModeForceDelete {
-		c.deletePods(ctx, t, cd.node.Name, pods)
+		t.deletePods(ctx, cd.node.Name, pods)
 	}
 	// In taint mode the pods are force-deleted by continueFailover once
 	// terminating: the taint eviction controller deletes a pod by name
 	// without a UID precondition, so a pod force-deleted before it acts
 	// would have its replacement (same name, for a StatefulSet) deleted
 	// in its place.
-	return true
-}
-
-func joinNames(names []string) string {
-	const max = 10
-	if len(names) > max {
-		return fmt.Sprintf("%s and %d more", strings.Join(names[:max], ", "), len(names)-max)
-	}
-	return strings.Join(names, ", ")
+	return true, nil
 }
 
 // continueFailover carries on with a node failed over earlier (by this
@@ -546,37 +845,50 @@ func joinNames(names []string) string {
 // it. In force-delete mode it force-deletes eligible pods still there; in
 // taint mode with DeletePods, those the taint eviction controller has
 // marked terminating (what the pod garbage collector does every 20 s).
-func (c *Controller) continueFailover(ctx context.Context, t *term, node *corev1.Node) bool {
+// Before it deletes, it re-reads the node: a node that shows life keeps its
+// pods.
+func (t *term) continueFailover(ctx context.Context, node *corev1.Node) (bool, error) {
+	c := t.c
 	pods, uncertain, err := c.eligiblePods(ctx, node.Name)
 	if err != nil {
 		klog.FromContext(ctx).Error(err, "List the pods of a failed-over node")
-		return false
+		return false, errRetry
 	}
 	if len(pods) == 0 && uncertain == 0 {
 		klog.FromContext(ctx).Info("Fail-over of the node is complete: no eligible pod is left on it")
-		return true
+		return true, nil
 	}
+	var del []eligiblePod
 	switch {
 	case c.cfg.Mode == ModeForceDelete:
-		c.deletePods(ctx, t, node.Name, pods)
+		del = pods
 	case c.cfg.DeletePods:
-		var terminating []eligiblePod
 		for _, p := range pods {
 			if p.pod.DeletionTimestamp != nil {
-				terminating = append(terminating, p)
+				del = append(del, p)
 			}
 		}
-		c.deletePods(ctx, t, node.Name, terminating)
 	}
-	return false
+	if len(del) == 0 || c.cfg.DryRun || !t.isLeader() {
+		return false, nil
+	}
+	if _, _, dead, err := t.confirm(ctx, node.Name, c.now()); err != nil {
+		klog.FromContext(ctx).Error(err, "Reading the node's fresh state before deleting its pods failed")
+		return false, errRetry
+	} else if !dead {
+		return false, nil
+	}
+	t.deletePods(ctx, node.Name, del)
+	return false, nil
 }
 
 // deletePods force-deletes the pods (UID preconditions: a pod recreated
 // under the same name is never touched) and, in force-delete mode, their
-// VolumeAttachments on node.
-func (c *Controller) deletePods(ctx context.Context, t *term, node string, pods []eligiblePod) {
+// VolumeAttachments on node, read and deleted by name.
+func (t *term) deletePods(ctx context.Context, node string, pods []eligiblePod) {
+	c := t.c
 	logger := klog.FromContext(ctx)
-	var pvs []string
+	var vas []volumeAttachment
 	for _, p := range pods {
 		if !t.isLeader() {
 			return
@@ -592,48 +904,65 @@ func (c *Controller) deletePods(ctx context.Context, t *term, node string, pods 
 		case err == nil:
 			c.metrics.podDeletions.WithLabelValues(resultSuccess).Inc()
 			logger.V(2).Info("Force-deleted pod of a dead node", "pod", klog.KObj(p.pod), "podUID", uid)
-			pvs = append(pvs, p.pvs...)
+			vas = append(vas, p.attachments...)
 		case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
-			pvs = append(pvs, p.pvs...)
+			vas = append(vas, p.attachments...)
 		default:
 			c.metrics.podDeletions.WithLabelValues(resultFailure).Inc()
 			logger.Error(err, "Force-deleting a pod of a dead node failed", "pod", klog.KObj(p.pod), "podUID", uid)
 		}
 	}
-	if c.cfg.Mode != ModeForceDelete || len(pvs) == 0 {
+	if c.cfg.Mode != ModeForceDelete {
 		return
 	}
-	cctx, cancel := context.WithTimeout(ctx, c.cfg.APITimeout)
-	vas, err := c.client.StorageV1().VolumeAttachments().List(cctx, metav1.ListOptions{})
-	cancel()
-	if err != nil {
-		logger.Error(err, "List VolumeAttachments of a dead node")
-		return
-	}
-	for _, va := range vas.Items {
-		pv := va.Spec.Source.PersistentVolumeName
-		if va.Spec.NodeName != node || pv == nil || !slices.Contains(pvs, *pv) || !t.isLeader() {
-			continue
+	for _, ref := range vas {
+		if !t.isLeader() {
+			return
 		}
 		cctx, cancel := context.WithTimeout(ctx, c.cfg.APITimeout)
-		err := c.client.StorageV1().VolumeAttachments().Delete(cctx, va.Name, metav1.DeleteOptions{
+		va, err := c.client.StorageV1().VolumeAttachments().Get(cctx, ref.name, metav1.GetOptions{})
+		cancel()
+		switch {
+		case apierrors.IsNotFound(err):
+			continue
+		case err != nil:
+			logger.Error(err, "Reading a VolumeAttachment of a dead node failed", "volumeAttachment", ref.name, "pv", ref.pv)
+			continue
+		}
+		// The name is a hash of handle, driver and node: check that it is
+		// what it should be before deleting it.
+		if pv := va.Spec.Source.PersistentVolumeName; va.Spec.NodeName != node || pv == nil || *pv != ref.pv {
+			logger.Info("VolumeAttachment under the expected name is not this node's attachment of the volume: left alone", "volumeAttachment", ref.name, "pv", ref.pv, "attachmentNode", va.Spec.NodeName)
+			continue
+		}
+		cctx, cancel = context.WithTimeout(ctx, c.cfg.APITimeout)
+		err = c.client.StorageV1().VolumeAttachments().Delete(cctx, va.Name, metav1.DeleteOptions{
 			Preconditions: &metav1.Preconditions{UID: &va.UID},
 		})
 		cancel()
 		if err != nil && !apierrors.IsNotFound(err) {
-			logger.Error(err, "Deleting a VolumeAttachment of a dead node failed", "volumeAttachment", va.Name, "pv", *pv)
+			logger.Error(err, "Deleting a VolumeAttachment of a dead node failed", "volumeAttachment", va.Name, "pv", ref.pv)
 			continue
 		}
-		logger.V(2).Info("Deleted VolumeAttachment of a dead node", "volumeAttachment", va.Name, "pv", *pv)
+		logger.V(2).Info("Deleted VolumeAttachment of a dead node", "volumeAttachment", va.Name, "pv", ref.pv)
 	}
 }
 
+func joinNames(names []string) string {
+	const max = 10
+	if len(names) > max {
+		return fmt.Sprintf("%s and %d more", strings.Join(names[:max], ", "), len(names)-max)
+	}
+	return strings.Join(names, ", ")
+}
+
 // recover removes the duty's taint or mark from a node that is Ready again.
-func (c *Controller) recover(ctx context.Context, node *corev1.Node, ev evidence) {
+// It reports false when that failed.
+func (c *Controller) recover(ctx context.Context, node *corev1.Node, ev evidence) bool {
 	logger := klog.FromContext(ctx)
 	if c.cfg.DryRun {
 		logger.Info("[dry-run] Would remove the failover taint: the node is Ready again")
-		return
+		return true
 	}
 	var err error
 	if ev.OutOfService == oosOurs {
@@ -652,11 +981,12 @@ func (c *Controller) recover(ctx context.Context, node *corev1.Node, ev evidence
 		if !apierrors.IsConflict(err) {
 			logger.Error(err, "Removing the failover taint from a recovered node failed")
 		}
-		return
+		return false
 	}
 	c.metrics.recovered.Inc()
 	logger.Info("Node is Ready again: removed the failover taint")
 	c.event(node, nil, corev1.EventTypeNormal, ReasonNodeRecovered, actionUntaint, "Node is Ready again: removed the %s taint mountmedic applied", TaintOutOfService)
+	return true
 }
 
 func taintsOrEmpty(t []corev1.Taint) []corev1.Taint {

@@ -12,9 +12,10 @@
 // tool that applies it to a node that is merely partitioned lets two nodes
 // write one RWO volume.
 //
-// # Two halves in one binary
+// # Two halves, two commands
 //
-// Heartbeat (every node, in the agent): renews a Lease named after the node
+// Heartbeat (every node, in `mountmedic agent --failover`; Config): renews a
+// Lease named after the node
 // in the agent's namespace (label failover.mountmedic.io/heartbeat=node)
 // every HeartbeatInterval plus up to 10% of jitter (10 s by default: no
 // more writes than kubelet's node lease), advertising FenceAfter as
@@ -53,27 +54,51 @@
 // owns (fenced only because the plan was not known) is never deleted: an
 // error log asks the operator to restart it. Fenced(podUID) tells the agent's repair loop to keep its hands
 // off a fenced pod's volumes. On a clean stop it releases the Lease (clears
-// the holder), which withdraws the promise.
+// the holder), which withdraws the promise. Agents never judge other nodes
+// and never campaign for a leader Lease.
 //
-// Controller (every agent; one leads through the client-go Lease
-// LeaderLease): judges every node in scope each EvalInterval from
+// Controller (`mountmedic controller`, a Deployment of two replicas under
+// their own ServiceAccount, deploy/controller/; ControllerConfig): the
+// replicas elect one leader through the Lease LeaderLease. The leader
+// watches the nodes in scope, kubelet's Leases and the heartbeat Leases
+// through informers whose transforms keep only what it reads (stripNode,
+// stripLease: a 14 kB Node becomes about 200 bytes), and judges a node in a
+// work queue (one key per node, per-node backoff after a failed action)
+// when one of those objects changes or when its silence could have become
+// long enough: never in a pass over every node. A node is dead when
 //
-//   - kubelet: the Ready condition must not be True, and neither the kubelet
-//     Lease in kube-node-lease nor the Ready heartbeat may have changed for
+//   - kubelet: the Ready condition is not True, and neither the kubelet
+//     Lease in kube-node-lease nor the Ready heartbeat has changed for
 //     KubeletGrace (a kubelet that posts NotReady itself is alive);
 //   - the mountmedic heartbeat: held (not released) and unchanged for
 //     max(FenceAfter, its leaseDurationSeconds) + FenceMargin;
 //   - optional signals: the cloud provider's
 //     node.cloudprovider.kubernetes.io/shutdown taint stands in for the
-//     heartbeat (TrustShutdownTaint); an out-of-service taint someone else
-//     applied makes the controller stand aside (Kubernetes fails the node
-//     over, the operator removes it).
+//     heartbeat (TrustShutdownTaint, off by default: a hibernated node
+//     carries it too); an out-of-service taint someone else applied makes
+//     the controller stand aside (Kubernetes fails the node over, the
+//     operator removes it).
 //
 // "Unchanged" is always measured by the leader's own clock from when it saw
 // the last change, like kubelet's node lifecycle controller does: a
 // Lease's renewTime is the writer's clock and is only compared for change.
 // A leader that just took over has seen no change yet, so it waits a full
-// window before it trusts any silence.
+// window before it trusts any silence; so does a leader whose watches lost
+// the API server and reached it again (sight: every informer's list and
+// watch calls report whether they reached it; on the return every silence
+// clock restarts, observer.restartAll), since what changed meanwhile is
+// unknown, and an API server that restarts then serves from a watch cache
+// that may lag for seconds.
+//
+// Right before it taints a node or deletes its pods, the leader reads the
+// node, its kubelet Lease and its heartbeat Lease again with plain GETs
+// (quorum reads) and acts only if they still say dead; the taint is a patch
+// conditioned on the fresh resourceVersion. While at least StandDownShare
+// of the judged nodes (and more than two), or all of them, are not Ready,
+// it stands down (as kube's node lifecycle controller does in a disrupted
+// zone): no node is failed over, an event on the leader Lease and the
+// stand_down metric say so. A node it defers, for the stand-down or the
+// MaxNodes cap, costs no API request.
 //
 // A confirmed-dead node with at least one eligible pod (owned by a
 // controller other than a DaemonSet, not a static pod, using a bound
@@ -92,10 +117,11 @@
 //     replacement in place of the pod it meant.
 //   - force-delete mode: the node gets the annotation
 //     failover.mountmedic.io/failed-over-at; the eligible pods are
-//     force-deleted and their VolumeAttachments on the node deleted. Only
-//     those pods move; the attach/detach controller sees the deleted
-//     attachment at its next state sync (1 minute by default), so this mode
-//     is slower.
+//     force-deleted and their VolumeAttachments on the node deleted, each
+//     read and deleted by its name (csi-<sha256(volumeHandle + driver +
+//     node)>, attachmentName), never listed. Only those pods move; the
+//     attach/detach controller sees the deleted attachment at its next
+//     state sync (1 minute by default), so this mode is slower.
 //
 // When the node is Ready again, the controller removes its own taint (value
 // "mountmedic") or annotation, never anyone else's. Every mutation of a
@@ -107,12 +133,17 @@
 //
 // Events (events.k8s.io/v1): FailedOver on the node and each pod,
 // FailoverDeferred (the cap), FailoverHeld (why a NotReady node is not
-// failed over), OutOfServiceByOperator, FailoverEnded. Metrics, on the
-// registry the caller passes: mountmedic_failover_failovers_total{result},
+// failed over), OutOfServiceByOperator, FailoverEnded, FailoverStandDown and
+// FailoverStandDownOver (on the leader Lease). Metrics, on the registry the
+// caller passes: mountmedic_failover_failovers_total{result},
 // mountmedic_failover_death_to_action_seconds,
 // mountmedic_failover_pod_deletions_total{result},
 // mountmedic_failover_nodes_in_failover, mountmedic_failover_leader,
-// mountmedic_failover_nodes_recovered_total (controller);
+// mountmedic_failover_nodes_recovered_total, mountmedic_failover_nodes_judged,
+// mountmedic_failover_nodes_not_ready, mountmedic_failover_stand_down,
+// mountmedic_failover_stand_downs_total,
+// mountmedic_failover_fresh_read_refusals_total,
+// mountmedic_failover_watch_regained_total (controller);
 // mountmedic_failover_heartbeat_renewals_total{result},
 // mountmedic_failover_node_fenced, mountmedic_failover_fences_total,
 // mountmedic_failover_heartbeat_last_success_timestamp_seconds (heartbeat).
@@ -159,7 +190,9 @@
 //     from the rest holds only if all its peers were picked in the group
 //     (f^Peers for a group holding a share f of the nodes; deploy/README.md
 //     has the figures), and relies then on the controller standing down
-//     when that many nodes look dead at once. Someone holding the peer key
+//     when that many nodes look dead at once (StandDownShare, 0.2 by
+//     default), and counting silence only from after its own outage.
+//     Someone holding the peer key
 //     answers only at the addresses it can answer at.
 //   - kubelet restarts a fenced container onto the node's bare publish
 //     directory (and creates its subPath directories there) until the

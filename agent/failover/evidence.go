@@ -41,8 +41,9 @@ const FailedOverAnnotation = "failover.mountmedic.io/failed-over-at"
 // like kubelet's node lifecycle controller, the duty only asks "has it
 // changed, and when did I see that", so clock skew between nodes does not
 // matter. A signal seen for the first time counts as changed then: a leader
-// that just started waits a full window before it trusts any silence. Only
-// the leader's evaluation loop uses it, from one goroutine.
+// that just started waits a full window before it trusts any silence, and
+// so does one that regains sight of the API server (restartAll). Only the
+// leader's worker uses it, from one goroutine.
 type observer struct {
 	seen map[string]sighting
 }
@@ -66,6 +67,17 @@ func (o *observer) observe(key, version string, now time.Time) time.Time {
 }
 
 func (o *observer) forget(key string) { delete(o.seen, key) }
+
+// restartAll restarts every silence clock at now, keeping the versions:
+// after a time the controller could not watch (an API server outage, a
+// broken watch), it cannot know what changed meanwhile, so no silence
+// before now counts. A node must then stay silent a full window again.
+func (o *observer) restartAll(now time.Time) {
+	for k, s := range o.seen {
+		s.at = now
+		o.seen[k] = s
+	}
+}
 
 // forgetNode drops every signal of a node that left the scope or the
 // cluster.
@@ -164,7 +176,7 @@ func (e evidence) String() string {
 
 // gather builds a node's evidence at now from the node, its kubelet Lease
 // and its heartbeat Lease (nil when absent), recording what changed.
-func (c *Config) gather(o *observer, node *corev1.Node, kubelet, heartbeat *coordinationv1.Lease, now time.Time) evidence {
+func (c *ControllerConfig) gather(o *observer, node *corev1.Node, kubelet, heartbeat *coordinationv1.Lease, now time.Time) evidence {
 	e := evidence{Ready: ""}
 	for _, cond := range node.Status.Conditions {
 		if cond.Type == corev1.NodeReady {
@@ -244,7 +256,7 @@ type judgement struct {
 }
 
 // judge says what the evidence proves, and why.
-func (c *Config) judge(e evidence) judgement {
+func (c *ControllerConfig) judge(e evidence) judgement {
 	switch {
 	case e.OutOfService == oosOther:
 		return judgement{verdictOperator, "operator", "someone else applied the out-of-service taint: Kubernetes fails the node over"}

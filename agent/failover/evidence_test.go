@@ -48,8 +48,7 @@ func TestJudge(t *testing.T) {
 		kubelet   *coordinationv1.Lease
 		heartbeat *coordinationv1.Lease
 		elapsed   time.Duration
-		// trustShutdown turns TrustShutdownTaint on (off by default: a
-		// hibernated instance has the taint too).
+		// trustShutdown sets TrustShutdownTaint (off by default).
 		trustShutdown bool
 		want          verdict
 		because       string
@@ -71,11 +70,11 @@ func TestJudge(t *testing.T) {
 		"released heartbeat": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("", skewed, 30), elapsed: time.Hour, want: verdictSuspect, because: "released"},
 		"cloud shutdown without heartbeat": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
-			elapsed: 41 * time.Second, trustShutdown: true, want: verdictDead, because: "shut down"},
+			trustShutdown: true, elapsed: 41 * time.Second, want: verdictDead, because: "shut down"},
 		"cloud shutdown, not trusted (default)": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
-			elapsed: 41 * time.Second, want: verdictSuspect, because: "no mountmedic heartbeat"},
+			elapsed: time.Hour, want: verdictSuspect, because: "no mountmedic heartbeat"},
 		"cloud shutdown, kubelet fresh": {node: testNode(corev1.ConditionUnknown, shutdown), kubelet: testLease("node-1", skewed, 40),
-			elapsed: 10 * time.Second, trustShutdown: true, want: verdictSuspect},
+			trustShutdown: true, elapsed: 10 * time.Second, want: verdictSuspect},
 		"operator taint": {node: testNode(corev1.ConditionUnknown, oos), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictOperator},
 		"our taint, dead": {node: testNode(corev1.ConditionUnknown, ours), kubelet: testLease("node-1", skewed, 40),
@@ -83,7 +82,7 @@ func TestJudge(t *testing.T) {
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
-			c := validConfig()
+			c := validControllerConfig()
 			c.TrustShutdownTaint = tc.trustShutdown
 			o := newObserver()
 			c.gather(o, tc.node, tc.kubelet, tc.heartbeat, t0)
@@ -102,7 +101,7 @@ func TestJudge(t *testing.T) {
 // TestObserverChange: a renewal seen late resets the silence, whatever
 // time the writer put in it.
 func TestObserverChange(t *testing.T) {
-	c := validConfig()
+	c := validControllerConfig()
 	o := newObserver()
 	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
 	node := testNode(corev1.ConditionUnknown)
@@ -132,5 +131,34 @@ func TestObserverChange(t *testing.T) {
 	o.forgetNode(node.Name)
 	if len(o.seen) != 0 {
 		t.Errorf("signals kept after forgetNode(%s): %v", node.Name, o.seen)
+	}
+}
+
+// TestObserverRestartAll: after a time the controller could not watch, the
+// silence it had counted before no longer counts; a node must stay silent a
+// full window from the moment sight returned.
+func TestObserverRestartAll(t *testing.T) {
+	c := validControllerConfig()
+	o := newObserver()
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	node := testNode(corev1.ConditionUnknown)
+	kl := testLease("node-1", t0, 40)
+	hb := testLease("agent", t0, 30)
+	c.gather(o, node, kl, hb, t0)
+	// The watches were blind from t0+10s to t0+90s; the objects look the
+	// same when sight returns.
+	back := t0.Add(90 * time.Second)
+	if j := c.judge(c.gather(o, node, kl, hb, back)); j.verdict != verdictDead {
+		t.Fatalf("without the restart: judge = %s (%s), want dead (what the restart prevents)", j.verdict, j.why)
+	}
+	o.restartAll(back)
+	for _, tc := range []struct {
+		after time.Duration
+		want  verdict
+	}{{0, verdictSuspect}, {44 * time.Second, verdictSuspect}, {45 * time.Second, verdictDead}} {
+		ev := c.gather(o, node, kl, hb, back.Add(tc.after))
+		if j := c.judge(ev); j.verdict != tc.want {
+			t.Errorf("%s after sight returned: judge = %s (%s), want %s", tc.after, j.verdict, j.why, tc.want)
+		}
 	}
 }

@@ -41,6 +41,9 @@ func TestFailover(t *testing.T) {
 		t.Run("two nodes die, cap 1", func(t *testing.T) { t.Parallel(); testCap(t, h) })
 		t.Run("leader changes mid-failover", func(t *testing.T) { t.Parallel(); testLeaderChange(t, h) })
 		t.Run("dry run and operator taint", func(t *testing.T) { t.Parallel(); testDryRunAndOperator(t, h) })
+		t.Run("cached dead, fresh alive", func(t *testing.T) { t.Parallel(); testFreshRead(t, h) })
+		t.Run("three of four die: stand-down", func(t *testing.T) { t.Parallel(); testStandDown(t, h) })
+		t.Run("RBAC of agents and controller", func(t *testing.T) { t.Parallel(); testRBAC(t, h) })
 	})
 }
 
@@ -76,7 +79,7 @@ func (s *scenario) waitReplacedOn(sts string, oldUID types.UID, pv *corev1.Persi
 }
 
 func testNodeDiesTaint(t *testing.T, h *harness) {
-	s := h.scenario(t, "taint", fastConfig("taint"))
+	s := h.scenario(t, "taint")
 	victim := s.addNode("taint-a", true)
 	target := s.addNode("taint-b", true)
 	pv := s.statefulSet("db", nil)
@@ -84,7 +87,7 @@ func testNodeDiesTaint(t *testing.T, h *harness) {
 	old := s.podOf(ctx, "db")
 	// An unrelated taint on the victim must survive the whole story.
 	s.addTaint(victim.name, corev1.Taint{Key: "example.com/maintenance", Effect: corev1.TaintEffectNoSchedule})
-	_, reg, _ := s.controller(s.cfg, "taint-leader")
+	_, reg, _ := s.controller(s.ctl, "taint-leader")
 
 	died := time.Now()
 	victim.kill()
@@ -129,9 +132,9 @@ func testNodeDiesTaint(t *testing.T, h *harness) {
 }
 
 func testForceDelete(t *testing.T, h *harness) {
-	cfg := fastConfig("force")
-	cfg.Mode = ModeForceDelete
-	s := h.scenario(t, "force", cfg)
+	s := h.scenario(t, "force")
+	s.ctl.Mode = ModeForceDelete
+	cfg := s.ctl
 	victim := s.addNode("force-a", true)
 	target := s.addNode("force-b", true)
 	pv := s.statefulSet("db", nil)
@@ -170,13 +173,13 @@ func testForceDelete(t *testing.T, h *harness) {
 }
 
 func testHeartbeatAlive(t *testing.T, h *harness) {
-	s := h.scenario(t, "alive", fastConfig("alive"))
+	s := h.scenario(t, "alive")
 	victim := s.addNode("alive-a", true)
 	s.addNode("alive-b", true)
 	s.statefulSet("db", nil)
 	ctx := h.ctx
 	old := s.podOf(ctx, "db")
-	_, reg, _ := s.controller(s.cfg, "alive-leader")
+	_, reg, _ := s.controller(s.ctl, "alive-leader")
 
 	// Only kubelet stops (a kubelet crash, a node that is up and writing):
 	// the agent keeps renewing its heartbeat.
@@ -205,7 +208,7 @@ func testHeartbeatAlive(t *testing.T, h *harness) {
 		return false, nil
 	})
 	// Well past the fence window and kubelet grace: still nothing.
-	deadline := notReady.Add(s.cfg.FenceWindow(0) + s.cfg.KubeletGrace + 3*time.Second)
+	deadline := notReady.Add(s.ctl.FenceWindow(0) + s.ctl.KubeletGrace + 3*time.Second)
 	time.Sleep(time.Until(deadline))
 	if taint, err := s.ourTaint(ctx, victim.name); err != nil || taint != nil {
 		t.Errorf("node with a live heartbeat tainted: %v (err %v)", taint, err)
@@ -233,7 +236,7 @@ func testHeartbeatAlive(t *testing.T, h *harness) {
 }
 
 func testPartitioned(t *testing.T, h *harness) {
-	s := h.scenario(t, "partition", fastConfig("partition"))
+	s := h.scenario(t, "partition")
 	victim := s.addNode("partition-a", true)
 	target := s.addNode("partition-b", true)
 	pv := s.statefulSet("db", nil)
@@ -247,7 +250,7 @@ func testPartitioned(t *testing.T, h *harness) {
 		defer victim.hb.mu.Unlock()
 		return slices.ContainsFunc(victim.hb.plan, func(ft fenceTarget) bool { return ft.UID == string(old.UID) }), nil
 	})
-	s.controller(s.cfg, "partition-leader")
+	s.controller(s.ctl, "partition-leader")
 
 	cut := time.Now()
 	victim.partition()
@@ -275,7 +278,7 @@ func testPartitioned(t *testing.T, h *harness) {
 	if err != nil || lease.Spec.RenewTime == nil {
 		t.Fatalf("heartbeat lease of the partitioned node: %v %v", lease, err)
 	}
-	if min, since := s.cfg.FenceWindow(0)-time.Second, taint.TimeAdded.Sub(lease.Spec.RenewTime.Time); since < min {
+	if min, since := s.ctl.FenceWindow(0)-time.Second, taint.TimeAdded.Sub(lease.Spec.RenewTime.Time); since < min {
 		t.Errorf("tainted %s after the last renewal (%s after the cut), want at least %s", since, taint.TimeAdded.Sub(cut), min)
 	}
 	if !victim.hb.Fenced(string(old.UID)) {
@@ -322,7 +325,7 @@ func (s *scenario) barePod(name, node string) *corev1.Pod {
 }
 
 func testFenceLifted(t *testing.T, h *harness) {
-	s := h.scenario(t, "lifted", fastConfig("lifted"))
+	s := h.scenario(t, "lifted")
 	victim := s.addNode("lifted-a", true)
 	s.addNode("lifted-b", true)
 	s.statefulSet("db", nil)
@@ -333,7 +336,7 @@ func testFenceLifted(t *testing.T, h *harness) {
 		defer victim.hb.mu.Unlock()
 		return slices.ContainsFunc(victim.hb.plan, func(ft fenceTarget) bool { return ft.UID == string(old.UID) }), nil
 	})
-	_, reg, _ := s.controller(s.cfg, "lifted-leader")
+	_, reg, _ := s.controller(s.ctl, "lifted-leader")
 
 	// A partition longer than FenceAfter but shorter than the fence
 	// window: the node fences, the cluster must not fail it over.
@@ -353,7 +356,7 @@ func testFenceLifted(t *testing.T, h *harness) {
 		t.Errorf("Fenced(%s) = true after the heartbeat came back", old.UID)
 	}
 	// Give the controller the rest of a window: it never acts.
-	time.Sleep(s.cfg.FenceWindow(0))
+	time.Sleep(s.ctl.FenceWindow(0))
 	if taint, err := s.ourTaint(ctx, victim.name); err != nil || taint != nil {
 		t.Errorf("node whose partition ended inside the window tainted: %v (err %v)", taint, err)
 	}
@@ -368,7 +371,7 @@ func testFenceLifted(t *testing.T, h *harness) {
 // lifting the fence deletes the StatefulSet's pod for its controller to
 // recreate, never the bare pod, which no controller would bring back.
 func testFenceWithoutPlan(t *testing.T, h *harness) {
-	s := h.scenario(t, "noplan", fastConfig("noplan"))
+	s := h.scenario(t, "noplan")
 	victim := s.addNode("noplan-a", false)
 	s.statefulSet("db", nil)
 	ctx := h.ctx
@@ -413,7 +416,7 @@ func testFenceWithoutPlan(t *testing.T, h *harness) {
 }
 
 func testCap(t *testing.T, h *harness) {
-	s := h.scenario(t, "cap", fastConfig("cap")) // MaxNodes 1
+	s := h.scenario(t, "cap") // MaxNodes 1
 	a := s.addNode("cap-a", true)
 	b := s.addNode("cap-b", true)
 	target := s.addNode("cap-c", true)
@@ -429,7 +432,8 @@ func testCap(t *testing.T, h *harness) {
 	h.mu.Unlock()
 	ctx := h.ctx
 	oldA, oldB := s.podOf(ctx, "db-a"), s.podOf(ctx, "db-b")
-	_, reg, _ := s.controller(s.cfg, "cap-leader")
+	var log requestLog
+	_, reg, _ := s.controllerWith(s.ctl, "cap-leader", ctlOptions{wrap: log.wrap})
 
 	a.kill()
 	b.kill()
@@ -453,14 +457,26 @@ func testCap(t *testing.T, h *harness) {
 	if got := metric(t, reg, "mountmedic_failover_failovers_total", map[string]string{"result": resultDeferred}); got != 1 {
 		t.Errorf("failovers_total{result=deferred} = %v, want 1", got)
 	}
+	// The deferred node cost no request when it was deferred: none about
+	// it in the seconds before its deferral event, nor just after (the
+	// other node's fail-over takes longer than that to end).
+	for _, n := range []*simNode{a, b} {
+		at, ok := s.eventTime(ctx, "default", "Node", n.name, ReasonFailoverDeferred)
+		if !ok {
+			continue
+		}
+		if reqs := log.namingBetween(n.name, at.Add(-5*time.Second), at.Add(300*time.Millisecond)); len(reqs) > 0 {
+			t.Errorf("requests about %s around its deferral at %s: %q", n.name, at.Format(time.RFC3339Nano), reqs)
+		}
+	}
 }
 
 func testLeaderChange(t *testing.T, h *harness) {
-	cfg := fastConfig("leader")
+	s := h.scenario(t, "leader")
 	// Leave the pods to the pod garbage collector (20 s period), so the
 	// fail-over is still in progress when the leader goes.
-	cfg.DeletePods = false
-	s := h.scenario(t, "leader", cfg)
+	s.ctl.DeletePods = false
+	cfg := s.ctl
 	victim := s.addNode("leader-a", true)
 	target := s.addNode("leader-b", true)
 	pv := s.statefulSet("db", nil)
@@ -522,9 +538,9 @@ func testLeaderChange(t *testing.T, h *harness) {
 }
 
 func testDryRunAndOperator(t *testing.T, h *harness) {
-	cfg := fastConfig("dryrun")
-	cfg.DryRun = true
-	s := h.scenario(t, "dryrun", cfg)
+	s := h.scenario(t, "dryrun")
+	s.ctl.DryRun = true
+	cfg := s.ctl
 	victim := s.addNode("dryrun-a", true)
 	operator := s.addNode("dryrun-b", true)
 	s.addNode("dryrun-c", true)

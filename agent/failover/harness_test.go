@@ -3,6 +3,7 @@ package failover
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -25,7 +27,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	coordinationv1client "k8s.io/client-go/kubernetes/typed/coordination/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
@@ -67,9 +68,11 @@ var kcmControllers = append(slices.Clone(kubetest.DefaultControllers),
 type harness struct {
 	c     *kubetest.Cluster
 	admin kubernetes.Interface
-	// sa is the mountmedic ServiceAccount's config: every failover
-	// component runs under deploy/rbac.yaml, not as an admin.
+	// sa is the mountmedic ServiceAccount's config: the agents' heartbeats
+	// run under deploy/rbac.yaml, not as an admin; ctl is the controller's
+	// own ServiceAccount, under deploy/controller/'s RBAC.
 	sa     *rest.Config
+	ctl    *rest.Config
 	ctx    context.Context
 	cancel context.CancelFunc
 
@@ -93,12 +96,13 @@ func startHarness(t testing.TB, kcmArgs ...string) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{"namespace.yaml", "serviceaccount.yaml", "rbac.yaml"} {
+	for _, f := range []string{"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "controller/serviceaccount.yaml", "controller/rbac.yaml"} {
 		if out, err := c.Kubectl("apply", "-f", filepath.Join(deploy, f)); err != nil {
 			t.Fatalf("kubectl apply deploy/%s: %v\n%s", f, err, out)
 		}
 	}
 	h.sa = c.ServiceAccountConfig(t, agentNS, "mountmedic")
+	h.ctl = c.ServiceAccountConfig(t, agentNS, "mountmedic-controller")
 
 	if _, err := h.admin.StorageV1().CSIDrivers().Create(ctx, &storagev1.CSIDriver{
 		ObjectMeta: metav1.ObjectMeta{Name: testDriver},
@@ -227,52 +231,77 @@ func (h *harness) nodeClient(t testing.TB, node, host string) kubernetes.Interfa
 	return cl
 }
 
-// leasesAs sends Lease requests through leases and the rest through the
-// embedded client, as agent.WithLeases does in the command.
-type leasesAs struct {
-	kubernetes.Interface
-	leases kubernetes.Interface
+// allowLeaderLease lets the controller's ServiceAccount update the leader
+// Lease name, as deploy/controller/'s Role does for the shipped name
+// (mountmedic-failover-leader) only: each case elects its own leader.
+func (h *harness) allowLeaderLease(t testing.TB, name string) {
+	t.Helper()
+	role := &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Namespace: agentNS, Name: "test-" + name},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"},
+			ResourceNames: []string{name}, Verbs: []string{"update"}}},
+	}
+	if _, err := h.admin.RbacV1().Roles(agentNS).Create(h.ctx, role, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatalf("create role for leader lease %s: %v", name, err)
+	}
+	rb := &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Namespace: agentNS, Name: "test-" + name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: role.Name},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Namespace: agentNS, Name: "mountmedic-controller"}},
+	}
+	if _, err := h.admin.RbacV1().RoleBindings(agentNS).Create(h.ctx, rb, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatalf("bind role for leader lease %s: %v", name, err)
+	}
 }
 
-func (c leasesAs) CoordinationV1() coordinationv1client.CoordinationV1Interface {
-	return c.leases.CoordinationV1()
-}
-
-// fastConfig is a failover configuration with test timings (the
+// fastConfig is the agents' failover configuration with test timings (the
 // controller manager of the tests runs a 6 s node monitor grace period).
-func fastConfig(caseName string) Config {
+func fastConfig() Config {
 	c := DefaultConfig()
 	c.Enabled = true
+	c.Namespace = agentNS
+	c.HeartbeatInterval = time.Second
+	c.FenceAfter = 4 * time.Second
+	c.FenceStopGrace = time.Second
+	c.APITimeout = 5 * time.Second
+	return c
+}
+
+// fastControllerConfig is the controller's, with the same test timings,
+// judging the case's nodes only.
+func fastControllerConfig(caseName string) ControllerConfig {
+	c := DefaultControllerConfig()
 	c.Namespace = agentNS
 	c.Identity = "controller-" + caseName
 	c.LeaderLease = "failover-leader-" + caseName
 	c.NodeSelector = caseLabel + "=" + caseName
-	c.HeartbeatInterval = time.Second
 	c.FenceAfter = 4 * time.Second
-	c.FenceStopGrace = time.Second
 	c.FenceMargin = 6 * time.Second
 	c.KubeletGrace = 5 * time.Second
 	c.LeaseDuration = 4 * time.Second
 	c.RenewDeadline = 3 * time.Second
 	c.RetryPeriod = time.Second
-	c.EvalInterval = 500 * time.Millisecond
+	c.Recheck = 500 * time.Millisecond
 	c.APITimeout = 5 * time.Second
 	return c
 }
 
-// scenario is one case's nodes, namespace and controllers.
+// scenario is one case's nodes, namespace and controllers: cfg is its
+// agents' configuration, ctl its controllers'.
 type scenario struct {
 	h    *harness
 	t    testing.TB
 	name string
 	ns   string
 	cfg  Config
+	ctl  ControllerConfig
 }
 
-func (h *harness) scenario(t testing.TB, name string, cfg Config) *scenario {
+func (h *harness) scenario(t testing.TB, name string) *scenario {
 	ns := "case-" + name
 	h.c.CreateNamespace(t, ns)
-	s := &scenario{h: h, t: t, name: name, ns: ns, cfg: cfg}
+	s := &scenario{h: h, t: t, name: name, ns: ns, cfg: fastConfig(), ctl: fastControllerConfig(name)}
+	h.allowLeaderLease(t, s.ctl.LeaderLease)
 	t.Cleanup(func() {
 		if t.Failed() {
 			s.dump()
@@ -403,7 +432,6 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 	// As the command wires it: the node's pods with the node's own
 	// identity, the heartbeat Lease with the ServiceAccount.
 	node := n.h.nodeClient(t, n.name, "https://"+n.proxy.Addr())
-	client := leasesAs{Interface: node, leases: n.h.saClient(t, "https://"+n.proxy.Addr())}
 	ctx, cancel := context.WithCancel(n.h.ctx)
 	// The node's pod informer, which the agent owns in the command: started
 	// here, read by the heartbeat, stopped with it.
@@ -419,7 +447,7 @@ func (n *simNode) startAgent(t testing.TB, cfg Config) {
 		cancel()
 		t.Fatal(err)
 	}
-	hb, err := NewHeartbeat(cfg, client, leases, pods, n.fence, n.fence, prometheus.NewRegistry())
+	hb, err := NewHeartbeat(cfg, node, leases, pods, n.fence, n.fence, prometheus.NewRegistry())
 	if err != nil {
 		cancel()
 		t.Fatalf("NewHeartbeat: %v", err)
@@ -701,16 +729,42 @@ func waitFor(ctx context.Context, timeout time.Duration, cond func(context.Conte
 	return err
 }
 
-// controller starts a failover controller of the scenario under the
-// ServiceAccount; stop it with the returned function (it waits).
-func (s *scenario) controller(cfg Config, identity string) (*Controller, *prometheus.Registry, func()) {
+// controller starts a failover controller of the scenario under its own
+// ServiceAccount (deploy/controller/'s RBAC); stop it with the returned
+// function (it waits).
+func (s *scenario) controller(cfg ControllerConfig, identity string) (*Controller, *prometheus.Registry, func()) {
+	s.t.Helper()
+	return s.controllerWith(cfg, identity, ctlOptions{})
+}
+
+// ctlOptions change how a test's controller reaches the API server.
+type ctlOptions struct {
+	// host, when not empty, is a proxy in front of the API server.
+	host string
+	// wrap wraps the client's transport (to count requests).
+	wrap func(http.RoundTripper) http.RoundTripper
+	// watchHook wraps the informers' list-watches (Controller.watchHook).
+	watchHook func(kind string, lw cache.ListerWatcher) cache.ListerWatcher
+}
+
+func (s *scenario) controllerWith(cfg ControllerConfig, identity string, o ctlOptions) (*Controller, *prometheus.Registry, func()) {
 	s.t.Helper()
 	cfg.Identity = identity
 	reg := prometheus.NewRegistry()
-	c, err := NewController(cfg, s.h.saClient(s.t, ""), reg)
+	rc := rest.CopyConfig(s.h.ctl)
+	if o.host != "" {
+		rc.Host = o.host
+	}
+	rc.WrapTransport = o.wrap
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		s.t.Fatalf("controller client: %v", err)
+	}
+	c, err := NewController(cfg, client, reg)
 	if err != nil {
 		s.t.Fatalf("NewController: %v", err)
 	}
+	c.watchHook = o.watchHook
 	ctx, cancel := context.WithCancel(s.h.ctx)
 	done := make(chan struct{})
 	go func() {

@@ -61,7 +61,6 @@ func (l *hbLab) hbConfig() Config {
 	c.HeartbeatInterval = time.Second
 	c.FenceAfter = 4 * time.Second
 	c.FenceStopGrace = time.Second
-	c.FenceMargin = 6 * time.Second
 	c.APITimeout = 2 * time.Second
 	c.PeerKeyFile = l.key
 	c.PeerListen = "127.0.0.1:0"
@@ -103,7 +102,11 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 	sa := rest.CopyConfig(l.sa)
 	sa.Host = "https://" + n.proxy.Addr()
 	sa.WrapTransport = n.requests.wrap
-	client, err := kubernetes.NewForConfig(sa)
+	// Everything but the Lease as the node, as the agent does.
+	nodeCfg := l.c.NodeConfig(t, name)
+	nodeCfg.Host = "https://" + n.proxy.Addr()
+	nodeCfg.WrapTransport = n.requests.wrap
+	client, err := kubernetes.NewForConfig(nodeCfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -395,7 +398,7 @@ func testAPIServerStopped(t *testing.T, l *hbLab) {
 		nodes = append(nodes, l.node(t, fmt.Sprintf("outage-%c", 'a'+i), cfg))
 	}
 	waitPeers(t, nodes...)
-	down := 2 * cfg.FenceWindow(0)
+	down := 2 * (cfg.FenceAfter + 6*time.Second) // twice the window a controller with a 6 s margin waits
 	l.c.StopAPIServer()
 	time.Sleep(down)
 	if err := l.c.StartAPIServer(); err != nil {

@@ -29,6 +29,14 @@ type controllerMetrics struct {
 	inFailover   prometheus.Gauge
 	leader       prometheus.Gauge
 	recovered    prometheus.Counter
+	nodesJudged  prometheus.Gauge
+	nodesDead    prometheus.Gauge
+	standDown    prometheus.Gauge
+	standDowns   prometheus.Counter
+	// freshRefusals: fail-overs called off because the node's fresh state
+	// did not confirm what the informers said.
+	freshRefusals prometheus.Counter
+	sightRegained prometheus.Counter
 }
 
 func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error) {
@@ -58,6 +66,30 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 			Name: "mountmedic_failover_nodes_recovered_total",
 			Help: "Failed-over nodes that became Ready again and had the duty's taint or mark removed.",
 		}),
+		nodesJudged: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_nodes_judged",
+			Help: "Nodes in the leader's scope it has judged since it began leading (0 on standbys).",
+		}),
+		nodesDead: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_nodes_not_ready",
+			Help: "Judged nodes whose Ready condition is not True in the leader's view, which the stand-down counts (0 on standbys).",
+		}),
+		standDown: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_stand_down",
+			Help: "1 while the leader fails no node over because too many are not Ready at once (--failover-stand-down-share).",
+		}),
+		standDowns: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_stand_downs_total",
+			Help: "Stand-downs the leader began.",
+		}),
+		freshRefusals: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_fresh_read_refusals_total",
+			Help: "Fail-overs or pod deletions called off because the node and its Leases, read fresh from the API server, did not confirm it dead.",
+		}),
+		sightRegained: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_watch_regained_total",
+			Help: "Times the leader's watches reached the API server again after losing it (every node's silence clock restarted).",
+		}),
 	}
 	for _, r := range failoverResults {
 		m.failovers.WithLabelValues(r)
@@ -65,7 +97,8 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 	for _, r := range []string{resultSuccess, resultFailure, resultDryRun} {
 		m.podDeletions.WithLabelValues(r)
 	}
-	if err := register(reg, m.failovers, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered); err != nil {
+	if err := register(reg, m.failovers, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered,
+		m.nodesJudged, m.nodesDead, m.standDown, m.standDowns, m.freshRefusals, m.sightRegained); err != nil {
 		return nil, err
 	}
 	return m, nil

@@ -2,6 +2,7 @@ package failover
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"time"
@@ -34,6 +35,9 @@ type claimInfo struct {
 	// NodeLocal: a local or hostPath PV lives on the node; moving the pod
 	// cannot help.
 	NodeLocal bool
+	// Driver and VolumeHandle are the PV's CSI source ("" for other
+	// volumes): they name its VolumeAttachment on a node.
+	Driver, VolumeHandle string
 	// Err is why the claim or its PV could not be read.
 	Err error
 }
@@ -82,7 +86,7 @@ const (
 
 // decide applies the eligibility rules to a pod whose claims were read into
 // claims (by claim name; a missing entry counts as unreadable).
-func (c *Config) decide(pod *corev1.Pod, claims map[string]claimInfo) decision {
+func (c *Policy) decide(pod *corev1.Pod, claims map[string]claimInfo) decision {
 	if pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 		return decision{Reason: reasonTerminated}
 	}
@@ -200,5 +204,17 @@ func (r claimReader) claim(ctx context.Context, ns, name string) claimInfo {
 		info.StorageClass = pv.Spec.StorageClassName
 	}
 	info.NodeLocal = pv.Spec.Local != nil || pv.Spec.HostPath != nil
+	if csi := pv.Spec.CSI; csi != nil {
+		info.Driver, info.VolumeHandle = csi.Driver, csi.VolumeHandle
+	}
 	return info
+}
+
+// attachmentName is the name kubelet's CSI attacher and the attach/detach
+// controller give the VolumeAttachment of a CSI volume on a node:
+// csi-<hex sha256(volumeHandle + driver + nodeName)> (k8s.io/kubernetes
+// pkg/volume/csi, getAttachmentName). The controller reads and deletes
+// attachments by this name instead of listing them all.
+func attachmentName(volumeHandle, driver, node string) string {
+	return fmt.Sprintf("csi-%x", sha256.Sum256([]byte(volumeHandle+driver+node)))
 }

@@ -60,10 +60,11 @@ token) is used only for the failover heartbeat Lease. With --dry-run it decides,
 [dry-run]) and metrics, and changes nothing.
 
 With --failover (off by default) it also renews a heartbeat Lease for its
-node, fences the node's pods with ReadWriteOnce volumes when it loses the
-API server for --failover-fence-after, and takes part in the leader election
-of the cluster failover duty, which moves such pods off nodes confirmed dead
-(see agent/failover and deploy/README.md before enabling it).`,
+node and fences the node's pods with ReadWriteOnce volumes when it loses the
+API server for --failover-fence-after. The cluster side, which moves such
+pods off nodes confirmed dead, is ` + "`mountmedic controller`" + `, a Deployment of its
+own (deploy/controller/); agents never campaign for it (see agent/failover
+and deploy/README.md before enabling it).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runAgent(cmd, f)
@@ -159,10 +160,17 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if err := checkNodeIdentity(cmd.Context(), client, cfg); err != nil {
 		return err
 	}
-	// The ServiceAccount: only the failover duties use it.
-	var sa kubernetes.Interface
+	// The ServiceAccount: only the failover heartbeat's Lease uses it, on a
+	// client of its own (rate limiter, connections): a renewal never waits
+	// behind the agent's reads.
+	var leases kubernetes.Interface
 	if fcfg.Enabled {
-		if sa, err = agent.NewClient(cfg.Kubeconfig, version); err != nil {
+		rc, err := restConfig(cfg.Kubeconfig)
+		if err != nil {
+			return err
+		}
+		rc.UserAgent = "mountmedic/" + version
+		if leases, err = failover.NewHeartbeatClient(rc); err != nil {
 			return err
 		}
 	}
@@ -201,30 +209,10 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
 			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
-		// The heartbeat Lease has a client of its own (rate limiter,
-		// connections): a renewal never waits behind the agent's reads.
-		rc, err := restConfig(cfg.Kubeconfig)
-		if err != nil {
-			return err
-		}
-		rc.UserAgent = "mountmedic/" + version
-		leases, err := failover.NewHeartbeatClient(rc)
-		if err != nil {
-			return err
-		}
 		if hb, err = failover.NewHeartbeat(fcfg, client, leases, a.PodInformer(), fence, fence, deps.Registry); err != nil {
 			return err
 		}
 		duties = append(duties, hb.Run)
-		if fcfg.Candidate {
-			// The cluster side reaches other nodes: not with this
-			// node's identity.
-			ctl, err := failover.NewController(fcfg, sa, deps.Registry)
-			if err != nil {
-				return err
-			}
-			duties = append(duties, ctl.Run)
-		}
 	}
 	for _, run := range duties {
 		wg.Add(1)

@@ -49,9 +49,10 @@ func TestAgentBadInput(t *testing.T) {
 			[]string{"not this node's identity", `"system:nodes"`}},
 		"missing service account config": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", n1, "--failover", "--kubeconfig", kubeconfig, "--api-timeout", "1s"},
 			[]string{"--kubeconfig", "missing-kubeconfig"}},
-		"stray argument":    {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
-		"bad failover mode": {[]string{"agent", "--node-name", "n1", "--failover", "--failover-mode", "bogus"}, []string{"--failover-mode", "bogus"}},
-		"two errors named":  {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
+		"stray argument":   {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
+		"two errors named": {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
+		"bad fence window": {[]string{"agent", "--node-name", "n1", "--failover", "--failover-fence-after", "30500ms"}, []string{"--failover-fence-after", "whole seconds"}},
+		"no leader flags":  {[]string{"agent", "--node-name", "n1", "--failover", "--failover-leader-candidate=true"}, []string{"unknown flag", "--failover-leader-candidate"}},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {

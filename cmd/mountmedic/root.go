@@ -41,7 +41,7 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
 	root.PersistentFlags().AddGoFlagSet(klogFlags)
-	root.AddCommand(newAgentCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
+	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
 	return root
 }
 

@@ -79,11 +79,12 @@ type Cluster struct {
 	t     testing.TB
 	pki   *pki
 	procs []*lab.Process // in start order
-	// api is kube-apiserver's index in procs, apiCmd its binary and flags
-	// (StopAPIServer, StartAPIServer).
-	api    int
-	apiCmd []string
-	logDir string
+	// api is kube-apiserver's index in procs, apiBin and apiArgs how to
+	// start it again (RestartAPIServer).
+	api      int
+	apiBin   string
+	apiArgs  []string
+	restarts int
 }
 
 // Start starts etcd and kube-apiserver (and kube-controller-manager when
@@ -175,7 +176,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--allow-privileged=true",
 		"--profiling=false",
 	}
-	c.api, c.apiCmd, c.logDir = len(c.procs), append([]string{bins["kube-apiserver"]}, apiArgs...), logDir
+	c.apiBin, c.apiArgs, c.api = bins["kube-apiserver"], apiArgs, len(c.procs)
 	api, err := c.run("kube-apiserver", bins["kube-apiserver"], apiArgs, logDir)
 	if err != nil {
 		return err
@@ -316,22 +317,22 @@ func (c *Cluster) stop() {
 	}
 }
 
-// StopAPIServer stops kube-apiserver (SIGTERM, SIGKILL after 10 s): an
-// outage of the control plane for everyone. etcd and the other components
-// keep running.
+// StopAPIServer stops kube-apiserver (SIGTERM, SIGKILL after 10 s), as an
+// outage or an upgrade does: every client's requests and watches fail until
+// StartAPIServer. etcd and the other components keep running.
 func (c *Cluster) StopAPIServer() {
 	c.procs[c.api].Stop(10 * time.Second)
 }
 
-// StartAPIServer starts kube-apiserver again with the same flags, port and
-// data after StopAPIServer, and waits until it is ready.
+// StartAPIServer starts kube-apiserver again with the same flags, on the
+// same port, and waits until it is ready. Its log is
+// logs/kube-apiserver-<n>.log for the n-th restart.
 func (c *Cluster) StartAPIServer() error {
-	if !c.procs[c.api].Exited() {
-		return errors.New("kube-apiserver is running: StopAPIServer first")
-	}
-	cmd := exec.Command(c.apiCmd[0], c.apiCmd[1:]...)
+	c.restarts++
+	name := fmt.Sprintf("kube-apiserver-%d", c.restarts)
+	cmd := exec.Command(c.apiBin, c.apiArgs...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	p, err := lab.RunProcess("kube-apiserver", cmd, filepath.Join(c.logDir, "kube-apiserver.log"))
+	p, err := lab.RunProcess(name, cmd, filepath.Join(c.Dir, "logs", name+".log"))
 	if err != nil {
 		return err
 	}

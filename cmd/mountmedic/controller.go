@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/cobra"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/agent/failover"
+)
+
+// controllerFlags are the controller command's flags: the failover
+// controller's configuration and how to reach the API server.
+type controllerFlags struct {
+	cfg         failover.ControllerConfig
+	kubeconfig  string
+	metricsAddr string
+	qps         float32
+	burst       int
+}
+
+func newControllerCommand() *cobra.Command {
+	f := &controllerFlags{cfg: failover.DefaultControllerConfig(), metricsAddr: ":9810", qps: 20, burst: 40}
+	cmd := &cobra.Command{
+		Use:   "controller",
+		Short: "Run the cluster side of node failover: move pods with ReadWriteOnce volumes off dead nodes",
+		Long: `controller is the cluster side of the failover duty, installed by
+deploy/controller/ as a Deployment of two replicas that elect one leader
+through a Lease (--failover-leader-lease). Agents never run it: with
+--failover they renew their node's heartbeat Lease and fence their node
+when they cannot.
+
+The leader watches the nodes (--failover-node-selector), kubelet's node
+Leases and the agents' heartbeat Leases, keeping only the fields it reads.
+A node is confirmed dead when it is not Ready, kubelet has shown no life for
+--failover-kubelet-grace and its heartbeat has been silent past its fence
+window plus --failover-fence-margin, all measured on the leader's clock from
+what it saw change (a leader that just started, or whose watches just
+reached the API server again after losing it, waits a full window). Right
+before it taints a node or deletes a pod it re-reads the node and both
+Leases from the API server and acts only if they still say dead. It fails
+over at most --failover-max-nodes nodes at once, and none while at least
+--failover-stand-down-share of the judged nodes (and more than two), or all
+of them, are not Ready: a disrupted zone or control plane looks like that.
+
+With --failover-dry-run it decides, records events (marked [dry-run]) and
+metrics, and changes nothing. See agent/failover and deploy/README.md.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return runController(cmd.Context(), f)
+		},
+	}
+	fl := cmd.Flags()
+	f.cfg.AddFlags(fl)
+	fl.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; empty uses the in-cluster service account")
+	fl.StringVar(&f.metricsAddr, "metrics-addr", f.metricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
+	fl.Float32Var(&f.qps, "kube-api-qps", f.qps, "steady requests per second to the API server (leader election, events, fresh reads, taints and deletions; watches are not counted)")
+	fl.IntVar(&f.burst, "kube-api-burst", f.burst, "burst of requests to the API server above --kube-api-qps")
+	return cmd
+}
+
+// controllerClient makes the controller's client from the kubeconfig file
+// or the in-cluster configuration.
+func controllerClient(f *controllerFlags) (kubernetes.Interface, error) {
+	var rc *rest.Config
+	var err error
+	if f.kubeconfig == "" {
+		if rc, err = rest.InClusterConfig(); err != nil {
+			return nil, fmt.Errorf("in-cluster config: %w; outside a pod pass --kubeconfig", err)
+		}
+	} else if rc, err = clientcmd.BuildConfigFromFlags("", f.kubeconfig); err != nil {
+		return nil, fmt.Errorf("--kubeconfig %s: %w", f.kubeconfig, err)
+	}
+	rc.UserAgent = "mountmedic-controller/" + version
+	rc.QPS, rc.Burst = f.qps, f.burst
+	c, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	return c, nil
+}
+
+func runController(ctx context.Context, f *controllerFlags) error {
+	if err := f.cfg.Validate(); err != nil {
+		return err
+	}
+	if f.qps <= 0 || f.burst < 1 {
+		return fmt.Errorf("--kube-api-qps %v and --kube-api-burst %d: both must be positive", f.qps, f.burst)
+	}
+	client, err := controllerClient(f)
+	if err != nil {
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	ctl, err := failover.NewController(f.cfg, client, reg)
+	if err != nil {
+		return err
+	}
+	logger := klog.FromContext(ctx)
+	if f.metricsAddr != "" {
+		ln, err := net.Listen("tcp", f.metricsAddr)
+		if err != nil {
+			return fmt.Errorf("--metrics-addr %s: %w", f.metricsAddr, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		ok := func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") }
+		mux.HandleFunc("/healthz", ok)
+		mux.HandleFunc("/readyz", ok)
+		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				logger.Error(err, "Metrics server stopped")
+			}
+		}()
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+		}()
+		logger.Info("Serving metrics", "addr", ln.Addr().String())
+	}
+	return ctl.Run(ctx)
+}
