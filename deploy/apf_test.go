@@ -8,6 +8,7 @@ import (
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -108,8 +109,10 @@ func TestHeartbeatFlowSchema(t *testing.T) {
 		t.Fatalf("get heartbeat lease: %v", err)
 	}
 	check("get heartbeat lease", rec, false)
-	if _, err := sa.CoreV1().Pods("default").List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
-		t.Fatalf("list pods as the agent: %v", err)
+	// Refused (the ServiceAccount reads nothing but Leases), and still not
+	// classified as a heartbeat: APF classifies before authorization.
+	if _, err := sa.CoreV1().Pods("default").List(ctx, metav1.ListOptions{Limit: 1}); !apierrors.IsForbidden(err) {
+		t.Fatalf("list pods as the agent's ServiceAccount: err = %v, want forbidden", err)
 	}
 	check("list pods", rec, false)
 	// Another ServiceAccount's lease write (refused by RBAC) is not
