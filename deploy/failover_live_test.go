@@ -43,6 +43,9 @@ var (
 		"--failover-heartbeat-interval=2s",
 		"--failover-fence-after=10s",
 		"--failover-fence-stop-grace=1s",
+		// Below the heartbeat interval, as the agent requires with a peer
+		// key (the DaemonSet passes one).
+		"--failover-peer-timeout=1s",
 	}
 	liveControllerFlags = []string{
 		"--failover-fence-after=10s",

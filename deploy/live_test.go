@@ -137,6 +137,13 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	ds, _ := daemonSet(t)
 	metricsAddr := freeAddr(t)
 	dsArgs := append(slices.Clone(ds.Spec.Template.Spec.Containers[0].Args), liveFailoverFlags...)
+	// The peer key the DaemonSet mounts from the Secret mountmedic-peer-key:
+	// both agents check their peers as shipped.
+	peerKey := filepath.Join(t.TempDir(), "peer-key")
+	if err := os.WriteFile(peerKey, []byte("live-test-peer-key-0123456789abcdef0123456789"), 0o400); err != nil {
+		t.Fatal(err)
+	}
+	dsArgs = append(dsArgs, "--failover-peer-key-file="+peerKey, "--failover-peer-listen=127.0.0.1:0")
 	args := append(append(slices.Clone(dsArgs), credentials...), "--node-name="+labNode, "--kubelet-root="+kl.Root(),
 		"--host-table=/proc/self/mountinfo", "--metrics-addr="+metricsAddr, "-v=2")
 	agent := startProcess(t, "agent", []string{"POD_NAMESPACE=mountmedic", "POD_NAME=mountmedic-" + labNode}, bin, args...)
