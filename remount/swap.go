@@ -253,6 +253,9 @@ func (s *Swapper) swapPid(ctx context.Context, pid int, ts []SwapTarget) []Actio
 		return failAll(fmt.Errorf("open mount namespace of pid %d: %w", pid, err))
 	}
 	defer unix.Close(nsfd)
+	if err := checkNamespaceOwner(s.procDir(), pid, nsfd, ts); err != nil {
+		return failAll(err)
+	}
 	rootfd, err := unix.Open(filepath.Join(proc, "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return failAll(fmt.Errorf("open root of pid %d: %w", pid, err))
@@ -342,6 +345,53 @@ func checkOtherNamespace(procDir string, pid int) error {
 	}
 	return nil
 }
+
+// checkNamespaceOwner refuses a mount namespace that the user namespace of
+// the process does not own (a namespace made by someone else than the
+// container's runtime), and a read-only target in a mount namespace owned by
+// a user namespace other than ours. A mount moved into a namespace is not
+// locked (the kernel locks mount flags only on mounts it copies or
+// propagates into a less privileged mount namespace), so whoever holds
+// CAP_SYS_ADMIN in the namespace's owner could remount it read-write: in a
+// namespace our user namespace owns, that is only the host's root. The
+// descriptor nsfd is the namespace entered afterwards, so a process that
+// changes namespace in between changes nothing.
+func checkNamespaceOwner(procDir string, pid, nsfd int, ts []SwapTarget) error {
+	owner, err := unix.IoctlRetInt(nsfd, unix.NS_GET_USERNS)
+	if err != nil {
+		return fmt.Errorf("owner of the mount namespace of pid %d: %w", pid, err)
+	}
+	defer unix.Close(owner)
+	var ownerSt, theirs, ours unix.Stat_t
+	if err := unix.Fstat(owner, &ownerSt); err != nil {
+		return fmt.Errorf("owner of the mount namespace of pid %d: %w", pid, err)
+	}
+	if err := unix.Stat(filepath.Join(procDir, strconv.Itoa(pid), "ns", "user"), &theirs); err != nil {
+		return fmt.Errorf("user namespace of pid %d: %w", pid, err)
+	}
+	if err := unix.Stat(filepath.Join(procDir, "thread-self", "ns", "user"), &ours); err != nil {
+		return fmt.Errorf("own user namespace: %w", err)
+	}
+	same := func(a, b *unix.Stat_t) bool { return a.Dev == b.Dev && a.Ino == b.Ino }
+	if !same(&ownerSt, &theirs) {
+		return fmt.Errorf("the mount namespace of pid %d is owned by user namespace %d, not by its own %d: %w",
+			pid, ownerSt.Ino, theirs.Ino, ErrForeignNamespace)
+	}
+	if same(&ownerSt, &ours) {
+		return nil
+	}
+	for _, t := range ts {
+		if t.ReadOnly {
+			return fmt.Errorf("pid %d: %s is read-only and its mount namespace has its own user namespace, "+
+				"where a swapped mount could be made writable: %w", pid, t.ContainerPath, ErrForeignNamespace)
+		}
+	}
+	return nil
+}
+
+// ErrForeignNamespace marks a swap refused for the owner of the container's
+// mount namespace: a restart repairs the container instead.
+var ErrForeignNamespace = errors.New("mount namespace not swappable")
 
 // cloneSource resolves the target's source below the kubelet root and, unless
 // in dry-run, clones it into a detached tree with the target's read-only
