@@ -2,6 +2,7 @@ package remount
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -18,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/lab"
 )
 
@@ -261,5 +263,48 @@ func TestPodOfFirstCgroupSegment(t *testing.T) {
 	}
 	if got := pp[podA].byContainer[ctrA]; got != 10 {
 		t.Errorf("process of A's container %d, want 10", got)
+	}
+}
+
+// TestVerifyRefusesPlantedSymlink: a container that replaces a directory on
+// the way to its volume's mount point with an absolute symlink to a healthy
+// place cannot make verification report its view healthy: the path is
+// resolved inside the container's root without following symlinks.
+func TestVerifyRefusesPlantedSymlink(t *testing.T) {
+	lab.RequireRoot(t)
+	healthy := t.TempDir()
+	if err := os.Mkdir(filepath.Join(healthy, "data"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c := lab.StartContainer(t, "planter", lab.PropagationPrivate, nil, lab.WithChroot())
+	// In the container, /vol/data was its volume; /vol is now a symlink to
+	// an absolute path that exists on the host (and not in the container).
+	if err := os.Symlink(healthy, filepath.Join(c.Root(), "vol")); err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(Config{KubeletRoot: t.TempDir(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	// and /data2, the mount point itself, is one.
+	if err := os.Symlink(filepath.Join(healthy, "data"), filepath.Join(c.Root(), "data2")); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{"/vol/data", "/data2"} {
+		acts, err := r.verify(context.Background(), []place{containerPlace("/proc", c.Pid(), p)})
+		t.Logf("verify %s: %v (%v)", p, err, acts)
+		if err == nil {
+			t.Errorf("a container view of %s through a planted symlink verified healthy", p)
+		} else if !errors.Is(err, probe.ErrSymlinkInRoot) {
+			t.Errorf("verify error %v, want ErrSymlinkInRoot", err)
+		}
+	}
+	// A real directory in the container verifies.
+	if err := os.MkdirAll(filepath.Join(c.Root(), "real", "data"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.verify(context.Background(), []place{containerPlace("/proc", c.Pid(), "/real/data")}); err != nil {
+		t.Errorf("verify of a real path in the container: %v", err)
 	}
 }
