@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -306,5 +307,42 @@ func TestVerifyRefusesPlantedSymlink(t *testing.T) {
 	}
 	if _, err := r.verify(context.Background(), []place{containerPlace("/proc", c.Pid(), "/real/data")}); err != nil {
 		t.Errorf("verify of a real path in the container: %v", err)
+	}
+}
+
+// TestBlockedDriverIsDown: a driver that accepts connections and blocks in
+// every call (NodeGetCapabilities included) is down for every tier: each
+// returns ErrDriverUnavailable and touches no mount, as for a dead socket.
+func TestBlockedDriverIsDown(t *testing.T) {
+	d := startDriverLab(t, Config{})
+	const prefix = "blocked"
+	rv := d.newVolume(t, prefix, podDef{name: "p", ctrs: []ctrDef{{name: "app",
+		mounts: []corev1.VolumeMount{{Name: testVolumeName, MountPath: "/data"}}}}})
+	d.drv.Kill()
+	d.markDead(t, rv)
+	sock := d.drv.Socket()
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	blocked := &fakeDriver{block: true}
+	serveUnix(t, sock, func(s *grpc.Server) { registerDriver(s, blocked) })
+	r := d.repairer(t, Config{CSI: CSIOptions{ProbeTimeout: 300 * time.Millisecond,
+		StageTimeout: 300 * time.Millisecond, PublishTimeout: 300 * time.Millisecond}})
+	before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
+	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
+		o := tier(context.Background(), rv.vol)
+		logOutcome(t, "blocked driver", o)
+		if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
+			t.Errorf("%s with a blocked driver: healed %t, err %v; want ErrDriverUnavailable", o.Tier, o.Healed, o.Err)
+		}
+		if n := ops(o.Actions); n[OpUnmount]+n[OpAbortFUSE]+n[OpStage]+n[OpPublish]+n[OpSwap]+n[OpStopContainer] != 0 {
+			t.Errorf("%s with a blocked driver acted: %v", o.Tier, n)
+		}
+	}
+	if blocked.capsCalls.Load() == 0 {
+		t.Errorf("the blocked driver was never asked")
+	}
+	if after := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...); after != before {
+		t.Errorf("the mount tables changed while the driver was blocked")
 	}
 }
