@@ -9,6 +9,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
@@ -198,6 +200,27 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if len(j.active) == 0 {
 		return res
 	}
+	// Every rung from here re-mounts, restarts or evicts: act on the pods
+	// as the API server has them now, never on the informer's copy, which
+	// after a partition can still show a pod force-deleted or replaced
+	// under its name.
+	active, gone, err := a.freshPods(ctx, j.active)
+	if err != nil {
+		logger.V(2).Info("Repair waits for the API server", "err", err)
+		if a.notes.once(j.key, "apiwait") {
+			a.report.volume(j.active, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", err))
+		}
+		res.outcome = outcomeWaiting
+		return res
+	}
+	if len(gone) > 0 {
+		logger.V(2).Info("Pods gone or replaced since the cache saw them: not repaired", "pods", gone)
+	}
+	j.active = active
+	if len(j.active) == 0 {
+		res.outcome = outcomeWaiting
+		return res
+	}
 
 	restageable := j.vol.csi
 	floor := j.floor
@@ -206,10 +229,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	}
 	rungs := a.rungs(restageable, floor)
 	needRequests := len(rungs) > 0 && rungs[0] != rungEvict && j.resume == nil
-	var (
-		r   *resolved
-		err error
-	)
+	var r *resolved
 	if j.resume != nil {
 		r = j.resume.forPods(j.active)
 	} else {
@@ -413,6 +433,35 @@ func errText(err error) string {
 		return "still broken after it"
 	}
 	return err.Error()
+}
+
+// freshPods reads each pod from the API server (a GET, not the cache) and
+// keeps those still there with the same UID, bound to this node and not
+// being deleted, in their current state; gone names the others. An API
+// server out of reach is errAPIWait: nothing is repaired on the cache's
+// word.
+func (a *Agent) freshPods(ctx context.Context, pods []*corev1.Pod) (fresh []*corev1.Pod, gone []string, err error) {
+	for _, pod := range pods {
+		cur, err := a.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			gone = append(gone, klog.KObj(pod).String()+" (deleted)")
+			continue
+		case err != nil:
+			return nil, nil, fmt.Errorf("get pod %s: %w: %w", klog.KObj(pod), errAPIWait, err)
+		case cur.UID != pod.UID:
+			gone = append(gone, fmt.Sprintf("%s (replaced: uid %s, was %s)", klog.KObj(pod), cur.UID, pod.UID))
+			continue
+		case cur.DeletionTimestamp != nil:
+			gone = append(gone, klog.KObj(pod).String()+" (being deleted)")
+			continue
+		case cur.Spec.NodeName != pod.Spec.NodeName:
+			gone = append(gone, klog.KObj(pod).String()+" (on node "+cur.Spec.NodeName+")")
+			continue
+		}
+		fresh = append(fresh, cur)
+	}
+	return fresh, gone, nil
 }
 
 // isDriverDown reports a driver that is unavailable or not registered
