@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -344,5 +345,102 @@ func TestBlockedDriverIsDown(t *testing.T) {
 	}
 	if after := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...); after != before {
 		t.Errorf("the mount tables changed while the driver was blocked")
+	}
+}
+
+// errKilled is what every mount change returns once the "agent" is dead.
+var errKilled = errors.New("killed")
+
+// killAfter is the host's syscalls with move_mount beneath refused (the
+// kernel's EINVAL for a locked or shared parent, or before 6.5: the
+// fallback) and the agent killed after n mount changes (move_mount,
+// umount2): later changes fail and nothing is cleaned up.
+func killAfter(n int) Syscalls {
+	h := HostSyscalls()
+	var mu sync.Mutex
+	left := n
+	change := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if left == 0 {
+			return false
+		}
+		left--
+		return true
+	}
+	return Syscalls{
+		MoveMount: func(fromDirfd int, fromPath string, toDirfd int, toPath string, flags int) error {
+			if flags&moveMountBeneath != 0 {
+				return unix.EINVAL
+			}
+			if !change() {
+				return errKilled
+			}
+			return h.MoveMount(fromDirfd, fromPath, toDirfd, toPath, flags)
+		},
+		Unmount: func(target string, flags int) error {
+			if !change() {
+				return errKilled
+			}
+			return h.Unmount(target, flags)
+		},
+	}
+}
+
+// hasMountAt reports whether the container process pid has a mount at
+// path (a chroot container's mountinfo shows container paths).
+func hasMountAt(t *testing.T, pid int, path string) bool {
+	t.Helper()
+	ms, err := mountinfoOf(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.Contains(ms, path)
+}
+
+func mountinfoOf(pid int) ([]string, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, l := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(l); len(f) > 4 {
+			out = append(out, f[4])
+		}
+	}
+	return out, nil
+}
+
+// TestSwapCrashNeverLeavesTheBareDirectory: the fallback swap (no mount
+// beneath) killed after each of its mount changes never leaves the
+// container's volume path without a mount of the volume (where the
+// container would write into its own root filesystem and a later repair
+// would find nothing dead and call it healed); the next run finishes it.
+func TestSwapCrashNeverLeavesTheBareDirectory(t *testing.T) {
+	d := startDriverLab(t, Config{})
+	const prefix = "crash"
+	rv := d.newVolume(t, prefix, podDef{name: "p", ctrs: []ctrDef{{name: "app",
+		mounts: []corev1.VolumeMount{{Name: testVolumeName, MountPath: "/data"}}}}})
+	c := rv.pods[0].ctrs["app"]
+	for n := range 3 {
+		t.Run(fmt.Sprintf("killed after %d changes", n), func(t *testing.T) {
+			d.drv.Kill()
+			d.markDead(t, rv)
+			d.restartDriver(t)
+			if o := d.r.Restage(context.Background(), rv.vol); !o.Healed {
+				t.Fatalf("Restage: %v", o.Err)
+			}
+			o := d.repairer(t, Config{Sys: killAfter(n)}).LiveSwap(context.Background(), rv.vol)
+			logOutcome(t, "liveswap killed", o)
+			if !hasMountAt(t, c.Pid(), "/data") {
+				t.Fatalf("killed after %d mount changes: nothing is mounted at the container's /data", n)
+			}
+			// The next run finishes the swap.
+			if o := d.r.LiveSwap(context.Background(), rv.vol); !o.Healed {
+				t.Fatalf("LiveSwap after the crash: %v", o.Err)
+			}
+			wantViews(t, rv.views(prefix))
+		})
 	}
 }

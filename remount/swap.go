@@ -56,8 +56,28 @@ import (
 //     mount; umount2(MNT_DETACH) of the top then reveals it: the container
 //     never sees the bare directory below. Where the kernel refuses to mount
 //     beneath (EINVAL: a shared parent that would propagate, a locked mount,
-//     an older kernel), Swapper detaches the dead mount first and then moves
-//     the clone there.
+//     an older kernel), Swapper mounts the clone on top of the dead mount
+//     (move_mount to the descriptor of the checked mount) and leaves the
+//     dead one covered. It never detaches before the move: an agent killed
+//     between the two would leave the container writing into its own root
+//     filesystem with nothing dead in view for the next run to find. At
+//     every step a mount of the volume is in place; a swap killed half-way
+//     (the clone beneath, the dead mount still on top) is finished by the
+//     next run, which finds the dead mount on top again.
+//   - The swap goes only into each container's own mount namespace: the
+//     runtime's process of the container (CRI ContainerStatus) when a CRI
+//     endpoint is set, else the process its cgroup names. A mount moved into
+//     a namespace is not locked (the kernel locks mount flags only on mounts
+//     it copies or propagates into a less privileged mount namespace), so a
+//     namespace a container user made (unshare -Urm) would let that user
+//     remount a read-only volume read-write: such namespaces are never
+//     entered (they keep the dead mount, locked read-only as copied), and a
+//     namespace whose owner is not the process's own user namespace is
+//     refused, as is a read-only target in a namespace owned by a user
+//     namespace other than ours (a user-namespaced pod), where the
+//     container's root could remount it: the restart tier repairs those.
+//     A user namespace made after the swap copies the swapped mount and
+//     the kernel locks it read-only there.
 //   - A subPath is the same operation with the subdirectory of the fresh
 //     volume as source, opened below it without following any symlink (the
 //     volume's content is the user's: a symlink there must not bind a host
@@ -579,11 +599,28 @@ func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 	}
 	// Under the dead mount first, then the dead mount away: no gap.
 	err = sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH|moveMountBeneath)
-	beneath := err == nil
 	if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOSYS) {
 		fail(fmt.Errorf("move the clone beneath mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
 		return
 	}
+	if err != nil {
+		// The kernel does not mount beneath here: mount the clone on top
+		// of the dead mount (the descriptor of the mount checked above,
+		// never a name looked up again) and leave the dead one covered.
+		// Never detach first: between a detach and the move (an agent
+		// killed there, a move that fails) the container would see its
+		// bare root filesystem directory, write there, and a later repair
+		// would find nothing dead. Each step leaves a mount of the volume
+		// in place; a run killed half-way is finished by the next.
+		if err := sys.MoveMount(w.tree, "", c.fd, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
+			fail(fmt.Errorf("move the clone over mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
+			return
+		}
+		w.a.Detail = w.detail(c, ", mounted over the dead one")
+		return
+	}
+	// Beneath: a run killed here leaves the dead mount on top, which the
+	// next run finds and swaps again.
 	if err := sys.Fchdir(c.parent); err != nil {
 		fail(fmt.Errorf("enter the parent of %s: %w", w.t.ContainerPath, err))
 		return
@@ -592,15 +629,7 @@ func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 		fail(fmt.Errorf("unmount dead mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
 		return
 	}
-	if beneath {
-		w.a.Detail = w.detail(c, ", mounted beneath")
-		return
-	}
-	if err := sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-		fail(fmt.Errorf("move the clone to %s after unmounting mount %d: %w", w.t.ContainerPath, c.mountID, err))
-		return
-	}
-	w.a.Detail = w.detail(c, ", after unmounting")
+	w.a.Detail = w.detail(c, ", mounted beneath")
 }
 
 // inMountNamespace runs fn on a locked OS thread that entered the mount
