@@ -166,7 +166,7 @@ func (r *Repairer) Close() error {
 func (r *Repairer) DryRun() bool { return r.cfg.DryRun }
 
 func (r *Repairer) unmounter() *Unmounter {
-	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, Sys: r.cfg.Sys}
+	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, ProcDir: r.procDir, Sys: r.cfg.Sys}
 }
 
 // acquire takes one of the Parallel slots.
@@ -566,8 +566,8 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 		u := r.unmounter()
 		if v.Hung {
 			for _, dev := range dead.list() {
-				if table.fuse(dev) {
-					acts, _ := u.AbortFUSE(ctx, dev)
+				if at := table.fuseMount(dev); at != nil {
+					acts, _ := u.AbortFUSE(ctx, dev, at)
 					o.Actions = append(o.Actions, acts...)
 				}
 			}

@@ -444,3 +444,33 @@ func TestSwapCrashNeverLeavesTheBareDirectory(t *testing.T) {
 		})
 	}
 }
+
+// TestAbortFUSEPinsTheConnection: the dead volume's FUSE filesystem goes
+// away between the table the repair read and its abort, and a new FUSE
+// mount takes its place (the kernel hands the freed device number, the
+// connection's number, out again). The abort must not reach the new
+// connection.
+func TestAbortFUSEPinsTheConnection(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	path := k.StagingPath(labDriver, "pin")
+	old := lab.StartFaultFS(t, path)
+	at := &probe.Mount{Path: path, ID: topID(t, k.Root(), path), Dev: devOf(t, path)}
+	dead := at.Dev
+	// The old filesystem ends (daemon gone, mount detached) ...
+	old.Kill()
+	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	// ... and a new one is mounted at the same path.
+	lab.StartFaultFS(t, path)
+	if got := devOf(t, path); got != dead {
+		t.Skipf("the kernel did not hand device %s out again (got %s)", dead, got)
+	}
+	t.Logf("device %s reused: mount %d at %s, was mount %d", dead, topID(t, k.Root(), path), path, at.ID)
+	acts, err := (&Unmounter{Root: k.Root()}).AbortFUSE(context.Background(), dead, at)
+	t.Logf("AbortFUSE: %v (%v)", err, acts)
+	if err := statfsErr(path, 5*time.Second); err != nil {
+		t.Errorf("the new filesystem on the reused device number after the abort: %v; the abort reached it", err)
+	}
+}
