@@ -33,9 +33,12 @@ import (
 //     busy or restarting; the sandbox (pause) process is in the pod cgroup
 //     too, and PlanSwap skips it because its namespace lacks the volume.
 //  2. The runtime's verbose ContainerStatus (CRIClient.ContainerPID), for
-//     containers the cgroups do not name: kubelet with cgroupsPerQOS: false
-//     gives pods no cgroup of their own, and container IDs that the pod
-//     status does not carry (yet). It is one call per container, and the
+//     every container when a CRI endpoint is set (the runtime's process of
+//     a container is the one whose mount namespace a swap enters, over what
+//     the cgroups say), and the only source for containers the cgroups do
+//     not name: kubelet with cgroupsPerQOS: false gives pods no cgroup of
+//     their own, and container IDs that the pod status does not carry
+//     (yet). It is one call per container, and the
 //     "pid" key of the verbose info is a containerd and CRI-O convention,
 //     not part of the CRI.
 

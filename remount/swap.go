@@ -87,9 +87,10 @@ import (
 //
 // Finding the processes: the Repairer takes a pod's processes from a
 // snapshot of /proc/*/cgroup that the repairs of the moment share (see
-// pids.go; PodPIDs is the same scan for one pod), and PlanSwap reads each
-// process's mountinfo and matches the dead mount by device number and
-// mountinfo root, one process per mount namespace. This needs no runtime
+// pids.go; PodPIDs is the same scan for one pod), and PlanSwap reads the
+// mountinfo of each container's own process (the runtime's, or the one its
+// cgroup names) and matches the dead mount by device number and mountinfo
+// root, one process per mount namespace. This needs no runtime
 // socket, works with any runtime, and finds every container of the pod (and
 // skips the sandbox, whose namespace lacks the volume). It needs hostPID,
 // which setns needs anyway. Where pods have no cgroup of their own (kubelet
