@@ -338,7 +338,19 @@ func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 					ids = append(ids, c.ContainerID)
 				}
 			}
-			a.Err = r.criProcs(ctx, p, pp, ids)
+			err := r.criProcs(ctx, p, pp, ids)
+			found := true
+			for _, id := range ids {
+				if _, ok := pp.byContainer[id]; !ok {
+					found = false
+				}
+			}
+			if err != nil && found {
+				// The cgroups name every container: go on with them.
+				pp.how = append(pp.how, "the runtime did not answer for every container ("+err.Error()+"), its cgroup named it")
+				err = nil
+			}
+			a.Err = err
 		}
 		p.procs = pp
 		a.Detail = strings.Join(pp.how, "; ")
