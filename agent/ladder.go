@@ -203,24 +203,14 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	// Every rung from here re-mounts, restarts or evicts: act on the pods
 	// as the API server has them now, never on the informer's copy, which
 	// after a partition can still show a pod force-deleted or replaced
-	// under its name.
-	active, gone, err := a.freshPods(ctx, j.active)
-	if err != nil {
-		logger.V(2).Info("Repair waits for the API server", "err", err)
-		if a.notes.once(j.key, "apiwait") {
-			a.report.volume(j.active, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", err))
-		}
-		res.outcome = outcomeWaiting
-		return res
-	}
-	if len(gone) > 0 {
-		logger.V(2).Info("Pods gone or replaced since the cache saw them: not repaired", "pods", gone)
-	}
-	j.active = active
-	if len(j.active) == 0 {
-		res.outcome = outcomeWaiting
-		return res
-	}
+	// under its name. The GET runs while the volume is resolved; its
+	// answer is awaited before the first tier.
+	freshc := make(chan freshResult, 1)
+	go func() {
+		var f freshResult
+		f.pods, f.gone, f.err = a.freshPods(ctx, j.active)
+		freshc <- f
+	}()
 
 	restageable := j.vol.csi
 	floor := j.floor
@@ -229,7 +219,10 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	}
 	rungs := a.rungs(restageable, floor)
 	needRequests := len(rungs) > 0 && rungs[0] != rungEvict && j.resume == nil
-	var r *resolved
+	var (
+		r   *resolved
+		err error
+	)
 	if j.resume != nil {
 		r = j.resume.forPods(j.active)
 	} else {
@@ -284,6 +277,11 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
 		}
 		res.outcome = outcomeIgnored
+		return res
+	}
+
+	if r = a.awaitFresh(ctx, j, r, freshc); r == nil {
+		res.outcome = outcomeWaiting
 		return res
 	}
 
@@ -433,6 +431,48 @@ func errText(err error) string {
 		return "still broken after it"
 	}
 	return err.Error()
+}
+
+// freshResult is the answer of freshPods.
+type freshResult struct {
+	pods []*corev1.Pod
+	gone []string
+	err  error
+}
+
+// awaitFresh waits for the fresh pods and returns r for them alone (their
+// current objects), or nil when none is left or the API server could not
+// say: then nothing is repaired.
+func (a *Agent) awaitFresh(ctx context.Context, j *job, r *resolved, freshc <-chan freshResult) *resolved {
+	logger := klog.FromContext(ctx)
+	f := <-freshc
+	if f.err != nil {
+		logger.V(2).Info("Repair waits for the API server", "err", f.err)
+		if a.notes.once(j.key, "apiwait") {
+			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", f.err))
+		}
+		return nil
+	}
+	if len(f.gone) > 0 {
+		logger.V(2).Info("Pods gone or replaced since the cache saw them: not repaired", "pods", f.gone)
+	}
+	if len(f.pods) == 0 {
+		return nil
+	}
+	keep := make(map[types.UID]*corev1.Pod, len(f.pods))
+	for _, p := range f.pods {
+		keep[p.UID] = p
+	}
+	var pods []*corev1.Pod
+	for _, p := range r.pods {
+		if cur := keep[p.UID]; cur != nil {
+			pods = append(pods, cur)
+		}
+	}
+	if len(pods) == 0 {
+		return nil
+	}
+	return (&residual{r: r}).forPods(pods)
 }
 
 // freshPods reads each pod from the API server (a GET, not the cache) and
