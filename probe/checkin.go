@@ -50,6 +50,13 @@ func (p *Prober) CheckIn(ctx context.Context, root, path string) (State, error) 
 	go func() {
 		f.res.State, f.res.Err = checkInRoot(root, path)
 		close(f.done)
+		// A probe that returns after its caller stopped waiting leaves no
+		// entry behind (container roots come and go with their PIDs).
+		inRoot.mu.Lock()
+		if inRoot.flights[key] == f {
+			delete(inRoot.flights, key)
+		}
+		inRoot.mu.Unlock()
 	}()
 	timer := time.NewTimer(p.cfg.Timeout)
 	defer timer.Stop()
