@@ -38,21 +38,12 @@ type Unmounter struct {
 	// FusectlDir is where the fuse control filesystem is mounted, or gets
 	// mounted when it is missing; DefaultFusectlDir when empty.
 	FusectlDir string
-	// ProcDir is where procfs is mounted; "/proc" when empty.
-	ProcDir string
 	// Sys are the operations that change mounts; zero fields take the
 	// host's.
 	Sys Syscalls
 	// ProcDir is where procfs is mounted, for our own mount table
 	// (<ProcDir>/thread-self/mountinfo); "/proc" when empty.
 	ProcDir string
-}
-
-func (u *Unmounter) procDir() string {
-	if u.ProcDir == "" {
-		return "/proc"
-	}
-	return u.ProcDir
 }
 
 func (u *Unmounter) procDir() string {
