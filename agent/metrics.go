@@ -82,7 +82,7 @@ func newMetrics(version string, reg *prometheus.Registry) *metrics {
 		}, []string{"state"}),
 		probeDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "mountmedic_probe_duration_seconds",
-			Help:    "Time one backend probe took (probes past their deadline are not observed).",
+			Help:    "Time one backend probe took (probes past their deadline, or not answered by the end of their cycle, are not observed).",
 			Buckets: []float64{0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5},
 		}),
 		hungProbes: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -169,11 +169,11 @@ func (m *metrics) observeScan(inv *probe.Inventory, rep *probe.Report, took time
 
 	for _, r := range rep.Backends {
 		m.probes.WithLabelValues(r.State.String()).Inc()
-		if r.State != probe.Hung && r.Took > 0 {
+		if r.State != probe.Hung && r.State != probe.Unknown && r.Took > 0 {
 			m.probeDuration.Observe(r.Took.Seconds())
 		}
 	}
-	m.hungProbes.Set(float64(rep.InFlight))
+	m.hungProbes.Set(float64(rep.InFlight - rep.Pending))
 
 	counts := make(map[[3]string]int)
 	for _, r := range rep.Mounts {

@@ -3,6 +3,7 @@ package probe
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,9 +16,11 @@ import (
 // fakeFS answers probes per path prefix; a path in hang blocks until
 // release is closed.
 type fakeFS struct {
-	mu      sync.Mutex
-	errs    map[string]error
-	hang    map[string]bool
+	mu   sync.Mutex
+	errs map[string]error
+	hang map[string]bool
+	// delay makes every statfs answer this late.
+	delay   time.Duration
 	release chan struct{}
 	calls   map[string]*atomic.Int32
 }
@@ -33,9 +36,10 @@ func (f *fakeFS) statfs(path string) error {
 		c = new(atomic.Int32)
 		f.calls[path] = c
 	}
-	hang, err := f.hang[path], f.errs[path]
+	hang, err, delay := f.hang[path], f.errs[path], f.delay
 	f.mu.Unlock()
 	c.Add(1)
+	time.Sleep(delay)
 	if hang {
 		<-f.release
 	}
@@ -242,5 +246,112 @@ func TestCheckPath(t *testing.T) {
 	}
 	if n := fs.count("/hung"); n != 2 {
 		t.Errorf("/hung probed %d times in all, want 2", n)
+	}
+}
+
+// fuseInventory is a table of n FUSE backends, one staging mount each, at
+// /staging/<i>.
+func fuseInventory(n int) *Inventory {
+	inv := &Inventory{Root: "/var/lib/kubelet"}
+	for i := range n {
+		b := &Backend{Kind: BackendFUSE, FSType: "fuse.faultfs", Dev: Dev{0, uint32(1000 + i)}}
+		m := &Mount{Path: "/staging/" + strconv.Itoa(i), Backend: b, Options: "rw"}
+		b.Mounts = []*Mount{m}
+		inv.Mounts = append(inv.Mounts, m)
+		inv.Backends = append(inv.Backends, b)
+	}
+	return inv
+}
+
+// TestManyHungBackendsDoNotStallACycle: a thousand backends hang at once,
+// beside a healthy one. One Probe call starts a probe of every one of them
+// (they do not queue behind each other for a deadline each) and says the
+// healthy one is Healthy; the hung ones are Hung, or pending (Unknown,
+// ErrPending) when their probe began late in the call; the next call finds
+// every one Hung without probing any of them again.
+func TestManyHungBackendsDoNotStallACycle(t *testing.T) {
+	const n = 1000
+	inv := fuseInventory(n + 1)
+	fs := newFakeFS()
+	for i := range n {
+		fs.hang["/staging/"+strconv.Itoa(i)] = true
+	}
+	defer close(fs.release)
+	p := NewProberWith(Config{Timeout: time.Second, Parallel: 4}, fs.syscalls())
+	rep := p.Probe(context.Background(), inv)
+	started, hung, pending := 0, 0, 0
+	for i := range n {
+		if fs.count("/staging/"+strconv.Itoa(i)) == 1 {
+			started++
+		}
+		switch r := rep.Backends[i]; {
+		case r.State == Hung && errors.Is(r.Err, ErrHung):
+			hung++
+		case r.State == Unknown && errors.Is(r.Err, ErrPending):
+			pending++
+		default:
+			t.Fatalf("backend %d after one call: %v %v, want Hung or pending", i, r.State, r.Err)
+		}
+	}
+	t.Logf("after one call: %d of %d hung probes started, %d Hung, %d pending, %d in flight", started, n, hung, pending, rep.InFlight)
+	if started != n {
+		t.Errorf("one call started %d of %d probes of hung backends, want all of them", started, n)
+	}
+	if r := rep.Backends[n]; r.State != Healthy {
+		t.Errorf("healthy backend beside %d hung ones: %v %v, want Healthy", n, r.State, r.Err)
+	}
+	if rep.InFlight != n || rep.Pending != pending {
+		t.Errorf("InFlight, Pending = %d, %d; want %d, %d", rep.InFlight, rep.Pending, n, pending)
+	}
+	time.Sleep(time.Second) // every probe is past its deadline now
+	rep = p.Probe(context.Background(), inv)
+	for i := range n {
+		if r := rep.Backends[i]; r.State != Hung {
+			t.Fatalf("backend %d after a second call: %v %v, want Hung", i, r.State, r.Err)
+		}
+		if c := fs.count("/staging/" + strconv.Itoa(i)); c != 1 {
+			t.Fatalf("hung backend %d probed %d times, want once", i, c)
+		}
+	}
+	if rep.Pending != 0 {
+		t.Errorf("Pending = %d after every deadline passed, want 0", rep.Pending)
+	}
+}
+
+// TestSlowAnswerWithinDeadlineIsNeverHung: backends that answer in 60 % of
+// the deadline (a daemon taking 1.2 s under a 2 s deadline) are Healthy at
+// every call, never Hung nor pending, however many answer slowly at once.
+func TestSlowAnswerWithinDeadlineIsNeverHung(t *testing.T) {
+	const n = 200
+	inv := fuseInventory(n)
+	fs := newFakeFS()
+	fs.delay = 300 * time.Millisecond
+	p := NewProberWith(Config{Timeout: 500 * time.Millisecond, Parallel: 4}, fs.syscalls())
+	for cycle := range 3 {
+		rep := p.Probe(context.Background(), inv)
+		for i, r := range rep.Backends {
+			if r.State != Healthy {
+				t.Fatalf("cycle %d: slow backend %d: %v %v, want Healthy", cycle, i, r.State, r.Err)
+			}
+		}
+		if rep.InFlight != 0 {
+			t.Errorf("cycle %d: %d probes in flight after the call, want 0", cycle, rep.InFlight)
+		}
+	}
+}
+
+// TestFinishedFlightsOfGoneBackendsAreDropped: the prober forgets a backend
+// that left the table once its probe returned, so that a node whose volumes
+// come and go does not grow its memory.
+func TestFinishedFlightsOfGoneBackendsAreDropped(t *testing.T) {
+	fs := newFakeFS()
+	p := NewProberWith(Config{Timeout: time.Minute}, fs.syscalls())
+	p.Probe(context.Background(), fuseInventory(50))
+	p.Probe(context.Background(), fuseInventory(5))
+	p.mu.Lock()
+	n := len(p.inflight)
+	p.mu.Unlock()
+	if n != 5 {
+		t.Errorf("prober keeps %d flights after the table shrank to 5 backends, want 5", n)
 	}
 }
