@@ -74,6 +74,8 @@ type Agent struct {
 	budget   *budget
 	decider  *decider
 	events   eventRecorder
+	// limiter holds the events past the node's budget for a summary.
+	limiter *limitedRecorder
 
 	// factory and the pod informer are made in New, started by Run, so
 	// that /readyz (served before the informer starts) reads them safely.
@@ -139,7 +141,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		fenced:   deps.Fenced,
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
-	a.report = reporter{rec: deps.Events, dryRun: cfg.DryRun}
+	a.report = reporter{dryRun: cfg.DryRun}
+	if deps.Events != nil {
+		a.limiter = newLimitedRecorder(deps.Events, cfg.NodeName, nil)
+		a.report.rec = a.limiter
+	}
 	factory, inf, err := podInformer(a.client, cfg.NodeName)
 	if err != nil {
 		return nil, err
@@ -258,7 +264,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		defer b.Shutdown()
 		a.events = b.NewRecorder(scheme.Scheme, ReportingController)
-		a.report.rec = a.events
+		a.limiter = newLimitedRecorder(a.events, a.cfg.NodeName, nil)
+		a.report.rec = a.limiter
 	}
 
 	a.factory.Start(ctx.Done())
@@ -298,6 +305,9 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	defer probeTimer.Stop()
 	resync := time.NewTicker(a.cfg.Resync)
 	defer resync.Stop()
+	summary := time.NewTicker(eventSummaryEvery)
+	defer summary.Stop()
+	defer a.limiter.flush(a.cfg.DryRun)
 	kick := func(driver string) {
 		a.caps.forget(driver)
 		for _, key := range a.decider.kick(driver, time.Now()) {
@@ -312,6 +322,8 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			return
 		case <-tw.Changes():
 			dirty = true
+		case <-summary.C:
+			a.limiter.flush(a.cfg.DryRun)
 		case <-resync.C:
 			dirty = true
 			a.decider.resync()
