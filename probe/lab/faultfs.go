@@ -179,6 +179,13 @@ func (f *FaultFS) SetErrno(e syscall.Errno) {
 	f.command("errno " + strconv.Itoa(int(e)))
 }
 
+// Delay makes every request answer d late (0 clears it): a slow daemon
+// that still answers, as opposed to a hung one.
+func (f *FaultFS) Delay(d time.Duration) {
+	f.t.Helper()
+	f.command("delay " + d.String())
+}
+
 // Hang makes every request block inside its handler until Release or an
 // abort of the connection.
 func (f *FaultFS) Hang() {
@@ -398,6 +405,13 @@ func handleControl(c net.Conn, flt *faults) {
 			break
 		}
 		flt.setErrno(syscall.Errno(n))
+	case "delay":
+		d, err := time.ParseDuration(arg)
+		if err != nil || d < 0 {
+			reply = fmt.Sprintf("error: bad delay %q\n", arg)
+			break
+		}
+		flt.setDelay(d)
 	case "hang":
 		flt.startHang()
 	case "release":

@@ -41,6 +41,16 @@ func TestFaultFSManyMounts(t *testing.T) {
 		t.Errorf("read through the fourth mount: %v", err)
 	}
 
+	f.Delay(200 * time.Millisecond)
+	start := time.Now()
+	if err := statfs(mps[2]); err != nil {
+		t.Errorf("statfs of a slow mount: %v, want an answer", err)
+	}
+	if took := time.Since(start); took < 200*time.Millisecond {
+		t.Errorf("statfs of a mount delayed 200ms answered in %s", took)
+	}
+	f.Delay(0)
+
 	f.Hang()
 	blocked := make([]chan error, len(mps))
 	for i, mp := range mps {
