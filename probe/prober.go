@@ -59,7 +59,9 @@ func (r *Report) Broken() []Result {
 
 // Config tunes a Prober.
 type Config struct {
-	// Timeout is each probe's deadline; past it the backend is Hung.
+	// Timeout is the deadline of each call a probe makes (statfs, statx,
+	// a device read): a call still running past it makes the backend
+	// Hung. A daemon that answers every call within it is never Hung.
 	Timeout time.Duration
 	// Parallel bounds the probes run at once in a cycle.
 	Parallel int
@@ -126,6 +128,8 @@ type flight struct {
 	// seen marks the flights of backends of the last Probe call, so that
 	// finished flights of vanished backends are dropped.
 	seen bool
+	// used: a Probe call took the answer (set under Prober.mu).
+	used bool
 }
 
 // ErrPending is the error of a probe that has not answered yet but is not
@@ -181,7 +185,7 @@ func (p *Prober) InFlight() int {
 // Probe checks every backend of inv once and derives the state of every
 // mount. It starts the probes of every backend that has none in flight and
 // waits for all of them together: until each answered or passed its own
-// deadline (Config.Timeout from its first syscall), and never longer than
+// deadline (Config.Timeout from the start of its current call), and never longer than
 // one deadline and a quarter in all, whatever the number of backends or of
 // hung ones. A backend whose probe is still running past its deadline is
 // Hung; one whose probe is still running within it (it started late in a
@@ -205,7 +209,7 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 			rep.Backends[i] = Result{Backend: b, State: st, Err: err}
 			continue
 		}
-		flights[i], fresh[i] = p.launch(b.Dev, func() Result { return p.check(b, path) })
+		flights[i], fresh[i] = p.launch(b.Dev, true, func(mark func()) Result { return p.check(b, path, mark) })
 	}
 
 	// Wait for the fresh probes: each until it answers or its own deadline
@@ -257,6 +261,13 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 			continue
 		}
 		b := inv.Backends[i]
+		select {
+		case <-f.done:
+			p.mu.Lock()
+			f.used = true
+			p.mu.Unlock()
+		default:
+		}
 		r := p.judge(ctx, f, fresh[i], b.ProbePath(), now)
 		r.Backend = b
 		rep.Backends[i] = r
@@ -274,13 +285,21 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 }
 
 // launch starts a probe under key unless one is in flight, which it returns
-// instead (fresh false). A finished flight is replaced.
-func (p *Prober) launch(key any, check func() Result) (f *flight, fresh bool) {
+// instead (fresh false). A finished flight is replaced, unless reuse is set
+// and no caller has taken its answer yet.
+func (p *Prober) launch(key any, reuse bool, check func(mark func()) Result) (f *flight, fresh bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if f = p.inflight[key]; f != nil {
 		select {
 		case <-f.done:
+			if reuse && !f.used {
+				// It answered after the last cycle ended: that answer is
+				// this cycle's (a daemon slower than a cycle's wait, but
+				// answering, is not probed again before it is heard).
+				f.seen, f.used = true, true
+				return f, false
+			}
 		default:
 			f.seen = true
 			return f, false
@@ -295,16 +314,17 @@ func (p *Prober) launch(key any, check func() Result) (f *flight, fresh bool) {
 // fly runs one probe: it waits for a fast-lane slot, gives it back once the
 // probe answered or slowAfter passed, whichever comes first, and records
 // the result.
-func (p *Prober) fly(f *flight, check func() Result) {
+func (p *Prober) fly(f *flight, check func(mark func()) Result) {
 	p.lane <- struct{}{}
 	start := time.Now()
-	p.mu.Lock()
-	f.start = start
-	p.mu.Unlock()
 	var once sync.Once
 	leave := func() { once.Do(func() { <-p.lane }) }
 	t := time.AfterFunc(p.slowAfter, leave)
-	res := check()
+	res := check(func() {
+		p.mu.Lock()
+		f.start = time.Now()
+		p.mu.Unlock()
+	})
 	t.Stop()
 	leave()
 	res.Took = time.Since(start)
@@ -312,7 +332,9 @@ func (p *Prober) fly(f *flight, check func() Result) {
 	close(f.done)
 }
 
-// started is when f's first syscall began, zero while it waits for a lane.
+// started is when f's current syscall began, zero while it waits for a
+// lane. The deadline runs per call: a daemon that answers each request
+// within it is never Hung, however many requests a probe makes.
 func (p *Prober) started(f *flight) time.Time {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -415,9 +437,9 @@ func derive(inv *Inventory, of func(*Backend) Result) []Result {
 // table: for a caller that knows which path to check, such as a container's
 // view of a volume through /proc/<pid>/root.
 func (p *Prober) CheckPath(ctx context.Context, path string) (State, error) {
-	f, fresh := p.launch(path, func() Result {
+	f, fresh := p.launch(path, false, func(mark func()) Result {
 		var r Result
-		r.State, r.Err = p.syscalls(path)
+		r.State, r.Err = p.syscalls(path, mark)
 		return r
 	})
 	if !fresh {
@@ -456,10 +478,12 @@ func (p *Prober) CheckPath(ctx context.Context, path string) (State, error) {
 
 // syscalls runs statfs, then statx(AT_STATX_FORCE_SYNC), on path: Healthy,
 // or the state of the first error and the error.
-func (p *Prober) syscalls(path string) (State, error) {
+func (p *Prober) syscalls(path string, mark func()) (State, error) {
+	mark()
 	if err := p.sys.Statfs(path); err != nil {
 		return StateOf(err), fmt.Errorf("statfs %s: %w", path, err)
 	}
+	mark()
 	if err := p.sys.StatxSync(path); err != nil {
 		return StateOf(err), fmt.Errorf("statx %s: %w", path, err)
 	}
@@ -467,9 +491,9 @@ func (p *Prober) syscalls(path string) (State, error) {
 }
 
 // check runs on its own goroutine; it may block for good in a syscall.
-func (p *Prober) check(b *Backend, path string) Result {
+func (p *Prober) check(b *Backend, path string, mark func()) Result {
 	r := Result{Backend: b}
-	if st, err := p.syscalls(path); err != nil {
+	if st, err := p.syscalls(path, mark); err != nil {
 		r.State, r.Err = st, err
 		return r
 	}
@@ -478,6 +502,7 @@ func (p *Prober) check(b *Backend, path string) Result {
 		return r
 	}
 	if b.Kind == BackendBlock && b.Device != "" {
+		mark()
 		if st, err := p.checkDevice(b); st != Healthy {
 			r.State, r.Err = st, err
 			return r

@@ -57,8 +57,14 @@ func (f *fakeFS) count(path string) int32 {
 
 func (f *fakeFS) syscalls() Syscalls {
 	return Syscalls{
-		Statfs:     f.statfs,
-		StatxSync:  func(string) error { return nil },
+		Statfs: f.statfs,
+		StatxSync: func(string) error {
+			f.mu.Lock()
+			delay := f.delay
+			f.mu.Unlock()
+			time.Sleep(delay)
+			return nil
+		},
 		ReadDevice: func(string) error { return nil },
 		ReadFile:   func(string) ([]byte, error) { return nil, unix.ENOENT },
 	}
@@ -148,20 +154,23 @@ func TestHungProbeIsNeverStartedTwice(t *testing.T) {
 	if n := fs.count(staging.Path); n != 1 {
 		t.Errorf("hung backend probed %d times, want 1 (no second probe while the first is stuck)", n)
 	}
-	// The stuck call returns: the next cycle probes again and is healthy.
+	// The stuck call returns: the next cycle takes its answer, healthy,
+	// and the one after probes again.
 	close(fs.release)
 	deadline := time.Now().Add(10 * time.Second)
 	for p.InFlight() != 0 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	rep := p.Probe(context.Background(), inv)
-	for _, r := range rep.Mounts {
-		if r.State != Healthy {
-			t.Errorf("after release: %s: state %v, want Healthy", r.Mount.Path, r.State)
+	for i, want := range []int32{1, 2} {
+		rep := p.Probe(context.Background(), inv)
+		for _, r := range rep.Mounts {
+			if r.State != Healthy {
+				t.Errorf("cycle %d after release: %s: state %v, want Healthy", i, r.Mount.Path, r.State)
+			}
 		}
-	}
-	if n := fs.count(staging.Path); n != 2 {
-		t.Errorf("after release: probed %d times in all, want 2", n)
+		if n := fs.count(staging.Path); n != want {
+			t.Errorf("cycle %d after release: probed %d times in all, want %d", i, n, want)
+		}
 	}
 }
 
@@ -300,8 +309,8 @@ func TestManyHungBackendsDoNotStallACycle(t *testing.T) {
 	if r := rep.Backends[n]; r.State != Healthy {
 		t.Errorf("healthy backend beside %d hung ones: %v %v, want Healthy", n, r.State, r.Err)
 	}
-	if rep.InFlight != n || rep.Pending != pending {
-		t.Errorf("InFlight, Pending = %d, %d; want %d, %d", rep.InFlight, rep.Pending, n, pending)
+	if rep.InFlight != n || rep.Pending > pending {
+		t.Errorf("InFlight, Pending = %d, %d; want %d, at most %d", rep.InFlight, rep.Pending, n, pending)
 	}
 	time.Sleep(time.Second) // every probe is past its deadline now
 	rep = p.Probe(context.Background(), inv)
@@ -318,24 +327,35 @@ func TestManyHungBackendsDoNotStallACycle(t *testing.T) {
 	}
 }
 
-// TestSlowAnswerWithinDeadlineIsNeverHung: backends that answer in 60 % of
-// the deadline (a daemon taking 1.2 s under a 2 s deadline) are Healthy at
-// every call, never Hung nor pending, however many answer slowly at once.
+// TestSlowAnswerWithinDeadlineIsNeverHung: backends whose daemon answers
+// each request in 75 % of the deadline (1.5 s under a 2 s deadline) are
+// never Hung, though a probe's two requests together take longer than the
+// deadline: the deadline runs per call. A probe still running at the end of
+// a call is pending, and Healthy at the next; however many answer slowly at
+// once.
 func TestSlowAnswerWithinDeadlineIsNeverHung(t *testing.T) {
 	const n = 200
 	inv := fuseInventory(n)
 	fs := newFakeFS()
 	fs.delay = 300 * time.Millisecond
-	p := NewProberWith(Config{Timeout: 500 * time.Millisecond, Parallel: 4}, fs.syscalls())
-	for cycle := range 3 {
+	p := NewProberWith(Config{Timeout: 400 * time.Millisecond, Parallel: 4}, fs.syscalls())
+	healthy := make([]bool, n)
+	for cycle := range 4 {
+		time.Sleep(200 * time.Millisecond) // the agent's probe interval
 		rep := p.Probe(context.Background(), inv)
 		for i, r := range rep.Backends {
-			if r.State != Healthy {
-				t.Fatalf("cycle %d: slow backend %d: %v %v, want Healthy", cycle, i, r.State, r.Err)
+			switch {
+			case r.State == Healthy:
+				healthy[i] = true
+			case r.State == Unknown && errors.Is(r.Err, ErrPending):
+			default:
+				t.Fatalf("cycle %d: slow backend %d: %v %v, want Healthy or pending", cycle, i, r.State, r.Err)
 			}
 		}
-		if rep.InFlight != 0 {
-			t.Errorf("cycle %d: %d probes in flight after the call, want 0", cycle, rep.InFlight)
+	}
+	for i, ok := range healthy {
+		if !ok {
+			t.Errorf("slow backend %d never found Healthy in 4 calls", i)
 		}
 	}
 }

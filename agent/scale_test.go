@@ -1,0 +1,380 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// The fault matrix at scale: a storage backend outage breaks every volume
+// of a node at once. Each test lays out n broken pod volumes and 10 healthy
+// pods, runs the agent (real API server, real mounts, real remount repairer)
+// against a lab CSI node plugin, and checks outcomes only: every broken
+// volume healed, the healthy ones untouched (same mounts, never reported),
+// events within the node's budget, threads bounded. The benchmarks of
+// bench_test.go time the same scenarios at a thousand volumes.
+
+// tmpfsMagic is the f_type statfs reports for a tmpfs: what the lab CSI
+// plugin stages.
+const tmpfsMagic = 0x01021994
+
+// labCSI is a CSI node plugin for the lab kubelet tree: NodeStageVolume
+// mounts a fresh tmpfs on the staging path, NodePublishVolume bind-mounts
+// it onto the target. Real mounts, made in the test's private mount
+// namespace, so that the agent's re-stage and its verification act on real
+// paths; it stands in for a driver that can stage a thousand volumes in
+// seconds, which no FUSE driver here can.
+type labCSI struct {
+	csi.UnimplementedNodeServer
+	stages, publishes atomic.Int64
+	mu                sync.Mutex
+	mounted           []string
+}
+
+func (d *labCSI) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: []*csi.NodeServiceCapability{{
+		Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME}},
+	}}}, nil
+}
+
+func (d *labCSI) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	return &csi.NodeGetInfoResponse{NodeId: lab.DefaultNodeName}, nil
+}
+
+func (d *labCSI) NodeStageVolume(_ context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	p := req.GetStagingTargetPath()
+	if err := os.MkdirAll(p, 0o750); err != nil {
+		return nil, err
+	}
+	if err := unix.Mount("labcsi", p, "tmpfs", 0, "size=1m"); err != nil {
+		return nil, fmt.Errorf("mount tmpfs at %s: %w", p, err)
+	}
+	if err := os.Mkdir(filepath.Join(p, "sub"), 0o755); err != nil {
+		return nil, err
+	}
+	d.record(p)
+	d.stages.Add(1)
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+func (d *labCSI) NodePublishVolume(_ context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	p := req.GetTargetPath()
+	if err := os.MkdirAll(p, 0o750); err != nil {
+		return nil, err
+	}
+	if err := unix.Mount(req.GetStagingTargetPath(), p, "", unix.MS_BIND, ""); err != nil {
+		return nil, fmt.Errorf("bind %s at %s: %w", req.GetStagingTargetPath(), p, err)
+	}
+	d.record(p)
+	d.publishes.Add(1)
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+func (d *labCSI) record(p string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.mounted = append(d.mounted, p)
+}
+
+// serveLabCSI serves a labCSI at the conventional socket of labDriver
+// under the lab kubelet root, where the repairer finds it.
+func (e *env) serveLabCSI() *labCSI {
+	e.t.Helper()
+	sock := filepath.Join(e.kubelet.Root(), "plugins", labDriver, "csi.sock")
+	if err := os.MkdirAll(filepath.Dir(sock), 0o750); err != nil {
+		e.t.Fatal(err)
+	}
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		e.t.Fatalf("listen on %s: %v", sock, err)
+	}
+	d := &labCSI{}
+	s := grpc.NewServer()
+	csi.RegisterNodeServer(s, d)
+	go s.Serve(ln)
+	e.t.Cleanup(func() {
+		s.Stop()
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		for i := len(d.mounted) - 1; i >= 0; i-- {
+			_ = unix.Unmount(d.mounted[i], unix.MNT_DETACH)
+		}
+	})
+	return d
+}
+
+// createPods creates n Running pods named prefix-<i> that mount the claim
+// of v in container "app" with HostToContainer propagation (so a re-staged
+// host mount reaches them without a live swap), a few at a time.
+func (e *env) createPods(prefix string, v *volume, n int) []*corev1.Pod {
+	e.t.Helper()
+	out := make([]*corev1.Pod, n)
+	errs := make(chan error, n)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 16)
+	h2c := corev1.MountPropagationHostToContainer
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			ctx := context.Background()
+			pod := &corev1.Pod{
+				ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: prefix + "-" + strconv.Itoa(i)},
+				Spec: corev1.PodSpec{
+					NodeName: e.node,
+					Containers: []corev1.Container{{Name: "app", Image: "busybox",
+						VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data", MountPropagation: &h2c}}}},
+					Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+						PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: v.pvc.Name},
+					}}},
+				},
+			}
+			pod, err := e.admin.CoreV1().Pods(testNamespace).Create(ctx, pod, metav1.CreateOptions{})
+			if err != nil {
+				errs <- err
+				return
+			}
+			now := metav1.Now()
+			pod.Status = corev1.PodStatus{
+				Phase:      corev1.PodRunning,
+				Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue, LastTransitionTime: now}},
+				ContainerStatuses: []corev1.ContainerStatus{{
+					Name: "app", Ready: true, Image: "busybox", ImageID: "busybox",
+					ContainerID: "containerd://" + fmt.Sprintf("%064x", i+1),
+					State:       corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}},
+				}},
+			}
+			if pod, err = e.admin.CoreV1().Pods(testNamespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+				errs <- err
+				return
+			}
+			out[i] = pod
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		e.t.Fatalf("create pods %s-*: %v", prefix, err)
+	}
+	return out
+}
+
+// scaleNode is a lab node with broken-to-be volumes and healthy ones.
+type scaleNode struct {
+	e      *env
+	driver *labCSI
+	// targets are the publish targets that the fault breaks.
+	targets []string
+	// daemon serves every volume the fault breaks.
+	daemon *lab.FaultFS
+	// healthy are the publish targets of the 10 pods that stay healthy,
+	// with their mount IDs before the fault; healthyPods are those pods.
+	healthy     map[string]int
+	healthyPods []*corev1.Pod
+	healthyFS   *lab.FaultFS
+}
+
+// newScaleNode lays out n pods on broken-to-be volumes: on one volume (one
+// backend, one staging mount, n publish binds) when shared, else each on
+// its own volume and FUSE connection (n backends), all served by one
+// FaultFS daemon. Ten more pods have healthy volumes of their own, served by
+// another daemon.
+func newScaleNode(t testing.TB, n int, shared bool) *scaleNode {
+	e := newEnv(t, nil)
+	s := &scaleNode{e: e, driver: e.serveLabCSI(), healthy: make(map[string]int)}
+	if shared {
+		v := e.createVolume("shared", nil)
+		s.daemon = lab.StartFaultFSMany(t, []string{v.staging})
+		for _, pod := range e.createPods("shared", v, n) {
+			s.targets = append(s.targets, e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false))
+		}
+	} else {
+		vols := make([]*volume, n)
+		stagings := make([]string, n)
+		for i := range n {
+			vols[i] = e.createVolume("b"+strconv.Itoa(i), nil)
+			stagings[i] = vols[i].staging
+		}
+		s.daemon = lab.StartFaultFSMany(t, stagings)
+		for i, v := range vols {
+			pod := e.createPods("b"+strconv.Itoa(i), v, 1)[0]
+			s.targets = append(s.targets, e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false))
+		}
+	}
+	var vols []*volume
+	var stagings []string
+	for i := range 10 {
+		v := e.createVolume("ok"+strconv.Itoa(i), nil)
+		vols = append(vols, v)
+		stagings = append(stagings, v.staging)
+	}
+	s.healthyFS = lab.StartFaultFSMany(t, stagings)
+	for i, v := range vols {
+		pod := e.createPods("ok"+strconv.Itoa(i), v, 1)[0]
+		s.healthyPods = append(s.healthyPods, pod)
+		pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+		s.healthy[pub] = 0
+	}
+	return s
+}
+
+// snapshotHealthy records the mount IDs of the healthy publish targets.
+func (s *scaleNode) snapshotHealthy(t testing.TB) {
+	for p := range s.healthy {
+		s.healthy[p] = topMountID(t, p)
+	}
+}
+
+func topMountID(t testing.TB, path string) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && f[4] == path {
+			n, _ := strconv.Atoi(f[0])
+			id = max(id, n)
+		}
+	}
+	return id
+}
+
+// healed counts the broken-to-be targets that now show a fresh lab CSI
+// mount (tmpfs), each probed with statfs in parallel.
+func (s *scaleNode) healed() int {
+	var n atomic.Int64
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for _, p := range s.targets {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			var st unix.Statfs_t
+			if err := unix.Statfs(p, &st); err == nil && st.Type == tmpfsMagic {
+				n.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	return int(n.Load())
+}
+
+// checkHealthy fails for each healthy pod whose mount changed or that the
+// agent reported on.
+func (s *scaleNode) checkHealthy(t testing.TB) {
+	for p, id := range s.healthy {
+		if got := topMountID(t, p); got != id {
+			t.Errorf("healthy publish target %s: mount %d became %d", p, id, got)
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(p, &st); err != nil || st.Type != lab.FUSEMagic {
+			t.Errorf("healthy publish target %s: statfs %v, f_type %#x; want its FUSE mount answering", p, err, st.Type)
+		}
+	}
+	for _, pod := range s.healthyPods {
+		if evs := s.e.eventsOf(pod.UID); len(evs) > 0 {
+			t.Errorf("healthy pod %s has %d events (first %s: %s), want none", pod.Name, len(evs), evs[0].Reason, evs[0].Note)
+		}
+	}
+}
+
+// eventWrites counts the event writes of a recorder's snapshot.
+func eventWrites(counts map[string]int) int {
+	n := 0
+	for k, v := range counts {
+		if strings.Contains(k, "/apis/events.k8s.io/") && (strings.HasPrefix(k, "POST ") || strings.HasPrefix(k, "PATCH ")) {
+			n += v
+		}
+	}
+	return n
+}
+
+// runScale breaks the node (dead or hung daemon), runs the agent and waits
+// until every broken volume is healed; it returns how long that took and
+// the agent's event writes.
+func runScale(t *testing.T, n int, shared, hang bool) {
+	s := newScaleNode(t, n, shared)
+	rep, err := remount.New(remount.Config{KubeletRoot: s.e.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	client, rec := s.e.countingClient()
+	cfg := s.e.config()
+	// The agent's defaults, but for the test's shorter probe deadline: a
+	// slow daemon answering in 60 % of it must never be taken for hung.
+	cfg.ProbeInterval, cfg.ProbeTimeout = time.Second, time.Second
+	cfg.Resync, cfg.BackoffBase, cfg.BackoffMax = 30*time.Second, time.Second, 5*time.Minute
+	s.healthyFS.Delay(600 * time.Millisecond)
+	base := threads(t)
+	a := s.e.startAgent(cfg, agent.Deps{Client: client, Repairer: rep})
+	s.snapshotHealthy(t)
+	time.Sleep(3 * time.Second) // a few cycles over the slow healthy daemon
+	if hang {
+		s.daemon.Hang()
+		t.Cleanup(s.daemon.Release)
+	} else {
+		s.daemon.Kill()
+	}
+	start := time.Now()
+	var peak int
+	s.e.waitFor(fmt.Sprintf("all %d broken volumes healed", n), func() (bool, error) {
+		peak = max(peak, threads(t))
+		h := s.healed()
+		if h < n {
+			return false, fmt.Errorf("%d of %d healed", h, n)
+		}
+		return true, nil
+	})
+	took := time.Since(start)
+	time.Sleep(eventSummaryWait) // the agent's summary of held events
+	writes := eventWrites(rec.snapshot())
+	t.Logf("%d volumes (shared backend %v, hung %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d",
+		n, shared, hang, took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), writes, base, peak)
+	s.checkHealthy(t)
+	// The node's budget: 25 at once, one a second, and one summary per
+	// reason every 10 s (a handful of reasons).
+	if limit := 25 + int(time.Since(start).Seconds()) + 4*(1+int(time.Since(start)/(10*time.Second))); writes > limit {
+		t.Errorf("%d event writes for %d broken volumes over %s, want at most %d (the node's budget)", writes, n, time.Since(start).Round(time.Second), limit)
+	}
+	if hang && peak-base > n+64 {
+		t.Errorf("threads peaked at %d over %d before the agent for %d hung backends, want at most one per hung backend plus a constant", peak, base, n)
+	}
+	if v, _ := a.metric(`mountmedic_repairs_total{tier="restage",result="success"}`); v < 1 {
+		t.Errorf("no successful restage counted")
+	}
+}
+
+// eventSummaryWait covers one summary period of the agent's event budget.
+const eventSummaryWait = 11 * time.Second
+
+// TestScaleDeadVolumesOneBackend: one backend dies under n pods.
+func TestScaleDeadVolumesOneBackend(t *testing.T) { runScale(t, 100, true, false) }
+
+// TestScaleDeadBackends: n backends die at once, one pod each.
+func TestScaleDeadBackends(t *testing.T) { runScale(t, 50, false, false) }
+
+// TestScaleHungBackends: n backends hang at once, one pod each; a slow
+// daemon beside them is never aborted.
+func TestScaleHungBackends(t *testing.T) { runScale(t, 50, false, true) }
