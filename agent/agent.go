@@ -96,6 +96,10 @@ type Agent struct {
 
 	results chan jobResult
 	running int
+	// broken and queue are the last probe cycle's broken volumes and the
+	// keys it found due that no run has taken yet (owned by the loop).
+	broken  map[string]*brokenVolume
+	queue   []string
 	workers sync.WaitGroup
 }
 
@@ -343,6 +347,9 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			a.running--
 			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
 			a.decider.setResidual(r.key, r.residual)
+			if a.synced() {
+				a.startRuns(ctx)
+			}
 		case <-probeTimer.C:
 			inv = a.cycle(ctx, inv, &dirty, pw)
 			probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
@@ -405,12 +412,24 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 		}
 		return inv
 	}
-	for _, key := range due {
-		if a.running >= a.cfg.MaxConcurrentRepairs {
-			break
+	a.broken, a.queue = broken, due
+	a.startRuns(ctx)
+	return inv
+}
+
+// startRuns starts the repair runs of the queued due volumes, as many as
+// MaxConcurrentRepairs allows. The loop calls it after each probe cycle and
+// each time a run ends, so that a thousand volumes broken at once are
+// repaired back to back, not a handful per probe cycle.
+func (a *Agent) startRuns(ctx context.Context) {
+	for len(a.queue) > 0 && a.running < a.cfg.MaxConcurrentRepairs {
+		key := a.queue[0]
+		a.queue = a.queue[1:]
+		if st := a.decider.vols[key]; st == nil || st.inflight {
+			continue // healed, or already under way since it was queued
 		}
 		var j *job
-		if bv := broken[key]; bv != nil {
+		if bv := a.broken[key]; bv != nil {
 			j = a.prepare(bv)
 		} else if rs := a.decider.residualOf(key); rs != nil {
 			j = a.prepareResidual(ctx, key, rs)
@@ -427,7 +446,6 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 			a.results <- a.run(ctx, j)
 		}()
 	}
-	return inv
 }
 
 // prepareResidual makes the job that resumes a residual: the volume is

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mountmedic/mountmedic/agent"
@@ -199,6 +200,13 @@ type scaleNode struct {
 // another daemon.
 func newScaleNode(t testing.TB, n int, shared bool) *scaleNode {
 	e := newEnv(t, nil)
+	no := false
+	if _, err := e.admin.StorageV1().CSIDrivers().Create(context.Background(), &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: labDriver},
+		Spec:       storagev1.CSIDriverSpec{AttachRequired: &no},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create CSIDriver: %v", err)
+	}
 	s := &scaleNode{e: e, driver: e.serveLabCSI(), healthy: make(map[string]int)}
 	if shared {
 		v := e.createVolume("shared", nil)
@@ -361,7 +369,7 @@ func runScale(t *testing.T, n int, shared, hang bool) {
 	if hang && peak-base > n+64 {
 		t.Errorf("threads peaked at %d over %d before the agent for %d hung backends, want at most one per hung backend plus a constant", peak, base, n)
 	}
-	if v, _ := a.metric(`mountmedic_repairs_total{tier="restage",result="success"}`); v < 1 {
+	if v, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); v < 1 {
 		t.Errorf("no successful restage counted")
 	}
 }
@@ -373,8 +381,17 @@ const eventSummaryWait = 11 * time.Second
 func TestScaleDeadVolumesOneBackend(t *testing.T) { runScale(t, 100, true, false) }
 
 // TestScaleDeadBackends: n backends die at once, one pod each.
-func TestScaleDeadBackends(t *testing.T) { runScale(t, 50, false, false) }
+func TestScaleDeadBackends(t *testing.T) { runScale(t, scaleN(50), false, false) }
 
 // TestScaleHungBackends: n backends hang at once, one pod each; a slow
 // daemon beside them is never aborted.
 func TestScaleHungBackends(t *testing.T) { runScale(t, 50, false, true) }
+
+// scaleN is n, or $MOUNTMEDIC_SCALE_N when set (to run a test at another
+// size by hand).
+func scaleN(n int) int {
+	if v, err := strconv.Atoi(os.Getenv("MOUNTMEDIC_SCALE_N")); err == nil && v > 0 {
+		return v
+	}
+	return n
+}
