@@ -29,31 +29,43 @@ import (
 
 // BenchmarkAgentSteadyState runs the real mountmedic binary (`mountmedic
 // agent`, default flags) as the mountmedic ServiceAccount over a lab node
-// with n healthy FUSE volumes, each its own FUSE daemon with a staging
-// mount, a publish bind and a subPath bind, and a pod in the API. Each
-// iteration samples 10 s of steady state and reports the agent process's
-// CPU (percent of one core), its RSS, and its API requests per minute as a
-// proxy in front of the API server counts them.
+// with n healthy FUSE volumes, each its own FUSE connection (one lab
+// daemon serves them all) with a staging mount, a publish bind and a
+// subPath bind, and a pod in the API. Each iteration samples 10 s of
+// steady state and reports the agent process's CPU (percent of one core),
+// its RSS, and its API requests per minute as a proxy in front of the API
+// server counts them. With MOUNTMEDIC_BENCH_HEAP=<dir> the binary is built
+// with -tags pprof and a heap profile of it is written to
+// <dir>/heap-<n>.pprof at the end.
 //
 //	go test -run '^$' -bench AgentSteadyState -benchtime 2x ./agent
 func BenchmarkAgentSteadyState(b *testing.B) {
 	lab.RequireRoot(b)
-	bin := buildAgent(b)
+	heapDir := os.Getenv("MOUNTMEDIC_BENCH_HEAP")
+	bin := buildAgent(b, heapDir != "")
 	for _, n := range []int{200, 1000} {
 		b.Run("volumes="+strconv.Itoa(n), func(b *testing.B) {
 			e := newEnv(b, nil)
-			for i := 0; i < n; i++ {
-				name := "v" + strconv.Itoa(i)
-				v := e.createVolume(name, nil)
-				pod := e.createPod(name, v, podOptions{subPath: "sub"})
-				fs := lab.StartFaultFS(b, v.staging)
-				if err := os.Mkdir(filepath.Join(fs.BackingDir(), "sub"), 0o755); err != nil {
-					b.Fatal(err)
-				}
+			vols := make([]*volume, n)
+			stagings := make([]string, n)
+			for i := range n {
+				vols[i] = e.createVolume("v"+strconv.Itoa(i), nil)
+				stagings[i] = vols[i].staging
+			}
+			fs := lab.StartFaultFSMany(b, stagings)
+			if err := os.Mkdir(filepath.Join(fs.BackingDir(), "sub"), 0o755); err != nil {
+				b.Fatal(err)
+			}
+			for i, v := range vols {
+				pod := e.createPod("v"+strconv.Itoa(i), v, podOptions{subPath: "sub"})
 				pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
 				e.kubelet.SubPath(string(pod.UID), v.pv.Name, "app", 1, filepath.Join(pub, "sub"))
 			}
-			p := startAgentProcess(b, e, bin)
+			var pprofAddr string
+			if heapDir != "" {
+				pprofAddr = freeAddr(b)
+			}
+			p := startAgentProcess(b, e, bin, "MOUNTMEDIC_PPROF_ADDR="+pprofAddr)
 			time.Sleep(5 * time.Second) // warm-up: first scan, informer sync
 			b.ResetTimer()
 			var cpu, reqs float64
@@ -74,15 +86,52 @@ func BenchmarkAgentSteadyState(b *testing.B) {
 			if broken := p.metric(b, "mountmedic_stale_mounts"); broken != 0 {
 				b.Fatalf("%v stale mounts reported on a healthy node", broken)
 			}
+			if heapDir != "" {
+				saveURL(b, "http://"+pprofAddr+"/debug/pprof/heap", filepath.Join(heapDir, "heap-"+strconv.Itoa(n)+".pprof"))
+			}
 		})
 	}
 }
 
-// buildAgent builds cmd/mountmedic into a temporary directory.
-func buildAgent(b *testing.B) string {
+// freeAddr is a free loopback TCP address.
+func freeAddr(b *testing.B) string {
+	b.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// saveURL writes the body of a GET of url to path.
+func saveURL(b *testing.B, url, path string) {
+	b.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile(path, body, 0o644); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("heap profile of the agent: %s", path)
+}
+
+// buildAgent builds cmd/mountmedic into a temporary directory (with the
+// pprof build tag when profiled).
+func buildAgent(b *testing.B, profiled bool) string {
 	b.Helper()
 	bin := filepath.Join(b.TempDir(), "mountmedic")
-	cmd := exec.Command("go", "build", "-o", bin, "../cmd/mountmedic")
+	args := []string{"build", "-o", bin}
+	if profiled {
+		args = append(args, "-tags", "pprof")
+	}
+	cmd := exec.Command("go", append(args, "../cmd/mountmedic")...)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		b.Fatalf("go build ./cmd/mountmedic: %v\n%s", err, out)
@@ -99,7 +148,7 @@ type agentProcess struct {
 // startAgentProcess runs `mountmedic agent` with its default flags for the
 // lab node, as the mountmedic ServiceAccount, through a request-counting
 // proxy to the API server.
-func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
+func startAgentProcess(b *testing.B, e *env, bin string, env ...string) *agentProcess {
 	b.Helper()
 	p := &agentProcess{}
 	target, err := url.Parse(e.agentConfig.Host)
@@ -142,6 +191,7 @@ func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
 
 	cmd := exec.Command(bin, "agent", "--kubeconfig", kubeconfig, "--node-name", e.node,
 		"--kubelet-root", e.kubelet.Root(), "--metrics-addr", p.metrics)
+	cmd.Env = append(os.Environ(), env...)
 	logf, err := os.Create(filepath.Join(b.TempDir(), "agent.log"))
 	if err != nil {
 		b.Fatal(err)

@@ -81,7 +81,10 @@ func (e *env) config() agent.Config {
 	cfg.NodeName = e.node
 	cfg.KubeletRoot = e.kubelet.Root()
 	cfg.ProbeInterval = 100 * time.Millisecond
-	cfg.ProbeTimeout = 500 * time.Millisecond
+	// The agent's default deadline: a FUSE probe past it is Hung and its
+	// connection aborted at once, and on a loaded test machine a fresh
+	// s3fs can take longer than half a second to answer.
+	cfg.ProbeTimeout = 2 * time.Second
 	cfg.Resync = 2 * time.Second
 	cfg.BackoffBase = 200 * time.Millisecond
 	cfg.BackoffMax = 2 * time.Second
