@@ -318,27 +318,43 @@ func eventWrites(counts map[string]int) int {
 	return n
 }
 
-// runScale breaks the node (dead or hung daemon), runs the agent and waits
-// until every broken volume is healed; it returns how long that took and
-// the agent's event writes.
-func runScale(t *testing.T, n int, shared, hang bool) {
+// scaleResult is what one scale run measured.
+type scaleResult struct {
+	// took is from the fault to every broken volume healed.
+	took time.Duration
+	// eventWrites counts the agent's event creates and patches from the
+	// fault to one summary period after the heal.
+	eventWrites int
+	// threads before the agent started, and their peak during the run.
+	threadsBefore, threadsPeak int
+}
+
+// runScale breaks the node (dead or hung daemon), runs the agent (the
+// agent's defaults, but for the probe interval and deadline, 1 s in tests;
+// with defaults set, the agent's own, and the API client's default rate
+// limits, as the command runs it) and waits until every broken volume is
+// healed. The 10 healthy pods' daemon answers every request 600 ms late
+// (60 % of the test deadline, 30 % of the default one): slow, never hung.
+func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *runningAgent, scaleResult) {
 	s := newScaleNode(t, n, shared)
 	rep, err := remount.New(remount.Config{KubeletRoot: s.e.kubelet.Root()})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rep.Close() })
-	client, rec := s.e.countingClient()
-	cfg := s.e.config()
-	// The agent's defaults, but for the test's shorter probe deadline: a
-	// slow daemon answering in 60 % of it must never be taken for hung.
-	cfg.ProbeInterval, cfg.ProbeTimeout = time.Second, time.Second
-	cfg.Resync, cfg.BackoffBase, cfg.BackoffMax = 30*time.Second, time.Second, 5*time.Minute
+	client, rec := s.e.countingClient(defaults)
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr, cfg.Version = s.e.node, s.e.kubelet.Root(), "", "test"
+	if !defaults {
+		cfg.ProbeInterval, cfg.ProbeTimeout = time.Second, time.Second
+	}
 	s.healthyFS.Delay(600 * time.Millisecond)
-	base := threads(t)
+	var res scaleResult
+	res.threadsBefore = threads(t)
 	a := s.e.startAgent(cfg, agent.Deps{Client: client, Repairer: rep})
 	s.snapshotHealthy(t)
 	time.Sleep(3 * time.Second) // a few cycles over the slow healthy daemon
+	before := eventWrites(rec.snapshot())
 	if hang {
 		s.daemon.Hang()
 		t.Cleanup(s.daemon.Release)
@@ -346,28 +362,37 @@ func runScale(t *testing.T, n int, shared, hang bool) {
 		s.daemon.Kill()
 	}
 	start := time.Now()
-	var peak int
-	s.e.waitFor(fmt.Sprintf("all %d broken volumes healed", n), func() (bool, error) {
-		peak = max(peak, threads(t))
+	deadline := start.Add(15 * time.Minute)
+	for {
+		res.threadsPeak = max(res.threadsPeak, threads(t))
 		h := s.healed()
-		if h < n {
-			return false, fmt.Errorf("%d of %d healed", h, n)
+		if h == n {
+			break
 		}
-		return true, nil
-	})
-	took := time.Since(start)
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d broken volumes healed %s after the fault", h, n, time.Since(start).Round(time.Second))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	res.took = time.Since(start)
 	time.Sleep(eventSummaryWait) // the agent's summary of held events
-	writes := eventWrites(rec.snapshot())
-	t.Logf("%d volumes (shared backend %v, hung %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d",
-		n, shared, hang, took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), writes, base, peak)
+	res.eventWrites = eventWrites(rec.snapshot()) - before
+	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d",
+		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak)
+	return s, a, res
+}
+
+// checkScale asserts the outcomes of a scale run.
+func checkScale(t *testing.T, n int, hang bool, s *scaleNode, a *runningAgent, res scaleResult) {
 	s.checkHealthy(t)
 	// The node's budget: 25 at once, one a second, and one summary per
 	// reason every 10 s (a handful of reasons).
-	if limit := 25 + int(time.Since(start).Seconds()) + 4*(1+int(time.Since(start)/(10*time.Second))); writes > limit {
-		t.Errorf("%d event writes for %d broken volumes over %s, want at most %d (the node's budget)", writes, n, time.Since(start).Round(time.Second), limit)
+	secs := res.took + eventSummaryWait
+	if limit := 25 + int(secs.Seconds()) + 4*(1+int(secs/(10*time.Second))); res.eventWrites > limit {
+		t.Errorf("%d event writes for %d broken volumes over %s, want at most %d (the node's budget)", res.eventWrites, n, secs.Round(time.Second), limit)
 	}
-	if hang && peak-base > n+64 {
-		t.Errorf("threads peaked at %d over %d before the agent for %d hung backends, want at most one per hung backend plus a constant", peak, base, n)
+	if hang && res.threadsPeak-res.threadsBefore > n+64 {
+		t.Errorf("threads peaked at %d over %d before the agent for %d hung backends, want at most one per hung backend plus a constant", res.threadsPeak, res.threadsBefore, n)
 	}
 	if v, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); v < 1 {
 		t.Errorf("no successful restage counted")
@@ -377,15 +402,49 @@ func runScale(t *testing.T, n int, shared, hang bool) {
 // eventSummaryWait covers one summary period of the agent's event budget.
 const eventSummaryWait = 11 * time.Second
 
+func testScale(t *testing.T, n int, shared, hang bool) {
+	s, a, res := runScale(t, n, shared, hang, false)
+	checkScale(t, n, hang, s, a, res)
+}
+
 // TestScaleDeadVolumesOneBackend: one backend dies under n pods.
-func TestScaleDeadVolumesOneBackend(t *testing.T) { runScale(t, 100, true, false) }
+func TestScaleDeadVolumesOneBackend(t *testing.T) { testScale(t, scaleN(100), true, false) }
 
 // TestScaleDeadBackends: n backends die at once, one pod each.
-func TestScaleDeadBackends(t *testing.T) { runScale(t, scaleN(50), false, false) }
+func TestScaleDeadBackends(t *testing.T) { testScale(t, scaleN(50), false, false) }
 
 // TestScaleHungBackends: n backends hang at once, one pod each; a slow
 // daemon beside them is never aborted.
-func TestScaleHungBackends(t *testing.T) { runScale(t, 50, false, true) }
+func TestScaleHungBackends(t *testing.T) { testScale(t, scaleN(50), false, true) }
+
+// BenchmarkScale times the fault matrix at a thousand volumes (n from
+// $MOUNTMEDIC_SCALE_N), the agent at its defaults and with the API client's
+// default rate limits, as the command runs it: fault -> every volume healed
+// (for hung backends: each connection aborted, re-staged and verified),
+// the agent's event writes, and its threads. One iteration per case.
+//
+//	go test -run '^$' -bench Scale -benchtime 1x -timeout 60m ./agent
+func BenchmarkScale(b *testing.B) {
+	n := scaleN(1000)
+	for _, c := range []struct {
+		name         string
+		shared, hang bool
+	}{
+		{"dead-one-backend", true, false},
+		{"dead-backends", false, false},
+		{"hung-backends", false, true},
+	} {
+		b.Run(fmt.Sprintf("%s/volumes=%d", c.name, n), func(b *testing.B) {
+			var res scaleResult
+			for range b.N {
+				_, _, res = runScale(b, n, c.shared, c.hang, true)
+			}
+			b.ReportMetric(res.took.Seconds(), "healed-s")
+			b.ReportMetric(float64(res.eventWrites), "event-writes")
+			b.ReportMetric(float64(res.threadsPeak-res.threadsBefore), "agent-threads-peak")
+		})
+	}
+}
 
 // scaleN is n, or $MOUNTMEDIC_SCALE_N when set (to run a test at another
 // size by hand).
