@@ -1,8 +1,10 @@
 package agent_test
 
 import (
+	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -17,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -356,4 +359,111 @@ func quantile(ds []time.Duration, q float64) time.Duration {
 	}
 	i := int(math.Ceil(q*float64(len(ds)))) - 1
 	return ds[max(0, min(i, len(ds)-1))]
+}
+
+// BenchmarkAgentHungHeal measures hung -> healed at the agent's defaults
+// (2 s probe interval and deadline) with the real k8s-csi-s3 driver, as the
+// e2e hung scenario does: the volume's s3fs is stopped (SIGSTOP) while the
+// private container reads its file; the agent finds the probe past its
+// deadline, aborts the FUSE connection (the container's blocked read
+// returns: aborted), re-stages and swaps the fresh mount into the container
+// (it reads the file again: healed). Each run waits a random part of a probe
+// interval before the hang, so that the hang falls anywhere in the cycle.
+//
+//	go test -run '^$' -bench AgentHungHeal -benchtime 20x ./agent
+func BenchmarkAgentHungHeal(b *testing.B) {
+	d := newDriverEnv(b)
+	s := d.newVolume("hung")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { rep.Close() })
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
+	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	inContainer := s.private.Path("/data/data.txt")
+	var aborted, healed []time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		time.Sleep(time.Duration(rand.Int64N(int64(cfg.ProbeInterval))))
+		pid := s3fsPid(b, "hung")
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			b.Fatal(err)
+		}
+		hung := time.Now()
+		var abortedAt, healedAt time.Time
+		deadline := hung.Add(2 * time.Minute)
+		for healedAt.IsZero() {
+			done := make(chan error, 1)
+			go func() {
+				got, err := os.ReadFile(inContainer)
+				if err == nil && string(got) != "data of hung" {
+					err = fmt.Errorf("read %q", got)
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err == nil {
+					healedAt = time.Now()
+				} else if abortedAt.IsZero() {
+					abortedAt = time.Now()
+				}
+			case <-time.After(time.Until(deadline)):
+				b.Fatalf("run %d: the container's read still blocked 2 minutes after the hang", i+1)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if abortedAt.IsZero() {
+			abortedAt = healedAt
+		}
+		_ = unix.Kill(pid, unix.SIGKILL)
+		aborted = append(aborted, abortedAt.Sub(hung))
+		healed = append(healed, healedAt.Sub(hung))
+		b.Logf("run %d: aborted %.2fs, healed %.2fs after the hang", i+1, abortedAt.Sub(hung).Seconds(), healedAt.Sub(hung).Seconds())
+		time.Sleep(3 * time.Second) // let the episode end before the next hang
+	}
+	b.StopTimer()
+	for name, ds := range map[string][]time.Duration{"hang-to-aborted": aborted, "hang-to-healed": healed} {
+		slices.Sort(ds)
+		b.ReportMetric(quantile(ds, 0.5).Seconds(), name+"-p50-s")
+		b.ReportMetric(quantile(ds, 0.99).Seconds(), name+"-p99-s")
+	}
+}
+
+// s3fsPid finds the running (not stopped) s3fs process that serves the
+// lab volume named name (its bucket path ends in /name).
+func s3fsPid(b *testing.B, name string) int {
+	b.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ents, _ := os.ReadDir("/proc")
+		for _, e := range ents {
+			pid, err := strconv.Atoi(e.Name())
+			if err != nil {
+				continue
+			}
+			cmd, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+			if err != nil {
+				continue
+			}
+			args := strings.Split(string(cmd), "\x00")
+			if len(args) < 2 || filepath.Base(args[0]) != "s3fs" || !strings.HasSuffix(args[1], "/"+name) {
+				continue
+			}
+			st, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+			if err != nil {
+				continue
+			}
+			s := string(st)
+			if f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:]); len(f) > 0 && f[0] != "T" && f[0] != "Z" {
+				return pid
+			}
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("no running s3fs for volume %s", name)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
