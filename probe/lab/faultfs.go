@@ -61,10 +61,12 @@ func WithBackingDir(dir string) FaultFSOption {
 type faultFSConfig struct {
 	Mountpoint string
 	// More are further mountpoints the same daemon serves, each its own
-	// FUSE connection over the same backing directory and faults.
-	More    []string
-	Backing string
-	Control string
+	// FUSE connection over the same backing directory and faults; MoreFile
+	// holds them one a line when they are too many for the environment.
+	More     []string `json:",omitempty"`
+	MoreFile string   `json:",omitempty"`
+	Backing  string
+	Control  string
 }
 
 // StartFaultFS mounts a FaultFS at mountpoint (created if missing) and
@@ -140,7 +142,13 @@ func StartFaultFSMany(t testing.TB, mountpoints []string, opts ...FaultFSOption)
 		}
 		more = append(more, r)
 	}
-	f := StartFaultFS(t, mountpoints[0], append(opts, func(c *faultFSConfig) { c.More = more })...)
+	// The list goes through a file: a thousand paths exceed the size of
+	// one environment variable.
+	list := filepath.Join(t.TempDir(), "mountpoints")
+	if err := os.WriteFile(list, []byte(strings.Join(more, "\n")), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f := StartFaultFS(t, mountpoints[0], append(opts, func(c *faultFSConfig) { c.MoreFile = list })...)
 	for _, mp := range more {
 		var sb unix.Stat_t
 		if err := unix.Stat(mp, &sb); err != nil {
@@ -352,6 +360,15 @@ func runFaultFSDaemon(cfg faultFSConfig, ready *readiness) error {
 	// must not end the others (its exit would abort them all).
 	var served sync.WaitGroup
 	served.Go(srv.Wait)
+	if cfg.MoreFile != "" {
+		raw, err := os.ReadFile(cfg.MoreFile)
+		if err != nil {
+			return fmt.Errorf("read mountpoint list: %w", err)
+		}
+		if len(raw) > 0 {
+			cfg.More = append(cfg.More, strings.Split(string(raw), "\n")...)
+		}
+	}
 	for _, mp := range cfg.More {
 		// Each mount its own node tree: go-fuse binds a tree to one server.
 		root, err := fs.NewLoopbackRoot(cfg.Backing)
