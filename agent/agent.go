@@ -306,6 +306,10 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	var inv *probe.Inventory
 	dirty := true
 	released := false // the startup pages, once the informer synced
+	// probing: a cycle's probes are under way (reports brings them);
+	// again: something asked for a cycle meanwhile.
+	probing, again := false, false
+	reports := make(chan probed, 1)
 	probeTimer := time.NewTimer(0)
 	defer probeTimer.Stop()
 	resync := time.NewTicker(a.cfg.Resync)
@@ -353,8 +357,26 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 				a.startRuns(ctx)
 			}
 		case <-probeTimer.C:
-			inv = a.cycle(ctx, inv, &dirty, pw)
-			probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+			if probing {
+				again = true // a kick during a cycle: another one right after
+				continue
+			}
+			start := time.Now()
+			if inv = a.readTable(ctx, inv, &dirty, pw); inv == nil {
+				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+				continue
+			}
+			probing = true
+			a.probeAsync(ctx, inv, start, reports)
+		case p := <-reports:
+			probing = false
+			a.afterProbe(ctx, p)
+			if again {
+				again = false
+				probeTimer.Reset(0)
+			} else {
+				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+			}
 			if !released && a.synced() {
 				released = true
 				a.releasePages(ctx)
@@ -363,11 +385,11 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	}
 }
 
-// cycle re-reads the mount table when it changed, probes it once, updates
-// the metrics and the decider and starts the repair runs that are due.
-func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw *pluginWatcher) *probe.Inventory {
+// readTable re-reads the mount table when it changed (or, while the node has
+// block-backed filesystems, when their super options changed) and returns
+// the inventory to probe; nil while no table could ever be read.
+func (a *Agent) readTable(ctx context.Context, inv *probe.Inventory, dirty *bool, pw *pluginWatcher) *probe.Inventory {
 	logger := klog.FromContext(ctx)
-	start := time.Now()
 	if !*dirty && inv != nil {
 		// A block-backed filesystem reports a shutdown (ext4, xfs) or an
 		// aborted journal (emergency_ro) only in its super options, and no
@@ -396,7 +418,34 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 			}
 		}
 	}
-	rep := a.prober.Probe(ctx, inv)
+	return inv
+}
+
+// probed is one probe cycle's report, from the goroutine that waited for
+// it.
+type probed struct {
+	inv   *probe.Inventory
+	rep   *probe.Report
+	start time.Time
+}
+
+// probeAsync probes inv on its own goroutine and sends the report on out:
+// the cycle's wait for its probes (up to a deadline and a quarter when a
+// backend is slow or hangs) never holds up the loop, which goes on taking
+// the ends of repair runs and starting the next ones.
+func (a *Agent) probeAsync(ctx context.Context, inv *probe.Inventory, start time.Time, out chan<- probed) {
+	a.workers.Add(1)
+	go func() {
+		defer a.workers.Done()
+		out <- probed{inv: inv, rep: a.prober.Probe(ctx, inv), start: start}
+	}()
+}
+
+// afterProbe updates the metrics and the decider from a probe cycle's
+// report and starts the repair runs that are due.
+func (a *Agent) afterProbe(ctx context.Context, p probed) {
+	logger := klog.FromContext(ctx)
+	inv, rep, start := p.inv, p.rep, p.start
 	end := time.Now()
 	a.metrics.observeScan(inv, rep, end.Sub(start), end)
 	a.lastScan.Store(end.UnixNano())
@@ -416,11 +465,10 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 		if len(due) > 0 {
 			logger.V(2).Info("Pod informer not synced: repairs wait", "due", len(due))
 		}
-		return inv
+		return
 	}
 	a.broken, a.queue = broken, due
 	a.startRuns(ctx)
-	return inv
 }
 
 // startRuns starts the repair runs of the queued due volumes, as many as
