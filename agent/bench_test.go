@@ -449,7 +449,9 @@ func s3fsPid(b *testing.B, name string) int {
 				continue
 			}
 			args := strings.Split(string(cmd), "\x00")
-			if len(args) < 2 || filepath.Base(args[0]) != "s3fs" || !strings.HasSuffix(args[1], "/"+name) {
+			// s3fs splits its bucket:/path argument in place: match either.
+			if len(args) < 2 || filepath.Base(args[0]) != "s3fs" ||
+				!slices.ContainsFunc(args[1:3], func(a string) bool { return a == "/"+name || strings.HasSuffix(a, ":/"+name) }) {
 				continue
 			}
 			st, err := os.ReadFile("/proc/" + e.Name() + "/stat")
