@@ -82,7 +82,7 @@ func newMetrics(version string, reg *prometheus.Registry) *metrics {
 		}, []string{"state"}),
 		probeDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "mountmedic_probe_duration_seconds",
-			Help:    "Time one backend probe took (probes past their deadline, or not answered by the end of their cycle, are not observed).",
+			Help:    "Time one backend probe took (probes past their deadline are not observed).",
 			Buckets: []float64{0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5},
 		}),
 		hungProbes: prometheus.NewGauge(prometheus.GaugeOpts{
