@@ -319,7 +319,6 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	logger := klog.FromContext(ctx)
 	var inv *probe.Inventory
 	dirty := true
-	released := false // the startup pages, once the informer synced
 	// probing: a cycle's probes are under way (reports brings them);
 	// again: something asked for a cycle meanwhile.
 	probing, again := false, false
@@ -348,7 +347,6 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 		case <-summary.C:
 			a.limiter.flush(a.cfg.DryRun)
 		case <-resync.C:
-			a.releasePages(ctx)
 			dirty = true
 			a.decider.resync()
 			a.caps.forget("")
@@ -390,10 +388,6 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 				probeTimer.Reset(0)
 			} else {
 				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
-			}
-			if !released && a.synced() {
-				released = true
-				a.releasePages(ctx)
 			}
 		}
 	}
@@ -636,17 +630,4 @@ func (a *Agent) setDriver(driver string, up bool) bool {
 	was, seen := a.driverOK[driver]
 	a.driverOK[driver] = up
 	return seen && !was && up
-}
-
-// releasePages gives back the pages of the binary that only starting up
-// touched (releaseStartupPages): once the informer synced and the first
-// cycle ran, then at every resync, so that a repair's code does not stay
-// resident after it.
-func (a *Agent) releasePages(ctx context.Context) {
-	n, err := releaseStartupPages()
-	if err != nil {
-		klog.FromContext(ctx).V(2).Info("Cannot release the binary's startup pages", "err", err)
-		return
-	}
-	klog.FromContext(ctx).V(4).Info("Released the binary's read-only pages", "bytes", n)
 }
