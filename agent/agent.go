@@ -76,6 +76,8 @@ type Agent struct {
 	budget    *budget
 	decider   *decider
 	events    eventRecorder
+	// limiter holds the events past the node's budget for a summary.
+	limiter *limitedRecorder
 
 	// factory and the pod informer are made in New, started by Run, so
 	// that /readyz (served before the informer starts) reads them safely.
@@ -96,6 +98,10 @@ type Agent struct {
 
 	results chan jobResult
 	running int
+	// broken and queue are the last probe cycle's broken volumes and the
+	// keys it found due that no run has taken yet (owned by the loop).
+	broken  map[string]*brokenVolume
+	queue   []string
 	workers sync.WaitGroup
 }
 
@@ -141,7 +147,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		fenced:   deps.Fenced,
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
-	a.report = reporter{rec: deps.Events, dryRun: cfg.DryRun}
+	a.report = reporter{dryRun: cfg.DryRun}
+	if deps.Events != nil {
+		a.limiter = newLimitedRecorder(deps.Events, cfg.NodeName, nil)
+		a.report.rec = a.limiter
+	}
 	if cfg.NodeCondition {
 		a.condition = newConditionWriter(deps.Client, cfg.NodeName, cfg.APITimeout, a.metrics.reg)
 	}
@@ -265,7 +275,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		defer b.Shutdown()
 		a.events = b.NewRecorder(scheme.Scheme, ReportingController)
-		a.report.rec = a.events
+		a.limiter = newLimitedRecorder(a.events, a.cfg.NodeName, nil)
+		a.report.rec = a.limiter
 	}
 
 	a.factory.Start(ctx.Done())
@@ -308,10 +319,17 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	logger := klog.FromContext(ctx)
 	var inv *probe.Inventory
 	dirty := true
+	// probing: a cycle's probes are under way (reports brings them);
+	// again: something asked for a cycle meanwhile.
+	probing, again := false, false
+	reports := make(chan probed, 1)
 	probeTimer := time.NewTimer(0)
 	defer probeTimer.Stop()
 	resync := time.NewTicker(a.cfg.Resync)
 	defer resync.Stop()
+	summary := time.NewTicker(eventSummaryEvery)
+	defer summary.Stop()
+	defer a.limiter.flush(a.cfg.DryRun)
 	kick := func(driver string) {
 		a.caps.forget(driver)
 		for _, key := range a.decider.kick(driver, time.Now()) {
@@ -326,6 +344,8 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			return
 		case <-tw.Changes():
 			dirty = true
+		case <-summary.C:
+			a.limiter.flush(a.cfg.DryRun)
 		case <-resync.C:
 			dirty = true
 			a.decider.resync()
@@ -345,18 +365,39 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			a.running--
 			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
 			a.decider.setResidual(r.key, r.residual)
+			if a.synced() {
+				a.startRuns(ctx)
+			}
 		case <-probeTimer.C:
-			inv = a.cycle(ctx, inv, &dirty, pw)
-			probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+			if probing {
+				again = true // a kick during a cycle: another one right after
+				continue
+			}
+			start := time.Now()
+			if inv = a.readTable(ctx, inv, &dirty, pw); inv == nil {
+				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+				continue
+			}
+			probing = true
+			a.probeAsync(ctx, inv, start, reports)
+		case p := <-reports:
+			probing = false
+			a.afterProbe(ctx, p)
+			if again {
+				again = false
+				probeTimer.Reset(0)
+			} else {
+				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
+			}
 		}
 	}
 }
 
-// cycle re-reads the mount table when it changed, probes it once, updates
-// the metrics and the decider and starts the repair runs that are due.
-func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw *pluginWatcher) *probe.Inventory {
+// readTable re-reads the mount table when it changed (or, while the node has
+// block-backed filesystems, when their super options changed) and returns
+// the inventory to probe; nil while no table could ever be read.
+func (a *Agent) readTable(ctx context.Context, inv *probe.Inventory, dirty *bool, pw *pluginWatcher) *probe.Inventory {
 	logger := klog.FromContext(ctx)
-	start := time.Now()
 	if !*dirty && inv != nil {
 		// A block-backed filesystem reports a shutdown (ext4, xfs) or an
 		// aborted journal (emergency_ro) only in its super options, and no
@@ -385,7 +426,34 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 			}
 		}
 	}
-	rep := a.prober.Probe(ctx, inv)
+	return inv
+}
+
+// probed is one probe cycle's report, from the goroutine that waited for
+// it.
+type probed struct {
+	inv   *probe.Inventory
+	rep   *probe.Report
+	start time.Time
+}
+
+// probeAsync probes inv on its own goroutine and sends the report on out:
+// the cycle's wait for its probes (up to a deadline and a quarter when a
+// backend is slow or hangs) never holds up the loop, which goes on taking
+// the ends of repair runs and starting the next ones.
+func (a *Agent) probeAsync(ctx context.Context, inv *probe.Inventory, start time.Time, out chan<- probed) {
+	a.workers.Add(1)
+	go func() {
+		defer a.workers.Done()
+		out <- probed{inv: inv, rep: a.prober.Probe(ctx, inv), start: start}
+	}()
+}
+
+// afterProbe updates the metrics and the decider from a probe cycle's
+// report and starts the repair runs that are due.
+func (a *Agent) afterProbe(ctx context.Context, p probed) {
+	logger := klog.FromContext(ctx)
+	inv, rep, start := p.inv, p.rep, p.start
 	end := time.Now()
 	a.metrics.observeScan(inv, rep, end.Sub(start), end)
 	if a.condition != nil {
@@ -408,14 +476,25 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 		if len(due) > 0 {
 			logger.V(2).Info("Pod informer not synced: repairs wait", "due", len(due))
 		}
-		return inv
+		return
 	}
-	for _, key := range due {
-		if a.running >= a.cfg.MaxConcurrentRepairs {
-			break
+	a.broken, a.queue = broken, due
+	a.startRuns(ctx)
+}
+
+// startRuns starts the repair runs of the queued due volumes, as many as
+// MaxConcurrentRepairs allows. The loop calls it after each probe cycle and
+// each time a run ends, so that a thousand volumes broken at once are
+// repaired back to back, not a handful per probe cycle.
+func (a *Agent) startRuns(ctx context.Context) {
+	for len(a.queue) > 0 && a.running < a.cfg.MaxConcurrentRepairs {
+		key := a.queue[0]
+		a.queue = a.queue[1:]
+		if st := a.decider.vols[key]; st == nil || st.inflight {
+			continue // healed, or already under way since it was queued
 		}
 		var j *job
-		if bv := broken[key]; bv != nil {
+		if bv := a.broken[key]; bv != nil {
 			j = a.prepare(bv)
 		} else if rs := a.decider.residualOf(key); rs != nil {
 			j = a.prepareResidual(ctx, key, rs)
@@ -432,7 +511,6 @@ func (a *Agent) cycle(ctx context.Context, inv *probe.Inventory, dirty *bool, pw
 			a.results <- a.run(ctx, j)
 		}()
 	}
-	return inv
 }
 
 // prepareResidual makes the job that resumes a residual: the volume is

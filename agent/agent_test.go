@@ -331,7 +331,7 @@ func TestAgentHungMountsDoNotGrowThreads(t *testing.T) {
 	}
 }
 
-func threads(t *testing.T) int {
+func threads(t testing.TB) int {
 	t.Helper()
 	b, err := os.ReadFile("/proc/self/status")
 	if err != nil {

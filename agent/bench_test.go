@@ -1,8 +1,10 @@
 package agent_test
 
 import (
+	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -17,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -29,31 +32,43 @@ import (
 
 // BenchmarkAgentSteadyState runs the real mountmedic binary (`mountmedic
 // agent`, default flags) as the mountmedic ServiceAccount over a lab node
-// with n healthy FUSE volumes, each its own FUSE daemon with a staging
-// mount, a publish bind and a subPath bind, and a pod in the API. Each
-// iteration samples 10 s of steady state and reports the agent process's
-// CPU (percent of one core), its RSS, and its API requests per minute as a
-// proxy in front of the API server counts them.
+// with n healthy FUSE volumes, each its own FUSE connection (one lab
+// daemon serves them all) with a staging mount, a publish bind and a
+// subPath bind, and a pod in the API. Each iteration samples 10 s of
+// steady state and reports the agent process's CPU (percent of one core),
+// its RSS, and its API requests per minute as a proxy in front of the API
+// server counts them. With MOUNTMEDIC_BENCH_HEAP=<dir> the binary is built
+// with -tags pprof and a heap profile of it is written to
+// <dir>/heap-<n>.pprof at the end.
 //
 //	go test -run '^$' -bench AgentSteadyState -benchtime 2x ./agent
 func BenchmarkAgentSteadyState(b *testing.B) {
 	lab.RequireRoot(b)
-	bin := buildAgent(b)
+	heapDir := os.Getenv("MOUNTMEDIC_BENCH_HEAP")
+	bin := buildAgent(b, heapDir != "")
 	for _, n := range []int{200, 1000} {
 		b.Run("volumes="+strconv.Itoa(n), func(b *testing.B) {
 			e := newEnv(b, nil)
-			for i := 0; i < n; i++ {
-				name := "v" + strconv.Itoa(i)
-				v := e.createVolume(name, nil)
-				pod := e.createPod(name, v, podOptions{subPath: "sub"})
-				fs := lab.StartFaultFS(b, v.staging)
-				if err := os.Mkdir(filepath.Join(fs.BackingDir(), "sub"), 0o755); err != nil {
-					b.Fatal(err)
-				}
+			vols := make([]*volume, n)
+			stagings := make([]string, n)
+			for i := range n {
+				vols[i] = e.createVolume("v"+strconv.Itoa(i), nil)
+				stagings[i] = vols[i].staging
+			}
+			fs := lab.StartFaultFSMany(b, stagings)
+			if err := os.Mkdir(filepath.Join(fs.BackingDir(), "sub"), 0o755); err != nil {
+				b.Fatal(err)
+			}
+			for i, v := range vols {
+				pod := e.createPod("v"+strconv.Itoa(i), v, podOptions{subPath: "sub"})
 				pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
 				e.kubelet.SubPath(string(pod.UID), v.pv.Name, "app", 1, filepath.Join(pub, "sub"))
 			}
-			p := startAgentProcess(b, e, bin)
+			var pprofAddr string
+			if heapDir != "" {
+				pprofAddr = freeAddr(b)
+			}
+			p := startAgentProcess(b, e, bin, "MOUNTMEDIC_PPROF_ADDR="+pprofAddr)
 			time.Sleep(5 * time.Second) // warm-up: first scan, informer sync
 			b.ResetTimer()
 			var cpu, reqs float64
@@ -74,15 +89,52 @@ func BenchmarkAgentSteadyState(b *testing.B) {
 			if broken := p.metric(b, "mountmedic_stale_mounts"); broken != 0 {
 				b.Fatalf("%v stale mounts reported on a healthy node", broken)
 			}
+			if heapDir != "" {
+				saveURL(b, "http://"+pprofAddr+"/debug/pprof/heap", filepath.Join(heapDir, "heap-"+strconv.Itoa(n)+".pprof"))
+			}
 		})
 	}
 }
 
-// buildAgent builds cmd/mountmedic into a temporary directory.
-func buildAgent(b *testing.B) string {
+// freeAddr is a free loopback TCP address.
+func freeAddr(b *testing.B) string {
+	b.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// saveURL writes the body of a GET of url to path.
+func saveURL(b *testing.B, url, path string) {
+	b.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile(path, body, 0o644); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("heap profile of the agent: %s", path)
+}
+
+// buildAgent builds cmd/mountmedic into a temporary directory (with the
+// pprof build tag when profiled).
+func buildAgent(b *testing.B, profiled bool) string {
 	b.Helper()
 	bin := filepath.Join(b.TempDir(), "mountmedic")
-	cmd := exec.Command("go", "build", "-o", bin, "../cmd/mountmedic")
+	args := []string{"build", "-o", bin}
+	if profiled {
+		args = append(args, "-tags", "pprof")
+	}
+	cmd := exec.Command("go", append(args, "../cmd/mountmedic")...)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		b.Fatalf("go build ./cmd/mountmedic: %v\n%s", err, out)
@@ -98,8 +150,8 @@ type agentProcess struct {
 
 // startAgentProcess runs `mountmedic agent` with its default flags for the
 // lab node, with the node's credentials (the proxy adds them), through a
-// request-counting proxy to the API server.
-func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
+// request-counting proxy to the API server; env is added to its environment.
+func startAgentProcess(b *testing.B, e *env, bin string, env ...string) *agentProcess {
 	b.Helper()
 	p := &agentProcess{}
 	target, err := url.Parse(e.agentConfig.Host)
@@ -142,6 +194,7 @@ func startAgentProcess(b *testing.B, e *env, bin string) *agentProcess {
 
 	cmd := exec.Command(bin, "agent", "--node-kubeconfig", kubeconfig, "--node-name", e.node,
 		"--kubelet-root", e.kubelet.Root(), "--metrics-addr", p.metrics)
+	cmd.Env = append(os.Environ(), env...)
 	logf, err := os.Create(filepath.Join(b.TempDir(), "agent.log"))
 	if err != nil {
 		b.Fatal(err)
@@ -306,4 +359,113 @@ func quantile(ds []time.Duration, q float64) time.Duration {
 	}
 	i := int(math.Ceil(q*float64(len(ds)))) - 1
 	return ds[max(0, min(i, len(ds)-1))]
+}
+
+// BenchmarkAgentHungHeal measures hung -> healed at the agent's defaults
+// (2 s probe interval and deadline) with the real k8s-csi-s3 driver, as the
+// e2e hung scenario does: the volume's s3fs is stopped (SIGSTOP) while the
+// private container reads its file; the agent finds the probe past its
+// deadline, aborts the FUSE connection (the container's blocked read
+// returns: aborted), re-stages and swaps the fresh mount into the container
+// (it reads the file again: healed). Each run waits a random part of a probe
+// interval before the hang, so that the hang falls anywhere in the cycle.
+//
+//	go test -run '^$' -bench AgentHungHeal -benchtime 20x ./agent
+func BenchmarkAgentHungHeal(b *testing.B) {
+	d := newDriverEnv(b)
+	s := d.newVolume("hung")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { rep.Close() })
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
+	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	inContainer := s.private.Path("/data/data.txt")
+	var aborted, healed []time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		time.Sleep(time.Duration(rand.Int64N(int64(cfg.ProbeInterval))))
+		pid := s3fsPid(b, "hung")
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			b.Fatal(err)
+		}
+		hung := time.Now()
+		var abortedAt, healedAt time.Time
+		deadline := hung.Add(2 * time.Minute)
+		for healedAt.IsZero() {
+			done := make(chan error, 1)
+			go func() {
+				got, err := os.ReadFile(inContainer)
+				if err == nil && string(got) != "data of hung" {
+					err = fmt.Errorf("read %q", got)
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err == nil {
+					healedAt = time.Now()
+				} else if abortedAt.IsZero() {
+					abortedAt = time.Now()
+				}
+			case <-time.After(time.Until(deadline)):
+				b.Fatalf("run %d: the container's read still blocked 2 minutes after the hang", i+1)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if abortedAt.IsZero() {
+			abortedAt = healedAt
+		}
+		_ = unix.Kill(pid, unix.SIGKILL)
+		aborted = append(aborted, abortedAt.Sub(hung))
+		healed = append(healed, healedAt.Sub(hung))
+		b.Logf("run %d: aborted %.2fs, healed %.2fs after the hang", i+1, abortedAt.Sub(hung).Seconds(), healedAt.Sub(hung).Seconds())
+		time.Sleep(3 * time.Second) // let the episode end before the next hang
+	}
+	b.StopTimer()
+	for name, ds := range map[string][]time.Duration{"hang-to-aborted": aborted, "hang-to-healed": healed} {
+		slices.Sort(ds)
+		b.ReportMetric(quantile(ds, 0.5).Seconds(), name+"-p50-s")
+		b.ReportMetric(quantile(ds, 0.99).Seconds(), name+"-p99-s")
+	}
+}
+
+// s3fsPid finds the running (not stopped) s3fs process that serves the
+// lab volume named name (its bucket path ends in /name).
+func s3fsPid(b *testing.B, name string) int {
+	b.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ents, _ := os.ReadDir("/proc")
+		for _, e := range ents {
+			pid, err := strconv.Atoi(e.Name())
+			if err != nil {
+				continue
+			}
+			cmd, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+			if err != nil {
+				continue
+			}
+			args := strings.Split(string(cmd), "\x00")
+			// s3fs splits its bucket:/path argument in place: match either.
+			if len(args) < 2 || filepath.Base(args[0]) != "s3fs" ||
+				!slices.ContainsFunc(args[1:3], func(a string) bool { return a == "/"+name || strings.HasSuffix(a, ":/"+name) }) {
+				continue
+			}
+			st, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+			if err != nil {
+				continue
+			}
+			s := string(st)
+			if f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:]); len(f) > 0 && f[0] != "T" && f[0] != "Z" {
+				return pid
+			}
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("no running s3fs for volume %s", name)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }

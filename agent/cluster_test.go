@@ -96,7 +96,10 @@ func (e *env) config() agent.Config {
 	cfg.NodeName = e.node
 	cfg.KubeletRoot = e.kubelet.Root()
 	cfg.ProbeInterval = 100 * time.Millisecond
-	cfg.ProbeTimeout = 500 * time.Millisecond
+	// The agent's default deadline: a FUSE probe past it is Hung and its
+	// connection aborted at once, and on a loaded test machine a fresh
+	// s3fs can take longer than half a second to answer.
+	cfg.ProbeTimeout = 2 * time.Second
 	cfg.Resync = 2 * time.Second
 	cfg.BackoffBase = 200 * time.Millisecond
 	cfg.BackoffMax = 2 * time.Second
@@ -370,10 +373,14 @@ func (r *recorder) snapshot() map[string]int {
 }
 
 // countingClient is a client with the agent's credentials that counts its
-// requests.
-func (e *env) countingClient() (kubernetes.Interface, *recorder) {
+// requests; with clientDefaults, under client-go's default rate limits
+// (5 requests a second, bursts of 10), as the command's client is.
+func (e *env) countingClient(clientDefaults ...bool) (kubernetes.Interface, *recorder) {
 	e.t.Helper()
 	cfg := rest.CopyConfig(e.agentConfig)
+	if len(clientDefaults) > 0 && clientDefaults[0] {
+		cfg.QPS, cfg.Burst = 0, 0
+	}
 	rec := &recorder{count: make(map[string]int)}
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { rec.next = rt; return rec })
 	client, err := kubernetes.NewForConfig(cfg)

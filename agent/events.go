@@ -2,8 +2,14 @@ package agent
 
 import (
 	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 )
 
@@ -86,4 +92,129 @@ func (r reporter) claim(pvc *corev1.PersistentVolumeClaim, pods []*corev1.Pod, e
 // pod sends an event on one pod (related: the PVC) and on the PVC.
 func (r reporter) pod(pod *corev1.Pod, pvc *corev1.PersistentVolumeClaim, eventtype, reason, action, note string) {
 	r.volume([]*corev1.Pod{pod}, pvc, eventtype, reason, action, note)
+}
+
+// Event budget of a node: a storage outage breaks every volume of the node
+// at once, and one event per pod and claim per step would be thousands of
+// writes to the API server from one node (and would queue behind the
+// client's own rate limit, ahead of the repairs' reads). Past the budget,
+// events are counted per type and reason and summed up in one event on the
+// Node per reason every eventSummaryEvery.
+const (
+	eventBurst        = 25
+	eventRefill       = time.Second // one more event per second
+	eventSummaryEvery = 10 * time.Second
+	// eventSummaryNames is how many of the held events' objects a summary
+	// names.
+	eventSummaryNames = 10
+)
+
+// limitedRecorder passes events to rec within a token bucket (eventBurst,
+// one token per eventRefill) and holds the rest for flush. Evictions pass
+// always: the node's eviction budget bounds them already, and a pod's owner
+// must see why it went. Workers and the loop share it.
+type limitedRecorder struct {
+	rec  eventRecorder
+	node runtime.Object
+	now  func() time.Time
+
+	mu     sync.Mutex
+	tokens float64
+	last   time.Time
+	held   map[heldKey]*heldEvents
+	// sent and summarized count events passed on and held, for tests and
+	// the log.
+	sent, summarized int
+}
+
+type heldKey struct{ eventtype, reason, action string }
+
+type heldEvents struct {
+	count int
+	names []string
+}
+
+func newLimitedRecorder(rec eventRecorder, nodeName string, now func() time.Time) *limitedRecorder {
+	if now == nil {
+		now = time.Now
+	}
+	return &limitedRecorder{rec: rec, now: now, tokens: eventBurst, last: now(),
+		node: &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}},
+		held: make(map[heldKey]*heldEvents)}
+}
+
+// Eventf sends the event when the budget allows, else holds it for the next
+// summary.
+func (l *limitedRecorder) Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{}) {
+	l.mu.Lock()
+	now := l.now()
+	l.tokens = min(eventBurst, l.tokens+float64(now.Sub(l.last))/float64(eventRefill))
+	l.last = now
+	pass := reason == ReasonEvicting || l.tokens >= 1
+	if pass {
+		if reason != ReasonEvicting {
+			l.tokens--
+		}
+		l.sent++
+	} else {
+		k := heldKey{eventtype, reason, action}
+		h := l.held[k]
+		if h == nil {
+			h = &heldEvents{}
+			l.held[k] = h
+		}
+		h.count++
+		l.summarized++
+		if len(h.names) < eventSummaryNames {
+			h.names = append(h.names, objectName(regarding))
+		}
+	}
+	l.mu.Unlock()
+	if pass {
+		l.rec.Eventf(regarding, related, eventtype, reason, action, note, args...)
+	}
+}
+
+// flush sends one summary event on the Node per type and reason held since
+// the last flush.
+func (l *limitedRecorder) flush(dryRun bool) {
+	l.mu.Lock()
+	held := l.held
+	l.held = make(map[heldKey]*heldEvents)
+	l.mu.Unlock()
+	keys := make([]heldKey, 0, len(held))
+	for k := range held {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		a, b := keys[i], keys[j]
+		return a.reason+a.action+a.eventtype < b.reason+b.action+b.eventtype
+	})
+	for _, k := range keys {
+		h := held[k]
+		names := strings.Join(h.names, ", ")
+		if more := h.count - len(h.names); more > 0 {
+			names += fmt.Sprintf(" and %d more", more)
+		}
+		note := fmt.Sprintf("%d %s events of this node were not sent one by one (more than %d at once, then one a second): about %s", h.count, k.reason, eventBurst, names)
+		if dryRun {
+			note = dryRunPrefix + note
+		}
+		if len(note) > 1000 {
+			note = note[:997] + "..."
+		}
+		l.rec.Eventf(l.node, nil, k.eventtype, k.reason, k.action, "%s", note)
+	}
+}
+
+// objectName is namespace/name of an API object, or its name.
+func objectName(o runtime.Object) string {
+	m, err := meta.Accessor(o)
+	if err != nil {
+		return "?"
+	}
+	if m.GetNamespace() == "" {
+		return m.GetName()
+	}
+	return m.GetNamespace() + "/" + m.GetName()
 }

@@ -151,7 +151,7 @@ func (k *kube) forget(keys ...string) {
 // secret GETs a Secret. It is never cached: the caller drops it after the
 // repair.
 func (k *kube) secret(ctx context.Context, ns, name string) (*corev1.Secret, error) {
-	ctx, cancel := context.WithTimeout(ctx, k.timeout)
+	ctx, cancel := context.WithTimeout(quietBodies(ctx), k.timeout)
 	defer cancel()
 	return k.client.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
 }

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
@@ -198,6 +200,17 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if len(j.active) == 0 {
 		return res
 	}
+	// Every rung from here re-mounts, restarts or evicts: act on the pods
+	// as the API server has them now, never on the informer's copy, which
+	// after a partition can still show a pod force-deleted or replaced
+	// under its name. The GET runs while the volume is resolved; its
+	// answer is awaited before the first tier.
+	freshc := make(chan freshResult, 1)
+	go func() {
+		var f freshResult
+		f.pods, f.gone, f.err = a.freshPods(ctx, j.active)
+		freshc <- f
+	}()
 
 	restageable := j.vol.csi
 	floor := j.floor
@@ -264,6 +277,11 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
 		}
 		res.outcome = outcomeIgnored
+		return res
+	}
+
+	if r = a.awaitFresh(ctx, j, r, freshc); r == nil {
+		res.outcome = outcomeWaiting
 		return res
 	}
 
@@ -413,6 +431,77 @@ func errText(err error) string {
 		return "still broken after it"
 	}
 	return err.Error()
+}
+
+// freshResult is the answer of freshPods.
+type freshResult struct {
+	pods []*corev1.Pod
+	gone []string
+	err  error
+}
+
+// awaitFresh waits for the fresh pods and returns r for them alone (their
+// current objects), or nil when none is left or the API server could not
+// say: then nothing is repaired.
+func (a *Agent) awaitFresh(ctx context.Context, j *job, r *resolved, freshc <-chan freshResult) *resolved {
+	logger := klog.FromContext(ctx)
+	f := <-freshc
+	if f.err != nil {
+		logger.V(2).Info("Repair waits for the API server", "err", f.err)
+		if a.notes.once(j.key, "apiwait") {
+			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", f.err))
+		}
+		return nil
+	}
+	if len(f.gone) > 0 {
+		logger.V(2).Info("Pods gone or replaced since the cache saw them: not repaired", "pods", f.gone)
+	}
+	if len(f.pods) == 0 {
+		return nil
+	}
+	keep := make(map[types.UID]*corev1.Pod, len(f.pods))
+	for _, p := range f.pods {
+		keep[p.UID] = p
+	}
+	var pods []*corev1.Pod
+	for _, p := range r.pods {
+		if cur := keep[p.UID]; cur != nil {
+			pods = append(pods, cur)
+		}
+	}
+	if len(pods) == 0 {
+		return nil
+	}
+	return (&residual{r: r}).forPods(pods)
+}
+
+// freshPods reads each pod from the API server (a GET, not the cache) and
+// keeps those still there with the same UID, bound to this node and not
+// being deleted, in their current state; gone names the others. An API
+// server out of reach is errAPIWait: nothing is repaired on the cache's
+// word.
+func (a *Agent) freshPods(ctx context.Context, pods []*corev1.Pod) (fresh []*corev1.Pod, gone []string, err error) {
+	for _, pod := range pods {
+		cur, err := a.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			gone = append(gone, klog.KObj(pod).String()+" (deleted)")
+			continue
+		case err != nil:
+			return nil, nil, fmt.Errorf("get pod %s: %w: %w", klog.KObj(pod), errAPIWait, err)
+		case cur.UID != pod.UID:
+			gone = append(gone, fmt.Sprintf("%s (replaced: uid %s, was %s)", klog.KObj(pod), cur.UID, pod.UID))
+			continue
+		case cur.DeletionTimestamp != nil:
+			gone = append(gone, klog.KObj(pod).String()+" (being deleted)")
+			continue
+		case cur.Spec.NodeName != pod.Spec.NodeName:
+			gone = append(gone, klog.KObj(pod).String()+" (on node "+cur.Spec.NodeName+")")
+			continue
+		}
+		fresh = append(fresh, cur)
+	}
+	return fresh, gone, nil
 }
 
 // isDriverDown reports a driver that is unavailable or not registered

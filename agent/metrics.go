@@ -169,11 +169,11 @@ func (m *metrics) observeScan(inv *probe.Inventory, rep *probe.Report, took time
 
 	for _, r := range rep.Backends {
 		m.probes.WithLabelValues(r.State.String()).Inc()
-		if r.State != probe.Hung && r.Took > 0 {
+		if r.State != probe.Hung && r.State != probe.Unknown && r.Took > 0 {
 			m.probeDuration.Observe(r.Took.Seconds())
 		}
 	}
-	m.hungProbes.Set(float64(rep.InFlight))
+	m.hungProbes.Set(float64(rep.InFlight - rep.Pending))
 
 	counts := make(map[[3]string]int)
 	for _, r := range rep.Mounts {

@@ -43,11 +43,18 @@ type podUse struct {
 	dead       []*probe.Mount
 }
 
-// certain reports a failure that cannot heal by itself: the FUSE
+// certain reports a failure that is not waited on for strikes: the FUSE
 // connection of the volume is gone (ENOTCONN or ECONNABORTED on a FUSE
-// backend). Any other state may be transient and waits for its strikes.
+// backend), which never heals by itself, or its daemon has not answered a
+// probe for a whole deadline (Hung: the prober never says so of a probe
+// still within its deadline, however slow), whose callers stay blocked
+// until the connection is aborted. Any other state may be transient and
+// waits for its strikes.
 func (v *brokenVolume) certain() bool {
-	return v.state == probe.Disconnected && v.backend != nil && v.backend.Kind == probe.BackendFUSE
+	if v.backend == nil || v.backend.Kind != probe.BackendFUSE {
+		return false
+	}
+	return v.state == probe.Disconnected || v.state == probe.Hung
 }
 
 // podUIDs lists the pods of the volume in a stable order.

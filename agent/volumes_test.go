@@ -65,19 +65,26 @@ func TestGroupBrokenSharedVolume(t *testing.T) {
 	}
 }
 
-func TestGroupBrokenUncertainStates(t *testing.T) {
+func TestGroupBrokenHungStates(t *testing.T) {
 	_, rep := reportWith(t, "s3fs-two-pods.mountinfo", probe.Dev{Major: 0, Minor: 52}, probe.Hung, probe.ErrHung)
 	got := groupBroken(rep)
 	if len(got) != 1 {
 		t.Fatalf("groupBroken of a Hung volume: %d volumes, want 1", len(got))
 	}
 	for _, v := range got {
-		if v.certain() {
-			t.Errorf("a Hung volume is certain; a slow server must get its strikes")
+		// The prober calls Hung only a probe past its whole deadline,
+		// never a slow answer within it: its FUSE connection is aborted
+		// at once, without waiting for strikes.
+		if !v.certain() {
+			t.Errorf("a Hung FUSE volume is not certain: its callers stay blocked through the strikes")
 		}
 		if !v.hung {
 			t.Error("a Hung volume is not marked hung (its FUSE connection must be aborted first)")
 		}
+	}
+	nfs := &brokenVolume{state: probe.Hung, hung: true, backend: &probe.Backend{Kind: probe.BackendNetwork, FSType: "nfs4"}}
+	if nfs.certain() {
+		t.Error("a Hung NFS volume is certain; a slow server must get its strikes")
 	}
 }
 

@@ -22,9 +22,12 @@
 //     and statx(AT_STATX_FORCE_SYNC) (a plain stat answers from the attribute
 //     cache after a FUSE daemon died), super options and ext4 error counters,
 //     and derived to every bind that shares the backend. At most one probe is
-//     in flight per backend; a probe past its deadline marks the backend Hung
-//     and no new probe starts for it until the old one returns, so a wedged
-//     filesystem costs one parked OS thread, never a growing pile of them.
+//     in flight per backend; a probe whose call is past its deadline marks the
+//     backend Hung and no new probe starts for it until the old one returns,
+//     so a wedged filesystem costs one parked OS thread, never a growing pile
+//     of them. A cycle starts every probe at once and waits at most one
+//     deadline (and a quarter) for all of them together; a probe still within
+//     its deadline then is pending, judged by the next cycle.
 //
 // probe must not import a Kubernetes client, the remount package or the agent
 // package: it takes a mount table in and gives data out.

@@ -42,6 +42,8 @@ type Report struct {
 	// InFlight counts probes still running from this or earlier cycles:
 	// each holds an OS thread in a syscall that cannot be cancelled.
 	InFlight int
+	// Pending counts those of InFlight not yet past their deadline.
+	Pending int
 }
 
 // Broken returns the per-mount results that need a repair.
@@ -57,7 +59,9 @@ func (r *Report) Broken() []Result {
 
 // Config tunes a Prober.
 type Config struct {
-	// Timeout is each probe's deadline; past it the backend is Hung.
+	// Timeout is the deadline of each call a probe makes (statfs, statx,
+	// a device read): a call still running past it makes the backend
+	// Hung. A daemon that answers every call within it is never Hung.
 	Timeout time.Duration
 	// Parallel bounds the probes run at once in a cycle.
 	Parallel int
@@ -91,10 +95,22 @@ func HostSyscalls() Syscalls {
 
 // Prober checks backends and paths without ever wedging its caller: a probe
 // runs on its own goroutine, at most one per backend (or per path, for
-// CheckPath) at a time; the caller waits at most Timeout for it.
+// CheckPath) at a time, and a caller never waits more than one deadline for
+// any number of them.
+//
+// A probe that blocks (a hung FUSE daemon: the syscall cannot be cancelled)
+// parks its goroutine, and the OS thread under it, until the call returns;
+// at most Config.Parallel probes run in the fast lane at once, and a probe
+// that has not answered within slowAfter leaves the lane to wait on its own
+// thread, so that a thousand newly hung backends neither queue behind each
+// other nor start more threads than there are probes stuck in the kernel.
 type Prober struct {
 	cfg Config
 	sys Syscalls
+	// lane holds one token per probe running in the fast lane.
+	lane chan struct{}
+	// slowAfter is how long a probe may hold its lane token.
+	slowAfter time.Duration
 
 	mu sync.Mutex
 	// inflight is keyed by a backend's Dev or by a CheckPath path.
@@ -103,10 +119,23 @@ type Prober struct {
 }
 
 type flight struct {
-	start time.Time
-	done  chan struct{}
-	res   Result
+	// queued is when the probe was asked for; start is set (under
+	// Prober.mu) when its first syscall begins, after its wait for a lane.
+	queued time.Time
+	start  time.Time
+	done   chan struct{}
+	res    Result
+	// seen marks the flights of backends of the last Probe call, so that
+	// finished flights of vanished backends are dropped.
+	seen bool
+	// used: a Probe call took the answer (set under Prober.mu).
+	used bool
 }
+
+// ErrPending is the error of a probe that has not answered yet but is not
+// past its deadline either: the backend is neither healthy nor hung yet
+// (State Unknown), and the next cycle judges it.
+var ErrPending = errors.New("probe still running, not yet past its deadline")
 
 // NewProber returns a Prober on the host's syscalls.
 func NewProber(cfg Config) *Prober {
@@ -128,8 +157,15 @@ func NewProberWith(cfg Config, sys Syscalls) *Prober {
 	if cfg.DevDir == "" {
 		cfg.DevDir = "/dev"
 	}
-	return &Prober{cfg: cfg, sys: sys, inflight: make(map[any]*flight), errCount: make(map[string]uint64)}
+	return &Prober{cfg: cfg, sys: sys, lane: make(chan struct{}, cfg.Parallel),
+		slowAfter: min(slowAfter, cfg.Timeout/4),
+		inflight:  make(map[any]*flight), errCount: make(map[string]uint64)}
 }
+
+// slowAfter is how long a probe keeps its fast-lane slot: a statfs of a
+// healthy FUSE mount takes 30-50 µs. With the default 4 slots, a thousand
+// newly hung backends are all under probe within a quarter of a second.
+const slowAfter = time.Millisecond
 
 // InFlight counts probes still running, each pinning an OS thread.
 func (p *Prober) InFlight() int {
@@ -146,34 +182,214 @@ func (p *Prober) InFlight() int {
 	return n
 }
 
-// Probe checks every backend of inv once (bounded by Config.Parallel and
-// each by Config.Timeout) and derives the state of every mount.
+// Probe checks every backend of inv once and derives the state of every
+// mount. It starts the probes of every backend that has none in flight and
+// waits for all of them together: until each answered or passed its own
+// deadline (Config.Timeout from the start of its current call), and never longer than
+// one deadline and a quarter in all, whatever the number of backends or of
+// hung ones. A backend whose probe is still running past its deadline is
+// Hung; one whose probe is still running within it (it started late in a
+// long queue) is Unknown with ErrPending, judged by the next call. A backend
+// whose earlier probe is still blocked is Hung at once: no second probe
+// starts for it.
 func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
+	begin := time.Now()
 	rep := &Report{Backends: make([]Result, len(inv.Backends))}
-	jobs := make(chan int)
-	var wg sync.WaitGroup
-	for w := 0; w < p.cfg.Parallel && w < len(inv.Backends); w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range jobs {
-				rep.Backends[i] = p.probeBackend(ctx, inv.Backends[i])
-			}
-		}()
+	flights := make([]*flight, len(inv.Backends))
+	fresh := make([]bool, len(inv.Backends))
+	p.mu.Lock()
+	for _, f := range p.inflight {
+		f.seen = false
 	}
-	for i := range inv.Backends {
-		jobs <- i
+	p.mu.Unlock()
+	for i, b := range inv.Backends {
+		path := b.ProbePath()
+		if path == "" {
+			st, err := TableState(b)
+			rep.Backends[i] = Result{Backend: b, State: st, Err: err}
+			continue
+		}
+		flights[i], fresh[i] = p.launch(b.Dev, true, func(mark func()) Result { return p.check(b, path, mark) })
 	}
-	close(jobs)
-	wg.Wait()
 
+	// Wait for the fresh probes: each until it answers or its own deadline
+	// passes, all of them within one deadline and a quarter of begin.
+	limit := begin.Add(p.cfg.Timeout + p.cfg.Timeout/4)
+	var timer *time.Timer
+	for i, f := range flights {
+		if f == nil || !fresh[i] {
+			continue
+		}
+		for {
+			select {
+			case <-f.done:
+			default:
+				until := limit
+				if s := p.started(f); !s.IsZero() && s.Add(p.cfg.Timeout).Before(until) {
+					until = s.Add(p.cfg.Timeout)
+				}
+				wait := time.Until(until)
+				if wait <= 0 {
+					break
+				}
+				if timer == nil {
+					timer = time.NewTimer(wait)
+				} else {
+					timer.Reset(wait)
+				}
+				select {
+				case <-f.done:
+				case <-timer.C:
+					continue // the probe may have started meanwhile
+				case <-ctx.Done():
+				}
+			}
+			break
+		}
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if timer != nil {
+		timer.Stop()
+	}
+
+	logger := klog.FromContext(ctx)
+	now := time.Now()
+	for i, f := range flights {
+		if f == nil {
+			continue
+		}
+		b := inv.Backends[i]
+		select {
+		case <-f.done:
+			p.mu.Lock()
+			f.used = true
+			p.mu.Unlock()
+		default:
+		}
+		r := p.judge(ctx, f, fresh[i], b.ProbePath(), now)
+		r.Backend = b
+		rep.Backends[i] = r
+		if logger.V(4).Enabled() {
+			logger.V(4).Info("probed", "path", b.ProbePath(), "dev", b.Dev, "state", r.State, "took", r.Took, "err", r.Err)
+		}
+	}
+	rep.InFlight, rep.Pending = p.sweep()
 	byBackend := make(map[*Backend]Result, len(inv.Backends))
 	for _, r := range rep.Backends {
 		byBackend[r.Backend] = r
 	}
 	rep.Mounts = derive(inv, func(b *Backend) Result { return byBackend[b] })
-	rep.InFlight = p.InFlight()
 	return rep
+}
+
+// launch starts a probe under key unless one is in flight, which it returns
+// instead (fresh false). A finished flight is replaced, unless reuse is set
+// and no caller has taken its answer yet.
+func (p *Prober) launch(key any, reuse bool, check func(mark func()) Result) (f *flight, fresh bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if f = p.inflight[key]; f != nil {
+		select {
+		case <-f.done:
+			if reuse && !f.used {
+				// It answered after the last cycle ended: that answer is
+				// this cycle's (a daemon slower than a cycle's wait, but
+				// answering, is not probed again before it is heard).
+				f.seen, f.used = true, true
+				return f, false
+			}
+		default:
+			f.seen = true
+			return f, false
+		}
+	}
+	f = &flight{queued: time.Now(), done: make(chan struct{}), seen: true}
+	p.inflight[key] = f
+	go p.fly(f, check)
+	return f, true
+}
+
+// fly runs one probe: it waits for a fast-lane slot, gives it back once the
+// probe answered or slowAfter passed, whichever comes first, and records
+// the result.
+func (p *Prober) fly(f *flight, check func(mark func()) Result) {
+	p.lane <- struct{}{}
+	start := time.Now()
+	var once sync.Once
+	leave := func() { once.Do(func() { <-p.lane }) }
+	t := time.AfterFunc(p.slowAfter, leave)
+	res := check(func() {
+		p.mu.Lock()
+		f.start = time.Now()
+		p.mu.Unlock()
+	})
+	t.Stop()
+	leave()
+	res.Took = time.Since(start)
+	f.res = res
+	close(f.done)
+}
+
+// started is when f's current syscall began, zero while it waits for a
+// lane. The deadline runs per call: a daemon that answers each request
+// within it is never Hung, however many requests a probe makes.
+func (p *Prober) started(f *flight) time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return f.start
+}
+
+// judge turns a flight into a result at now: its answer when it returned
+// (and was started by this call, else the answer is older than the call and
+// the backend is probed afresh next time), Hung past its deadline, else
+// pending.
+func (p *Prober) judge(ctx context.Context, f *flight, fresh bool, path string, now time.Time) Result {
+	select {
+	case <-f.done:
+		// A flight that was running at launch (not fresh) and answered
+		// since: its answer is the latest word on the backend.
+		return f.res
+	default:
+	}
+	if ctx.Err() != nil {
+		return Result{State: Unknown, Err: ctx.Err()}
+	}
+	start := p.started(f)
+	switch {
+	case start.IsZero():
+		return Result{State: Unknown, Err: fmt.Errorf("%s: waiting for a probe slot: %w", path, ErrPending)}
+	case now.Sub(start) < p.cfg.Timeout:
+		return Result{State: Unknown, Err: fmt.Errorf("%s: %w", path, ErrPending), Took: now.Sub(start)}
+	case fresh:
+		return Result{State: Hung, Err: fmt.Errorf("%s: no answer within %s: %w", path, p.cfg.Timeout, ErrHung), Took: now.Sub(start)}
+	}
+	return Result{State: Hung, Err: fmt.Errorf("an earlier probe of %s has not returned: %w", path, ErrHung), Took: now.Sub(start)}
+}
+
+// sweep drops finished flights of keys the last Probe call did not see
+// (backends gone from the table), and counts the flights still running and,
+// of those, the ones not yet past their deadline.
+func (p *Prober) sweep() (inFlight, pending int) {
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for key, f := range p.inflight {
+		select {
+		case <-f.done:
+			if _, isPath := key.(string); !isPath && !f.seen {
+				delete(p.inflight, key)
+			}
+			continue
+		default:
+		}
+		inFlight++
+		if f.start.IsZero() || now.Sub(f.start) < p.cfg.Timeout {
+			pending++
+		}
+	}
+	return inFlight, pending
 }
 
 // Assess is what the mount table alone says, touching no path: for an
@@ -213,17 +429,6 @@ func derive(inv *Inventory, of func(*Backend) Result) []Result {
 	return out
 }
 
-func (p *Prober) probeBackend(ctx context.Context, b *Backend) Result {
-	path := b.ProbePath()
-	if path == "" {
-		st, err := TableState(b)
-		return Result{Backend: b, State: st, Err: err}
-	}
-	r := p.once(ctx, b.Dev, path, func() Result { return p.check(b, path) })
-	r.Backend = b
-	return r
-}
-
 // CheckPath probes one path with statfs, then statx(AT_STATX_FORCE_SYNC),
 // under the same rules as a backend: at most one probe of the path in flight,
 // Hung (ErrHung) past Timeout and while an earlier probe of it has not
@@ -232,70 +437,53 @@ func (p *Prober) probeBackend(ctx context.Context, b *Backend) Result {
 // table: for a caller that knows which path to check, such as a container's
 // view of a volume through /proc/<pid>/root.
 func (p *Prober) CheckPath(ctx context.Context, path string) (State, error) {
-	r := p.once(ctx, path, path, func() Result {
+	f, fresh := p.launch(path, false, func(mark func()) Result {
 		var r Result
-		r.State, r.Err = p.syscalls(path)
+		r.State, r.Err = p.syscalls(path, mark)
 		return r
 	})
-	return r.State, r.Err
-}
-
-// once runs check on its own goroutine unless a probe under key is still in
-// flight, and waits at most Timeout for it. check may block for good in a
-// syscall: it then pins one thread, and every later call for key is Hung at
-// once until it returns.
-func (p *Prober) once(ctx context.Context, key any, path string, check func() Result) Result {
-	logger := klog.FromContext(ctx)
-	p.mu.Lock()
-	f := p.inflight[key]
-	if f != nil {
-		select {
-		case <-f.done:
-			delete(p.inflight, key)
-			f = nil
-		default:
+	if !fresh {
+		r := p.judge(ctx, f, false, path, time.Now())
+		if r.State == Unknown && errors.Is(r.Err, ErrPending) {
+			// Another caller's probe of the path is under way: wait for it
+			// as for our own.
+			fresh = true
+		} else {
+			return r.State, r.Err
 		}
 	}
-	if f != nil {
-		// The last probe has not returned: do not start another one.
-		p.mu.Unlock()
-		return Result{State: Hung, Err: fmt.Errorf("an earlier probe of %s has not returned: %w", path, ErrHung), Took: time.Since(f.start)}
-	}
-	f = &flight{start: time.Now(), done: make(chan struct{})}
-	p.inflight[key] = f
-	p.mu.Unlock()
-
-	go func() {
-		f.res = check()
-		f.res.Took = time.Since(f.start)
-		close(f.done)
-	}()
-
 	timer := time.NewTimer(p.cfg.Timeout)
 	defer timer.Stop()
-	select {
-	case <-f.done:
-		p.mu.Lock()
-		if p.inflight[key] == f {
-			delete(p.inflight, key)
+	for {
+		select {
+		case <-f.done:
+			klog.FromContext(ctx).V(4).Info("probed", "path", path, "state", f.res.State, "took", f.res.Took, "err", f.res.Err)
+			return f.res.State, f.res.Err
+		case <-ctx.Done():
+			return Unknown, ctx.Err()
+		case <-timer.C:
 		}
-		p.mu.Unlock()
-		logger.V(4).Info("probed", "path", path, "key", key, "state", f.res.State, "took", f.res.Took, "err", f.res.Err)
-		return f.res
-	case <-timer.C:
-	case <-ctx.Done():
-		return Result{State: Unknown, Err: ctx.Err(), Took: time.Since(f.start)}
+		start := p.started(f)
+		if !start.IsZero() && time.Since(start) >= p.cfg.Timeout {
+			klog.FromContext(ctx).V(4).Info("probe hung", "path", path, "timeout", p.cfg.Timeout)
+			return Hung, fmt.Errorf("%s: no answer within %s: %w", path, p.cfg.Timeout, ErrHung)
+		}
+		wait := p.cfg.Timeout
+		if !start.IsZero() {
+			wait = p.cfg.Timeout - time.Since(start)
+		}
+		timer.Reset(max(wait, time.Millisecond))
 	}
-	logger.V(4).Info("probe hung", "path", path, "key", key, "timeout", p.cfg.Timeout)
-	return Result{State: Hung, Err: fmt.Errorf("%s: no answer within %s: %w", path, p.cfg.Timeout, ErrHung), Took: time.Since(f.start)}
 }
 
 // syscalls runs statfs, then statx(AT_STATX_FORCE_SYNC), on path: Healthy,
 // or the state of the first error and the error.
-func (p *Prober) syscalls(path string) (State, error) {
+func (p *Prober) syscalls(path string, mark func()) (State, error) {
+	mark()
 	if err := p.sys.Statfs(path); err != nil {
 		return StateOf(err), fmt.Errorf("statfs %s: %w", path, err)
 	}
+	mark()
 	if err := p.sys.StatxSync(path); err != nil {
 		return StateOf(err), fmt.Errorf("statx %s: %w", path, err)
 	}
@@ -303,9 +491,9 @@ func (p *Prober) syscalls(path string) (State, error) {
 }
 
 // check runs on its own goroutine; it may block for good in a syscall.
-func (p *Prober) check(b *Backend, path string) Result {
+func (p *Prober) check(b *Backend, path string, mark func()) Result {
 	r := Result{Backend: b}
-	if st, err := p.syscalls(path); err != nil {
+	if st, err := p.syscalls(path, mark); err != nil {
 		r.State, r.Err = st, err
 		return r
 	}
@@ -314,6 +502,7 @@ func (p *Prober) check(b *Backend, path string) Result {
 		return r
 	}
 	if b.Kind == BackendBlock && b.Device != "" {
+		mark()
 		if st, err := p.checkDevice(b); st != Healthy {
 			r.State, r.Err = st, err
 			return r

@@ -3,6 +3,7 @@ package probe
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,9 +16,11 @@ import (
 // fakeFS answers probes per path prefix; a path in hang blocks until
 // release is closed.
 type fakeFS struct {
-	mu      sync.Mutex
-	errs    map[string]error
-	hang    map[string]bool
+	mu   sync.Mutex
+	errs map[string]error
+	hang map[string]bool
+	// delay makes every statfs answer this late.
+	delay   time.Duration
 	release chan struct{}
 	calls   map[string]*atomic.Int32
 }
@@ -33,9 +36,10 @@ func (f *fakeFS) statfs(path string) error {
 		c = new(atomic.Int32)
 		f.calls[path] = c
 	}
-	hang, err := f.hang[path], f.errs[path]
+	hang, err, delay := f.hang[path], f.errs[path], f.delay
 	f.mu.Unlock()
 	c.Add(1)
+	time.Sleep(delay)
 	if hang {
 		<-f.release
 	}
@@ -53,8 +57,14 @@ func (f *fakeFS) count(path string) int32 {
 
 func (f *fakeFS) syscalls() Syscalls {
 	return Syscalls{
-		Statfs:     f.statfs,
-		StatxSync:  func(string) error { return nil },
+		Statfs: f.statfs,
+		StatxSync: func(string) error {
+			f.mu.Lock()
+			delay := f.delay
+			f.mu.Unlock()
+			time.Sleep(delay)
+			return nil
+		},
 		ReadDevice: func(string) error { return nil },
 		ReadFile:   func(string) ([]byte, error) { return nil, unix.ENOENT },
 	}
@@ -144,20 +154,23 @@ func TestHungProbeIsNeverStartedTwice(t *testing.T) {
 	if n := fs.count(staging.Path); n != 1 {
 		t.Errorf("hung backend probed %d times, want 1 (no second probe while the first is stuck)", n)
 	}
-	// The stuck call returns: the next cycle probes again and is healthy.
+	// The stuck call returns: the next cycle takes its answer, healthy,
+	// and the one after probes again.
 	close(fs.release)
 	deadline := time.Now().Add(10 * time.Second)
 	for p.InFlight() != 0 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	rep := p.Probe(context.Background(), inv)
-	for _, r := range rep.Mounts {
-		if r.State != Healthy {
-			t.Errorf("after release: %s: state %v, want Healthy", r.Mount.Path, r.State)
+	for i, want := range []int32{1, 2} {
+		rep := p.Probe(context.Background(), inv)
+		for _, r := range rep.Mounts {
+			if r.State != Healthy {
+				t.Errorf("cycle %d after release: %s: state %v, want Healthy", i, r.Mount.Path, r.State)
+			}
 		}
-	}
-	if n := fs.count(staging.Path); n != 2 {
-		t.Errorf("after release: probed %d times in all, want 2", n)
+		if n := fs.count(staging.Path); n != want {
+			t.Errorf("cycle %d after release: probed %d times in all, want %d", i, n, want)
+		}
 	}
 }
 
@@ -242,5 +255,123 @@ func TestCheckPath(t *testing.T) {
 	}
 	if n := fs.count("/hung"); n != 2 {
 		t.Errorf("/hung probed %d times in all, want 2", n)
+	}
+}
+
+// fuseInventory is a table of n FUSE backends, one staging mount each, at
+// /staging/<i>.
+func fuseInventory(n int) *Inventory {
+	inv := &Inventory{Root: "/var/lib/kubelet"}
+	for i := range n {
+		b := &Backend{Kind: BackendFUSE, FSType: "fuse.faultfs", Dev: Dev{0, uint32(1000 + i)}}
+		m := &Mount{Path: "/staging/" + strconv.Itoa(i), Backend: b, Options: "rw"}
+		b.Mounts = []*Mount{m}
+		inv.Mounts = append(inv.Mounts, m)
+		inv.Backends = append(inv.Backends, b)
+	}
+	return inv
+}
+
+// TestManyHungBackendsDoNotStallACycle: a thousand backends hang at once,
+// beside a healthy one. One Probe call starts a probe of every one of them
+// (they do not queue behind each other for a deadline each) and says the
+// healthy one is Healthy; the hung ones are Hung, or pending (Unknown,
+// ErrPending) when their probe began late in the call; the next call finds
+// every one Hung without probing any of them again.
+func TestManyHungBackendsDoNotStallACycle(t *testing.T) {
+	const n = 1000
+	inv := fuseInventory(n + 1)
+	fs := newFakeFS()
+	for i := range n {
+		fs.hang["/staging/"+strconv.Itoa(i)] = true
+	}
+	defer close(fs.release)
+	p := NewProberWith(Config{Timeout: time.Second, Parallel: 4}, fs.syscalls())
+	rep := p.Probe(context.Background(), inv)
+	started, hung, pending := 0, 0, 0
+	for i := range n {
+		if fs.count("/staging/"+strconv.Itoa(i)) == 1 {
+			started++
+		}
+		switch r := rep.Backends[i]; {
+		case r.State == Hung && errors.Is(r.Err, ErrHung):
+			hung++
+		case r.State == Unknown && errors.Is(r.Err, ErrPending):
+			pending++
+		default:
+			t.Fatalf("backend %d after one call: %v %v, want Hung or pending", i, r.State, r.Err)
+		}
+	}
+	t.Logf("after one call: %d of %d hung probes started, %d Hung, %d pending, %d in flight", started, n, hung, pending, rep.InFlight)
+	if started != n {
+		t.Errorf("one call started %d of %d probes of hung backends, want all of them", started, n)
+	}
+	if r := rep.Backends[n]; r.State != Healthy {
+		t.Errorf("healthy backend beside %d hung ones: %v %v, want Healthy", n, r.State, r.Err)
+	}
+	if rep.InFlight != n || rep.Pending > pending {
+		t.Errorf("InFlight, Pending = %d, %d; want %d, at most %d", rep.InFlight, rep.Pending, n, pending)
+	}
+	time.Sleep(time.Second) // every probe is past its deadline now
+	rep = p.Probe(context.Background(), inv)
+	for i := range n {
+		if r := rep.Backends[i]; r.State != Hung {
+			t.Fatalf("backend %d after a second call: %v %v, want Hung", i, r.State, r.Err)
+		}
+		if c := fs.count("/staging/" + strconv.Itoa(i)); c != 1 {
+			t.Fatalf("hung backend %d probed %d times, want once", i, c)
+		}
+	}
+	if rep.Pending != 0 {
+		t.Errorf("Pending = %d after every deadline passed, want 0", rep.Pending)
+	}
+}
+
+// TestSlowAnswerWithinDeadlineIsNeverHung: backends whose daemon answers
+// each request in 75 % of the deadline (1.5 s under a 2 s deadline) are
+// never Hung, though a probe's two requests together take longer than the
+// deadline: the deadline runs per call. A probe still running at the end of
+// a call is pending, and Healthy at the next; however many answer slowly at
+// once.
+func TestSlowAnswerWithinDeadlineIsNeverHung(t *testing.T) {
+	const n = 200
+	inv := fuseInventory(n)
+	fs := newFakeFS()
+	fs.delay = 300 * time.Millisecond
+	p := NewProberWith(Config{Timeout: 400 * time.Millisecond, Parallel: 4}, fs.syscalls())
+	healthy := make([]bool, n)
+	for cycle := range 4 {
+		time.Sleep(200 * time.Millisecond) // the agent's probe interval
+		rep := p.Probe(context.Background(), inv)
+		for i, r := range rep.Backends {
+			switch {
+			case r.State == Healthy:
+				healthy[i] = true
+			case r.State == Unknown && errors.Is(r.Err, ErrPending):
+			default:
+				t.Fatalf("cycle %d: slow backend %d: %v %v, want Healthy or pending", cycle, i, r.State, r.Err)
+			}
+		}
+	}
+	for i, ok := range healthy {
+		if !ok {
+			t.Errorf("slow backend %d never found Healthy in 4 calls", i)
+		}
+	}
+}
+
+// TestFinishedFlightsOfGoneBackendsAreDropped: the prober forgets a backend
+// that left the table once its probe returned, so that a node whose volumes
+// come and go does not grow its memory.
+func TestFinishedFlightsOfGoneBackendsAreDropped(t *testing.T) {
+	fs := newFakeFS()
+	p := NewProberWith(Config{Timeout: time.Minute}, fs.syscalls())
+	p.Probe(context.Background(), fuseInventory(50))
+	p.Probe(context.Background(), fuseInventory(5))
+	p.mu.Lock()
+	n := len(p.inflight)
+	p.mu.Unlock()
+	if n != 5 {
+		t.Errorf("prober keeps %d flights after the table shrank to 5 backends, want 5", n)
 	}
 }

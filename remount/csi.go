@@ -23,7 +23,8 @@ import (
 var (
 	// ErrDriverUnavailable marks a CSI driver that is down: its socket is
 	// missing or refuses connections, or a call ended with gRPC Unavailable,
-	// or ran out of time before a connection was up. Retry later.
+	// or ran out of time (no connection came up, or the driver accepted it
+	// and never answered the call). Retry later.
 	ErrDriverUnavailable = errors.New("csi driver unavailable")
 	// ErrDriverNotFound marks a driver that no registration socket names and
 	// that has no socket at the conventional path. Such an error matches
@@ -197,8 +198,11 @@ func (c *CSIClient) classify(method string, err error) error {
 	case codes.Unavailable:
 		e.unavailable = true
 	case codes.DeadlineExceeded:
-		// Out of time with no connection up: the driver never answered.
-		e.unavailable = c.conn.GetState() != connectivity.Ready
+		// Out of time: the driver never answered, whether no connection
+		// came up or it accepted one and then blocked in the call. Either
+		// way it is down for the repair: wait for it, never escalate
+		// (restarting or evicting pods does not bring a driver back).
+		e.unavailable = true
 	}
 	return e
 }

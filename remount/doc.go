@@ -30,7 +30,11 @@
 // (NodeGetCapabilities, never from a cache) before it changes anything: with
 // the driver down it returns ErrDriverUnavailable and every mount is as it
 // was. Then it aborts the FUSE connection of a hung volume (the caller says
-// Hung, or requests wait on the connection in fusectl), lazily unmounts,
+// Hung, or requests wait on the connection in fusectl; connection numbers
+// are device numbers, which the kernel hands out again, so the connection
+// is pinned through a descriptor of its mount and re-checked right before
+// the abort: same mount, same device, requests still waiting), lazily
+// unmounts,
 // deepest path first and each only while it is the mount on top, the dead
 // subPath binds, publish targets and staging mount, sends NodeStageVolume
 // (when the driver stages) and NodePublishVolume per pod, and binds each
@@ -62,7 +66,19 @@
 // (Swapper: a clone of the fresh publish target, or of its subPath
 // directory, moved into the container's mount namespace in place of the
 // dead mount, read-only and propagation kept). This is the in-place subPath
-// repair. Processes that still hold the dead filesystem (open files,
+// repair. The swap enters only each container's own mount namespace (its
+// process as the runtime reports it when a CRI endpoint is set, else the
+// one its cgroup names), never a namespace a process of the pod made
+// (unshare -Urm): a mount moved into a namespace is not locked, so there its
+// user could remount a read-only volume read-write. A namespace that its
+// process's user namespace does not own is refused, and so is a read-only
+// target in a namespace owned by another user namespace than ours (a
+// user-namespaced pod): the restart tier repairs those. Where the kernel
+// refuses to mount beneath the dead mount, the clone is mounted over it,
+// never after detaching it: an agent killed in between would leave the
+// container writing into its root filesystem with nothing dead in view; a
+// swap killed half-way leaves the dead mount on top, which the next run
+// swaps again. Processes that still hold the dead filesystem (open files,
 // working directories) are reported as actions: they keep failing. Healed
 // means the host places and each container's view answer and no container
 // shows the dead mount any more.
@@ -93,11 +109,17 @@
 // statx(AT_STATX_FORCE_SYNC), under the probe deadline, at most one probe
 // per path in flight (a probe of a hung path parks one thread, never more);
 // never a plain stat, which a dead FUSE mount answers from its cache.
-// Containers are probed in their own view, /proc/<pid>/root/<mountPath>.
+// Containers are probed in their own view: <mountPath> opened inside
+// /proc/<pid>/root with openat2(RESOLVE_IN_ROOT|RESOLVE_NO_SYMLINKS) and
+// the descriptor probed (fstatfs, statx), the open under the same deadline
+// (probe.Prober.CheckIn), so that a symlink a container plants cannot lead
+// the probe to a healthy place outside it.
 // Every tier returns its actions: what it did, how long each step took and
 // each step's error. Errors that mean "the driver is down, retry when it is
 // back" match ErrDriverUnavailable (a driver that no registration names
-// counts as down: it may be restarting).
+// counts as down: it may be restarting, and so does one that accepts the
+// connection and does not answer a call in time, NodeGetCapabilities or
+// any other: the agent waits for it and never escalates).
 //
 // The Repairer keeps the endpoint it found for each driver and a CSI client
 // per endpoint; when the driver does not answer there it finds the endpoint
@@ -126,14 +148,19 @@
 //
 // The cgroups first: one pass over /proc/<pid>/cgroup, shared by the
 // repairs running at the same moment and reused for a second, finds every
-// process of a pod by the UID in its pod cgroup (cgroupfs:
-// .../pod<uid>/<containerID>, systemd: ...-pod<uid_>.slice/
-// cri-containerd-<id>.scope) and each container's by its ID. It needs no
-// runtime socket, works with any runtime and while the runtime is busy, and
-// finds all containers of a pod at once. The CRI's verbose ContainerStatus
-// ("pid" in its info, a containerd and CRI-O convention) is the fallback,
-// for kubelets with cgroupsPerQOS: false, whose pods have no cgroup of their
-// own. Entering a container's namespace needs hostPID either way.
+// process of a pod by the UID in the first pod segment of its cgroup path
+// (cgroupfs: .../pod<uid>/<containerID>, systemd: ...-pod<uid_>.slice/
+// cri-containerd-<id>.scope) and each container's by the segment right
+// after it: a pod<B> cgroup that a process of pod A made below its own
+// names nothing, and a process whose hierarchies disagree is nobody's. It
+// needs no runtime socket, works with any runtime and while the runtime is
+// busy, and finds all containers of a pod at once. With a CRI endpoint the
+// runtime's verbose ContainerStatus ("pid" in its info, a containerd and
+// CRI-O convention) names each container's process (the one whose mount
+// namespace a swap enters) over the cgroups; without one it is the lowest
+// PID of the container's cgroup. The CRI is also the fallback for kubelets
+// with cgroupsPerQOS: false, whose pods have no cgroup of their own.
+// Entering a container's namespace needs hostPID either way.
 //
 // # What the lab shows on Linux 6.18
 //
@@ -193,6 +220,17 @@
 //     may be missed by a swap (it bound the fresh mount when it started).
 //   - A broken mount on top of a path that the caller did not name as dead
 //     is found by probing it, which costs the probe deadline when it hangs.
+//   - A mount namespace a process of the pod made itself keeps the dead
+//     mount (locked read-only where it was read-only): only a restart
+//     reaches it. Read-only volumes of user-namespaced pods are never
+//     swapped (restart). A container whose volume path meets a symlink
+//     (even a runtime's own, /var/run -> /run) never verifies healed.
+//   - A swap that fell back to mounting over the dead mount leaves it
+//     covered in the container until the container ends.
+//   - A hung FUSE connection is aborted only while a request waits on it
+//     (the prober's own parked probe is one); without a CRI endpoint the
+//     container's process is the lowest PID of its cgroup, which a
+//     container process could only undercut across a PID wrap.
 //
 // remount knows no informers, listers or API clients: the caller resolves the
 // objects (PV, PVC, pod, CSIDriver, VolumeAttachment, secrets) and passes them

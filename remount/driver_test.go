@@ -551,11 +551,25 @@ func testRepairs(t *testing.T, d *driverLab) {
 	})
 
 	t.Run("hung FUSE daemon: aborted, then repaired", func(t *testing.T) {
-		s3fs := s3fsOf(t, rv.staging)
-		if err := syscall.Kill(s3fs, syscall.SIGSTOP); err != nil {
-			t.Fatal(err)
+		// Every s3fs started for this staging path: one that an earlier
+		// subtest's re-stage left serving a detached mount has the same
+		// arguments, and stopping only it (the oldest) left the live one
+		// answering: "state Healthy, want a broken one", now and then.
+		daemons := s3fsOf(t, rv.staging)
+		t.Logf("s3fs processes started for %s: %v", rv.staging, daemons)
+		for _, s3fs := range daemons {
+			if err := syscall.Kill(s3fs, syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { syscall.Kill(s3fs, syscall.SIGKILL) })
 		}
-		t.Cleanup(func() { syscall.Kill(s3fs, syscall.SIGKILL) })
+		// kill(2) returns once the stop is queued; a thread of s3fs running
+		// on the other core can still answer the probe that follows (a
+		// Healthy staging mount in 183 us on a loaded machine). Probe only
+		// once every thread shows it stopped.
+		for _, s3fs := range daemons {
+			waitStopped(t, s3fs)
+		}
 		d.markDead(t, rv)
 		if !rv.vol.Hung {
 			t.Fatalf("the stopped s3fs did not make the volume hang")
@@ -601,13 +615,45 @@ func testRepairs(t *testing.T, d *driverLab) {
 	})
 }
 
-// s3fsOf finds the s3fs process serving the mount at path.
-func s3fsOf(t testing.TB, path string) int {
+// waitStopped waits until every thread of pid is stopped (state T in
+// /proc/<pid>/task/*/stat).
+func waitStopped(t testing.TB, pid int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		if err != nil {
+			t.Fatalf("threads of %d: %v", pid, err)
+		}
+		running := 0
+		for _, task := range tasks {
+			stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+			if err != nil {
+				continue // the thread exited
+			}
+			// The state follows the command name in parentheses.
+			if i := strings.LastIndexByte(string(stat), ')'); i < 0 || i+2 >= len(stat) || (stat[i+2] != 'T' && stat[i+2] != 't') {
+				running++
+			}
+		}
+		if running == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d threads of %d not stopped 10 s after SIGSTOP", running, pid)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// s3fsOf finds the s3fs processes started for the mount at path.
+func s3fsOf(t testing.TB, path string) []int {
 	t.Helper()
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
 		t.Fatal(err)
 	}
+	var pids []int
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
@@ -619,9 +665,11 @@ func s3fsOf(t testing.TB, path string) int {
 		}
 		args := strings.Split(string(cmd), "\x00")
 		if len(args) > 0 && filepath.Base(args[0]) == "s3fs" && slices.Contains(args, path) {
-			return pid
+			pids = append(pids, pid)
 		}
 	}
-	t.Fatalf("no s3fs serves %s", path)
-	return 0
+	if len(pids) == 0 {
+		t.Fatalf("no s3fs serves %s", path)
+	}
+	return pids
 }

@@ -375,13 +375,14 @@ func (h *hostRun) planKeep(ctx context.Context) {
 func (h *hostRun) abortHung(ctx context.Context) {
 	u := h.r.unmounter()
 	for _, dev := range h.dead.list() {
-		if !h.table.fuse(dev) {
+		at := h.table.fuseMount(dev)
+		if at == nil {
 			continue
 		}
 		if !h.v.Hung && h.r.fuseWaiting(dev) == 0 {
 			continue
 		}
-		acts, _ := u.AbortFUSE(ctx, dev)
+		acts, _ := u.AbortFUSE(ctx, dev, at)
 		h.add(acts...)
 	}
 }

@@ -33,11 +33,27 @@ import (
 //     busy or restarting; the sandbox (pause) process is in the pod cgroup
 //     too, and PlanSwap skips it because its namespace lacks the volume.
 //  2. The runtime's verbose ContainerStatus (CRIClient.ContainerPID), for
-//     containers the cgroups do not name: kubelet with cgroupsPerQOS: false
-//     gives pods no cgroup of their own, and container IDs that the pod
-//     status does not carry (yet). It is one call per container, and the
+//     every container when a CRI endpoint is set (the runtime's process of
+//     a container is the one whose mount namespace a swap enters, over what
+//     the cgroups say), and the only source for containers the cgroups do
+//     not name: kubelet with cgroupsPerQOS: false gives pods no cgroup of
+//     their own, and container IDs that the pod status does not carry
+//     (yet). It is one call per container, and the
 //     "pid" key of the verbose info is a containerd and CRI-O convention,
 //     not part of the CRI.
+
+// containerPIDs are the processes of byContainer, one per container, sorted:
+// the mount namespaces a swap may enter are theirs.
+func (pp *podProcs) containerPIDs() []int {
+	var out []int
+	for _, pid := range pp.byContainer {
+		if !slices.Contains(out, pid) {
+			out = append(out, pid)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
 
 // podProcs are the processes found for one pod.
 type podProcs struct {
@@ -52,12 +68,12 @@ type podProcs struct {
 }
 
 // procSnapshot is one pass over /proc/<pid>/cgroup: the processes of each
-// pod (by UID, dashed) and, per process, the cgroup path segments below its
-// pod's cgroup (where runtimes name container cgroups).
+// pod (by UID, dashed) and, per process, the cgroup path segment right below
+// its pod's cgroup (where runtimes name container cgroups).
 type procSnapshot struct {
 	taken time.Time
 	byPod map[string][]int
-	segs  map[int][]string
+	ctr   map[int]string
 }
 
 // snapshotMaxAge is how long a snapshot serves later calls. The tiers of
@@ -108,7 +124,7 @@ func (c *procCache) get(procDir string) (*procSnapshot, error) {
 }
 
 func takeSnapshot(procDir string) (*procSnapshot, error) {
-	s := &procSnapshot{taken: time.Now(), byPod: map[string][]int{}, segs: map[int][]string{}}
+	s := &procSnapshot{taken: time.Now(), byPod: map[string][]int{}, ctr: map[int]string{}}
 	entries, err := os.ReadDir(procDir)
 	if err != nil {
 		return nil, fmt.Errorf("list processes: %w", err)
@@ -122,35 +138,60 @@ func takeSnapshot(procDir string) (*procSnapshot, error) {
 		if err != nil {
 			continue // exited, or a kernel thread
 		}
-		var pods []string
-		sc := bufio.NewScanner(bytes.NewReader(data))
-		for sc.Scan() {
-			// hierarchy-ID:controllers:path; the path may hold colons.
-			parts := strings.SplitN(sc.Text(), ":", 3)
-			if len(parts) != 3 {
-				continue
-			}
-			segs := strings.Split(parts[2], "/")
-			for i, seg := range segs {
-				uid, ok := podOfSegment(seg)
-				if !ok {
-					continue
-				}
-				if !slices.Contains(pods, uid) {
-					pods = append(pods, uid)
-				}
-				for _, below := range segs[i+1:] {
-					if below != "" && !slices.Contains(s.segs[pid], below) {
-						s.segs[pid] = append(s.segs[pid], below)
-					}
-				}
-			}
-		}
-		for _, uid := range pods {
+		if uid, ctr, ok := podOfCgroup(data); ok {
 			s.byPod[uid] = append(s.byPod[uid], pid)
+			if ctr != "" {
+				s.ctr[pid] = ctr
+			}
 		}
 	}
 	return s, nil
+}
+
+// podOfCgroup reads the pod of a process from its /proc/<pid>/cgroup: the
+// first pod segment of each cgroup path, and the container's segment right
+// after it. Only kubelet makes pod cgroups, and only the runtime makes
+// the container cgroups right below them: a segment a container user made
+// further down (a writable cgroup, .../pod<A>/<ctr>/pod<B>) names nothing.
+// A process whose hierarchies (cgroup v1) disagree on its pod or container
+// is nobody's.
+func podOfCgroup(data []byte) (uid, ctr string, ok bool) {
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		// hierarchy-ID:controllers:path; the path may hold colons.
+		parts := strings.SplitN(sc.Text(), ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		segs := strings.Split(parts[2], "/")
+		for i, seg := range segs {
+			u, isPod := podOfSegment(seg)
+			if !isPod {
+				continue
+			}
+			c := ""
+			if i+1 < len(segs) {
+				c = segs[i+1]
+			}
+			switch {
+			case uid == "":
+				uid, ctr = u, c
+			case u != uid:
+				return "", "", false
+			case c != ctr:
+				// A hierarchy without the container's cgroup (a v1
+				// controller the runtime left at the pod level) says
+				// nothing of the container; two different ones disagree.
+				if ctr == "" {
+					ctr = c
+				} else if c != "" {
+					return "", "", false
+				}
+			}
+			break
+		}
+	}
+	return uid, ctr, uid != ""
 }
 
 // podOfSegment reads a pod UID from a cgroup path segment as kubelet names
@@ -220,7 +261,7 @@ func (s *procSnapshot) podProcs(uids map[types.UID][]string) map[types.UID]*podP
 		slices.Sort(pp.pids)
 		for _, pid := range pp.pids {
 			for _, id := range ids {
-				if _, ok := pp.byContainer[id]; !ok && segmentsName(s.segs[pid], id) {
+				if _, ok := pp.byContainer[id]; !ok && segmentNames(s.ctr[pid], id) {
 					pp.byContainer[id] = pid
 				}
 			}
@@ -233,20 +274,15 @@ func (s *procSnapshot) podProcs(uids map[types.UID][]string) map[types.UID]*podP
 	return out
 }
 
-// segmentsName reports whether one of a process's cgroup segments names
-// container id: the segment is the ID, or ends in "-<id>" (systemd
+// segmentNames reports whether the container segment of a process's cgroup
+// names container id: the segment is the ID, or ends in "-<id>" (systemd
 // scopes such as cri-containerd-<id>.scope).
-func segmentsName(segs []string, id string) bool {
+func segmentNames(seg, id string) bool {
 	if len(id) < minContainerID {
 		return false
 	}
-	for _, seg := range segs {
-		seg = strings.TrimSuffix(seg, ".scope")
-		if seg == id || strings.HasSuffix(seg, "-"+id) {
-			return true
-		}
-	}
-	return false
+	seg = strings.TrimSuffix(seg, ".scope")
+	return seg == id || strings.HasSuffix(seg, "-"+id)
 }
 
 // minContainerID is the shortest container ID matched against cgroup names:
@@ -292,8 +328,29 @@ func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 				missing = append(missing, c.ContainerID)
 			}
 		}
-		if (len(missing) > 0 || len(pp.pids) == 0) && r.cfg.CRIEndpoint != "" {
-			a.Err = r.criProcs(ctx, p, pp, missing)
+		if r.cfg.CRIEndpoint != "" {
+			// The runtime has the last word on each container's process
+			// (whose mount namespace a swap enters): every container is
+			// asked, not only the ones the cgroups left out.
+			var ids []string
+			for _, c := range p.pv.Containers {
+				if c.ContainerID != "" && !slices.Contains(ids, c.ContainerID) {
+					ids = append(ids, c.ContainerID)
+				}
+			}
+			err := r.criProcs(ctx, p, pp, ids)
+			found := true
+			for _, id := range ids {
+				if _, ok := pp.byContainer[id]; !ok {
+					found = false
+				}
+			}
+			if err != nil && found {
+				// The cgroups name every container: go on with them.
+				pp.how = append(pp.how, "the runtime did not answer for every container ("+err.Error()+"), its cgroup named it")
+				err = nil
+			}
+			a.Err = err
 		}
 		p.procs = pp
 		a.Detail = strings.Join(pp.how, "; ")

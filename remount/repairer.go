@@ -166,7 +166,7 @@ func (r *Repairer) Close() error {
 func (r *Repairer) DryRun() bool { return r.cfg.DryRun }
 
 func (r *Repairer) unmounter() *Unmounter {
-	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, Sys: r.cfg.Sys}
+	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, ProcDir: r.procDir, Sys: r.cfg.Sys}
 }
 
 // acquire takes one of the Parallel slots.
@@ -360,7 +360,15 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 				errs = append(errs, err)
 				continue
 			}
-			targets, err := PlanSwap(r.procDir, p.procs.pids, devs, p.deadRoot, p.target)
+			ctrs := p.procs.containerPIDs()
+			if len(ctrs) == 0 {
+				errs = append(errs, fmt.Errorf("pod %s: no container of the pod named by its cgroups%s: cannot swap", p.uid, r.criHint()))
+				continue
+			}
+			// Only the containers' own mount namespaces: never one that a
+			// process of the pod made (unshare), where a swapped mount
+			// would not be locked.
+			targets, err := PlanSwap(r.procDir, ctrs, devs, p.deadRoot, p.target)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
 			}
@@ -389,7 +397,7 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 			if p.refused != nil || p.procs == nil || len(p.procs.pids) == 0 {
 				continue
 			}
-			left, _ := PlanSwap(r.procDir, p.procs.pids, devs, p.deadRoot, p.target)
+			left, _ := PlanSwap(r.procDir, p.procs.containerPIDs(), devs, p.deadRoot, p.target)
 			for _, t := range left {
 				errs = append(errs, fmt.Errorf("pod %s: %s still shows dead mount %d", p.uid, t.label(), t.MountID))
 			}
@@ -558,8 +566,8 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 		u := r.unmounter()
 		if v.Hung {
 			for _, dev := range dead.list() {
-				if table.fuse(dev) {
-					acts, _ := u.AbortFUSE(ctx, dev)
+				if at := table.fuseMount(dev); at != nil {
+					acts, _ := u.AbortFUSE(ctx, dev, at)
 					o.Actions = append(o.Actions, acts...)
 				}
 			}

@@ -263,7 +263,8 @@ func TestAbortFUSEUnblocksHungMount(t *testing.T) {
 	}
 
 	u := &Unmounter{Root: k.Root()}
-	acts, err := u.AbortFUSE(context.Background(), v.dev())
+	at := &probe.Mount{Path: v.staging, ID: topID(t, k.Root(), v.staging), Dev: v.dev()}
+	acts, err := u.AbortFUSE(context.Background(), v.dev(), at)
 	if err != nil {
 		t.Fatalf("AbortFUSE = %v (%v)", err, acts)
 	}
@@ -279,7 +280,7 @@ func TestAbortFUSEUnblocksHungMount(t *testing.T) {
 		t.Errorf("statfs after the abort = %v, want ENOTCONN", err)
 	}
 	// The mount is still there to unmount lazily; aborting again is fine.
-	if _, err := u.AbortFUSE(context.Background(), v.dev()); err != nil {
+	if _, err := u.AbortFUSE(context.Background(), v.dev(), at); err != nil {
 		t.Errorf("second AbortFUSE = %v", err)
 	}
 }
@@ -614,7 +615,7 @@ func TestDryRunChangesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	acts = append(acts, a...)
-	if a, err = (&Unmounter{Root: root, DryRun: true}).AbortFUSE(ctx, v.dev()); err != nil {
+	if a, err = (&Unmounter{Root: root, DryRun: true}).AbortFUSE(ctx, v.dev(), &probe.Mount{Path: v.staging, ID: topID(t, root, v.staging)}); err != nil {
 		t.Fatal(err)
 	}
 	acts = append(acts, a...)

@@ -56,8 +56,28 @@ import (
 //     mount; umount2(MNT_DETACH) of the top then reveals it: the container
 //     never sees the bare directory below. Where the kernel refuses to mount
 //     beneath (EINVAL: a shared parent that would propagate, a locked mount,
-//     an older kernel), Swapper detaches the dead mount first and then moves
-//     the clone there.
+//     an older kernel), Swapper mounts the clone on top of the dead mount
+//     (move_mount to the descriptor of the checked mount) and leaves the
+//     dead one covered. It never detaches before the move: an agent killed
+//     between the two would leave the container writing into its own root
+//     filesystem with nothing dead in view for the next run to find. At
+//     every step a mount of the volume is in place; a swap killed half-way
+//     (the clone beneath, the dead mount still on top) is finished by the
+//     next run, which finds the dead mount on top again.
+//   - The swap goes only into each container's own mount namespace: the
+//     runtime's process of the container (CRI ContainerStatus) when a CRI
+//     endpoint is set, else the process its cgroup names. A mount moved into
+//     a namespace is not locked (the kernel locks mount flags only on mounts
+//     it copies or propagates into a less privileged mount namespace), so a
+//     namespace a container user made (unshare -Urm) would let that user
+//     remount a read-only volume read-write: such namespaces are never
+//     entered (they keep the dead mount, locked read-only as copied), and a
+//     namespace whose owner is not the process's own user namespace is
+//     refused, as is a read-only target in a namespace owned by a user
+//     namespace other than ours (a user-namespaced pod), where the
+//     container's root could remount it: the restart tier repairs those.
+//     A user namespace made after the swap copies the swapped mount and
+//     the kernel locks it read-only there.
 //   - A subPath is the same operation with the subdirectory of the fresh
 //     volume as source, opened below it without following any symlink (the
 //     volume's content is the user's: a symlink there must not bind a host
@@ -67,9 +87,10 @@ import (
 //
 // Finding the processes: the Repairer takes a pod's processes from a
 // snapshot of /proc/*/cgroup that the repairs of the moment share (see
-// pids.go; PodPIDs is the same scan for one pod), and PlanSwap reads each
-// process's mountinfo and matches the dead mount by device number and
-// mountinfo root, one process per mount namespace. This needs no runtime
+// pids.go; PodPIDs is the same scan for one pod), and PlanSwap reads the
+// mountinfo of each container's own process (the runtime's, or the one its
+// cgroup names) and matches the dead mount by device number and mountinfo
+// root, one process per mount namespace. This needs no runtime
 // socket, works with any runtime, and finds every container of the pod (and
 // skips the sandbox, whose namespace lacks the volume). It needs hostPID,
 // which setns needs anyway. Where pods have no cgroup of their own (kubelet
@@ -253,6 +274,9 @@ func (s *Swapper) swapPid(ctx context.Context, pid int, ts []SwapTarget) []Actio
 		return failAll(fmt.Errorf("open mount namespace of pid %d: %w", pid, err))
 	}
 	defer unix.Close(nsfd)
+	if err := checkNamespaceOwner(s.procDir(), pid, nsfd, ts); err != nil {
+		return failAll(err)
+	}
 	rootfd, err := unix.Open(filepath.Join(proc, "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return failAll(fmt.Errorf("open root of pid %d: %w", pid, err))
@@ -342,6 +366,53 @@ func checkOtherNamespace(procDir string, pid int) error {
 	}
 	return nil
 }
+
+// checkNamespaceOwner refuses a mount namespace that the user namespace of
+// the process does not own (a namespace made by someone else than the
+// container's runtime), and a read-only target in a mount namespace owned by
+// a user namespace other than ours. A mount moved into a namespace is not
+// locked (the kernel locks mount flags only on mounts it copies or
+// propagates into a less privileged mount namespace), so whoever holds
+// CAP_SYS_ADMIN in the namespace's owner could remount it read-write: in a
+// namespace our user namespace owns, that is only the host's root. The
+// descriptor nsfd is the namespace entered afterwards, so a process that
+// changes namespace in between changes nothing.
+func checkNamespaceOwner(procDir string, pid, nsfd int, ts []SwapTarget) error {
+	owner, err := unix.IoctlRetInt(nsfd, unix.NS_GET_USERNS)
+	if err != nil {
+		return fmt.Errorf("owner of the mount namespace of pid %d: %w", pid, err)
+	}
+	defer unix.Close(owner)
+	var ownerSt, theirs, ours unix.Stat_t
+	if err := unix.Fstat(owner, &ownerSt); err != nil {
+		return fmt.Errorf("owner of the mount namespace of pid %d: %w", pid, err)
+	}
+	if err := unix.Stat(filepath.Join(procDir, strconv.Itoa(pid), "ns", "user"), &theirs); err != nil {
+		return fmt.Errorf("user namespace of pid %d: %w", pid, err)
+	}
+	if err := unix.Stat(filepath.Join(procDir, "thread-self", "ns", "user"), &ours); err != nil {
+		return fmt.Errorf("own user namespace: %w", err)
+	}
+	same := func(a, b *unix.Stat_t) bool { return a.Dev == b.Dev && a.Ino == b.Ino }
+	if !same(&ownerSt, &theirs) {
+		return fmt.Errorf("the mount namespace of pid %d is owned by user namespace %d, not by its own %d: %w",
+			pid, ownerSt.Ino, theirs.Ino, ErrForeignNamespace)
+	}
+	if same(&ownerSt, &ours) {
+		return nil
+	}
+	for _, t := range ts {
+		if t.ReadOnly {
+			return fmt.Errorf("pid %d: %s is read-only and its mount namespace has its own user namespace, "+
+				"where a swapped mount could be made writable: %w", pid, t.ContainerPath, ErrForeignNamespace)
+		}
+	}
+	return nil
+}
+
+// ErrForeignNamespace marks a swap refused for the owner of the container's
+// mount namespace: a restart repairs the container instead.
+var ErrForeignNamespace = errors.New("mount namespace not swappable")
 
 // cloneSource resolves the target's source below the kubelet root and, unless
 // in dry-run, clones it into a detached tree with the target's read-only
@@ -529,11 +600,28 @@ func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 	}
 	// Under the dead mount first, then the dead mount away: no gap.
 	err = sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH|moveMountBeneath)
-	beneath := err == nil
 	if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOSYS) {
 		fail(fmt.Errorf("move the clone beneath mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
 		return
 	}
+	if err != nil {
+		// The kernel does not mount beneath here: mount the clone on top
+		// of the dead mount (the descriptor of the mount checked above,
+		// never a name looked up again) and leave the dead one covered.
+		// Never detach first: between a detach and the move (an agent
+		// killed there, a move that fails) the container would see its
+		// bare root filesystem directory, write there, and a later repair
+		// would find nothing dead. Each step leaves a mount of the volume
+		// in place; a run killed half-way is finished by the next.
+		if err := sys.MoveMount(w.tree, "", c.fd, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
+			fail(fmt.Errorf("move the clone over mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
+			return
+		}
+		w.a.Detail = w.detail(c, ", mounted over the dead one")
+		return
+	}
+	// Beneath: a run killed here leaves the dead mount on top, which the
+	// next run finds and swaps again.
 	if err := sys.Fchdir(c.parent); err != nil {
 		fail(fmt.Errorf("enter the parent of %s: %w", w.t.ContainerPath, err))
 		return
@@ -542,15 +630,7 @@ func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 		fail(fmt.Errorf("unmount dead mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
 		return
 	}
-	if beneath {
-		w.a.Detail = w.detail(c, ", mounted beneath")
-		return
-	}
-	if err := sys.MoveMount(w.tree, "", c.parent, c.name, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-		fail(fmt.Errorf("move the clone to %s after unmounting mount %d: %w", w.t.ContainerPath, c.mountID, err))
-		return
-	}
-	w.a.Detail = w.detail(c, ", after unmounting")
+	w.a.Detail = w.detail(c, ", mounted beneath")
 }
 
 // inMountNamespace runs fn on a locked OS thread that entered the mount

@@ -71,6 +71,20 @@ func (t *hostTable) fuse(dev probe.Dev) bool {
 	return b != nil && len(b.Mounts) > 0 && isFUSEType(b.FSType)
 }
 
+// fuseMount returns a mount of the FUSE filesystem dev that is on top at
+// its path, by which AbortFUSE pins the connection; nil when there is none.
+func (t *hostTable) fuseMount(dev probe.Dev) *probe.Mount {
+	if !t.fuse(dev) {
+		return nil
+	}
+	for _, m := range t.byDev[dev].Mounts {
+		if t.top(m.Path) == m {
+			return m
+		}
+	}
+	return nil
+}
+
 // stack is the mounts on path, bottom first.
 func (t *hostTable) stack(path string) []*probe.Mount { return t.stacks[filepath.Clean(path)] }
 

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"github.com/mountmedic/mountmedic/probe"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -310,7 +312,19 @@ func FusectlConn(dev probe.Dev) uint32 { return dev.Major<<20 | dev.Minor }
 // filesystem there first if it is missing. Requests in flight then fail with
 // ECONNABORTED and later ones with ENOTCONN, so a hung daemon no longer
 // blocks callers. A connection that is gone already counts as done.
-func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev) ([]Action, error) {
+//
+// Connection numbers are device numbers, which the kernel hands out again
+// once a filesystem is gone: the connection is pinned and checked first.
+// at is the mount of dev the caller found (in its mount table) on top at
+// its path; AbortFUSE opens that path (OpenSafe: below the kubelet root, no
+// symlink, no call into the filesystem) and holds the descriptor, which
+// keeps the filesystem, its device number and its connection alive, until
+// the abort is written. Right before writing it re-reads the pinned mount's
+// device number (statx without sync, which asks no daemon) and its line in
+// our mount table (by mount ID), and checks that the connection still has
+// requests waiting (the hung one): a path now holding another mount or
+// another filesystem, or a connection with nothing waiting, is not aborted.
+func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Mount) ([]Action, error) {
 	logger := klog.FromContext(ctx).WithValues("dev", dev.String())
 	sys := u.Sys.orHost()
 	dir := u.fusectlDir()
@@ -344,11 +358,37 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev) ([]Action, err
 	}
 
 	conn := FusectlConn(dev)
-	p := filepath.Join(dir, strconv.FormatUint(uint64(conn), 10), "abort")
+	connDir := filepath.Join(dir, strconv.FormatUint(uint64(conn), 10))
+	p := filepath.Join(connDir, "abort")
 	a := Action{Op: OpAbortFUSE, Path: p, DryRun: u.DryRun, Detail: fmt.Sprintf("fuse connection %d of device %s", conn, dev)}
+	if at == nil {
+		a.Err = fmt.Errorf("abort fuse connection %d: no mount of device %s to pin it by", conn, dev)
+		return append(actions, a), actionsErr(append(actions, a))
+	}
+	a.Detail += fmt.Sprintf(", pinned by mount %d at %s", at.ID, at.Path)
 	if u.DryRun {
 		logger.V(2).Info("Would abort FUSE connection", "conn", conn)
 		return append(actions, a), nil
+	}
+	pin, err := OpenSafe(u.root(), at.Path)
+	if err != nil {
+		a.Err = fmt.Errorf("abort fuse connection %d: pin mount %d at %s: %w", conn, at.ID, at.Path, err)
+		return append(actions, a), actionsErr(append(actions, a))
+	}
+	defer pin.Close()
+	if pin.MountID != at.ID {
+		a.Err = fmt.Errorf("abort fuse connection %d: mount %d is on top at %s, not mount %d: %w", conn, pin.MountID, at.Path, at.ID, ErrMountChanged)
+		return append(actions, a), actionsErr(append(actions, a))
+	}
+	waiting, err := u.recheckConn(pin, dev, connDir)
+	switch {
+	case err != nil:
+		a.Err = fmt.Errorf("abort fuse connection %d: %w", conn, err)
+		return append(actions, a), actionsErr(append(actions, a))
+	case waiting == 0:
+		a.Detail += ": no request waiting, not aborted"
+		logger.V(2).Info("FUSE connection not aborted: no request waiting", "conn", conn)
+		return append(actions, a), actionsErr(append(actions, a))
 	}
 	start := time.Now()
 	err = sys.WriteFile(p, []byte("1"))
@@ -360,10 +400,62 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev) ([]Action, err
 		a.Err = fmt.Errorf("abort fuse connection %d: %w", conn, err)
 		logger.Error(err, "FUSE abort failed", "conn", conn)
 	default:
-		logger.V(2).Info("Aborted FUSE connection", "conn", conn)
+		logger.V(2).Info("Aborted FUSE connection", "conn", conn, "waiting", waiting)
 	}
 	actions = append(actions, a)
 	return actions, actionsErr(actions)
+}
+
+// recheckConn re-reads, through the pinned mount, that it is still of
+// device dev (statx with AT_STATX_DONT_SYNC: no request to the daemon) and
+// still listed with dev in our mount table, and returns the requests
+// waiting on the connection (fusectl <conn>/waiting).
+func (u *Unmounter) recheckConn(pin *SafePath, dev probe.Dev, connDir string) (int, error) {
+	var stx unix.Statx_t
+	if err := unix.Statx(pin.FD(), "", unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, 0, &stx); err != nil {
+		return 0, fmt.Errorf("device of pinned mount %d at %s: %w", pin.MountID, pin.Path, err)
+	}
+	if got := (probe.Dev{Major: stx.Dev_major, Minor: stx.Dev_minor}); got != dev {
+		return 0, fmt.Errorf("pinned mount %d at %s is of device %s now, not %s: %w", pin.MountID, pin.Path, got, dev, ErrMountChanged)
+	}
+	got, err := mountDev(u.procDir(), pin.MountID)
+	if err != nil {
+		return 0, err
+	}
+	if got != dev {
+		return 0, fmt.Errorf("mount %d at %s is of device %s in our mount table now, not %s: %w", pin.MountID, pin.Path, got, dev, ErrMountChanged)
+	}
+	b, err := os.ReadFile(filepath.Join(connDir, "waiting"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("requests waiting on %s: %w", connDir, err)
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return 0, fmt.Errorf("requests waiting on %s: %w", connDir, err)
+	}
+	return n, nil
+}
+
+// mountDev reads the device number of mount id from our mount table.
+func mountDev(procDir string, id int) (probe.Dev, error) {
+	f, err := os.Open(filepath.Join(procDir, "thread-self", "mountinfo"))
+	if err != nil {
+		return probe.Dev{}, fmt.Errorf("read our mount table: %w", err)
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, func(in *mountinfo.Info) (skip, stop bool) {
+		return in.ID != id, in.ID == id
+	})
+	if err != nil {
+		return probe.Dev{}, fmt.Errorf("read our mount table: %w", err)
+	}
+	if len(infos) == 0 {
+		return probe.Dev{}, fmt.Errorf("mount %d is no longer in our mount table: %w", id, ErrMountChanged)
+	}
+	return probe.Dev{Major: uint32(infos[0].Major), Minor: uint32(infos[0].Minor)}, nil
 }
 
 // isFusectl reports whether the fuse control filesystem is mounted at dir.

@@ -16,17 +16,25 @@ import (
 //
 // A tier reports Healed only after probing every place it can reach: the
 // staging path and publish targets on the host, and each container's own
-// view of the volume through /proc/<pid>/root/<mountPath> (the walk through
-// the magic link resolves the path in the container's mount namespace and
-// root). A probe is probe.Prober.CheckPath: statfs followed by
-// statx(AT_STATX_FORCE_SYNC), never a plain stat, which a dead FUSE mount
-// answers from its attribute cache, on its own goroutine under the probe
-// deadline, at most one per path in flight, so a path that hangs costs one
-// parked thread, never a pile of them.
+// view of the volume, <mountPath> opened inside /proc/<pid>/root (the
+// container's mount namespace and root) with openat2(RESOLVE_IN_ROOT|
+// RESOLVE_NO_SYMLINKS) and probed through the descriptor
+// (probe.Prober.CheckIn): a symlink the container planted on the way fails
+// the verification instead of leading it to a healthy place outside the
+// container (an absolute symlink under /proc/<pid>/root resolves against
+// our root). A host path is probed with probe.Prober.CheckPath. Either is
+// statfs followed by statx(AT_STATX_FORCE_SYNC), never a plain stat, which a
+// dead FUSE mount answers from its attribute cache, on its own goroutine
+// under the probe deadline (the open included: an open on a hung FUSE mount
+// blocks too), at most one per path in flight, so a path that hangs costs
+// one parked thread, never a pile of them.
 
 // place is somewhere a tier verifies.
 type place struct {
-	// path is the path to probe: a host path, or /proc/<pid>/root/<path>.
+	// root is, for a container's view, /proc/<pid>/root, inside which path
+	// is resolved; empty for a host path.
+	root string
+	// path is the path to probe: a host path, or a path inside root.
 	path string
 	// label names it in actions and errors: the host path, or
 	// "pid <n>:<path>".
@@ -37,7 +45,8 @@ func hostPlace(path string) place { return place{path: path, label: path} }
 
 func containerPlace(procDir string, pid int, path string) place {
 	return place{
-		path:  procDir + "/" + strconv.Itoa(pid) + "/root" + cleanAbs(path),
+		root:  procDir + "/" + strconv.Itoa(pid) + "/root",
+		path:  cleanAbs(path),
 		label: fmt.Sprintf("pid %d:%s", pid, cleanAbs(path)),
 	}
 }
@@ -67,6 +76,18 @@ func (r *Repairer) check(ctx context.Context, path string) (probe.State, error) 
 	return st, err
 }
 
+// checkIn probes path inside root (probe.Prober.CheckIn), as check does.
+func (r *Repairer) checkIn(ctx context.Context, root, path string) (probe.State, error) {
+	st, err := r.prober.CheckIn(ctx, root, path)
+	switch {
+	case st == probe.Healthy:
+		return st, nil
+	case err == nil:
+		err = fmt.Errorf("probe of %s in %s: %s", path, root, st)
+	}
+	return st, err
+}
+
 // verify probes the places at once and returns one action per place and
 // the errors of the broken ones.
 func (r *Repairer) verify(ctx context.Context, places []place) ([]Action, error) {
@@ -80,13 +101,19 @@ func (r *Repairer) verify(ctx context.Context, places []place) ([]Action, error)
 		}
 		return 0
 	})
-	places = slices.CompactFunc(places, func(a, b place) bool { return a.path == b.path })
+	places = slices.CompactFunc(places, func(a, b place) bool { return a.root == b.root && a.path == b.path })
 	actions := make([]Action, len(places))
 	var wg sync.WaitGroup
 	for i, pl := range places {
 		wg.Go(func() {
 			start := time.Now()
-			st, err := r.check(ctx, pl.path)
+			var st probe.State
+			var err error
+			if pl.root != "" {
+				st, err = r.checkIn(ctx, pl.root, pl.path)
+			} else {
+				st, err = r.check(ctx, pl.path)
+			}
 			a := Action{Op: OpVerify, Path: pl.label, Took: time.Since(start), Detail: st.String()}
 			if err != nil {
 				a.Err = fmt.Errorf("verify %s: %s: %w", pl.label, st, err)

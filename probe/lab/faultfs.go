@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -40,6 +41,13 @@ type FaultFS struct {
 	control    string
 	d          *daemon
 	conn       uint32
+	// more are the further mounts of a StartFaultFSMany daemon.
+	more []faultMount
+}
+
+type faultMount struct {
+	path string
+	conn uint32
 }
 
 // FaultFSOption changes how StartFaultFS sets up the filesystem.
@@ -52,8 +60,13 @@ func WithBackingDir(dir string) FaultFSOption {
 
 type faultFSConfig struct {
 	Mountpoint string
-	Backing    string
-	Control    string
+	// More are further mountpoints the same daemon serves, each its own
+	// FUSE connection over the same backing directory and faults; MoreFile
+	// holds them one a line when they are too many for the environment.
+	More     []string `json:",omitempty"`
+	MoreFile string   `json:",omitempty"`
+	Backing  string
+	Control  string
 }
 
 // StartFaultFS mounts a FaultFS at mountpoint (created if missing) and
@@ -107,6 +120,54 @@ func StartFaultFS(t testing.TB, mountpoint string, opts ...FaultFSOption) *Fault
 	return f
 }
 
+// StartFaultFSMany mounts one FaultFS daemon at every one of mountpoints:
+// one process, one FUSE connection per mountpoint, all over the same backing
+// directory and under the same faults, so that Hang, Release and Kill reach
+// every mount at once (a storage backend outage under many volumes). It
+// returns once every mount answers statfs. Mountpoint and Conn are the
+// first mount's; Conns lists them all.
+func StartFaultFSMany(t testing.TB, mountpoints []string, opts ...FaultFSOption) *FaultFS {
+	t.Helper()
+	if len(mountpoints) == 0 {
+		t.Fatal("StartFaultFSMany: no mountpoint")
+	}
+	var more []string
+	for _, mp := range mountpoints[1:] {
+		if err := os.MkdirAll(mp, 0o755); err != nil {
+			t.Fatalf("create faultfs mountpoint: %v", err)
+		}
+		r, err := filepath.EvalSymlinks(mp)
+		if err != nil {
+			t.Fatalf("resolve faultfs mountpoint: %v", err)
+		}
+		more = append(more, r)
+	}
+	// The list goes through a file: a thousand paths exceed the size of
+	// one environment variable.
+	list := filepath.Join(t.TempDir(), "mountpoints")
+	if err := os.WriteFile(list, []byte(strings.Join(more, "\n")), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f := StartFaultFS(t, mountpoints[0], append(opts, func(c *faultFSConfig) { c.MoreFile = list })...)
+	for _, mp := range more {
+		var sb unix.Stat_t
+		if err := unix.Stat(mp, &sb); err != nil {
+			t.Fatalf("stat new faultfs at %s: %v", mp, err)
+		}
+		f.more = append(f.more, faultMount{path: mp, conn: unix.Minor(sb.Dev)})
+	}
+	return f
+}
+
+// Conns lists the FUSE connection numbers of every mount of the daemon.
+func (f *FaultFS) Conns() []uint32 {
+	out := []uint32{f.conn}
+	for _, m := range f.more {
+		out = append(out, m.conn)
+	}
+	return out
+}
+
 // Mountpoint is where the filesystem is mounted (symlinks resolved).
 func (f *FaultFS) Mountpoint() string { return f.mountpoint }
 
@@ -124,6 +185,13 @@ func (f *FaultFS) Conn() uint32 { return f.conn }
 func (f *FaultFS) SetErrno(e syscall.Errno) {
 	f.t.Helper()
 	f.command("errno " + strconv.Itoa(int(e)))
+}
+
+// Delay makes every request answer d late (0 clears it): a slow daemon
+// that still answers, as opposed to a hung one.
+func (f *FaultFS) Delay(d time.Duration) {
+	f.t.Helper()
+	f.command("delay " + d.String())
 }
 
 // Hang makes every request block inside its handler until Release or an
@@ -158,20 +226,31 @@ func (f *FaultFS) abort() error {
 	// Connection numbers are global and reused once a connection ends: only
 	// abort while this namespace still has a mount on our connection, or a
 	// test running beside us could lose its mount.
+	conns := make(map[uint32]bool)
+	for _, c := range f.Conns() {
+		conns[c] = true
+	}
 	mounts, err := mountinfo.GetMounts(func(m *mountinfo.Info) (bool, bool) {
-		return m.FSType != FaultFSType || m.Major != 0 || uint32(m.Minor) != f.conn, false
+		return m.FSType != FaultFSType || m.Major != 0 || !conns[uint32(m.Minor)], false
 	})
 	if err != nil {
 		return fmt.Errorf("read mount table: %w", err)
 	}
-	if len(mounts) == 0 {
+	live := make(map[uint32]bool)
+	for _, m := range mounts {
+		live[uint32(m.Minor)] = true
+	}
+	if !live[f.conn] && len(f.more) == 0 {
 		return fmt.Errorf("connection %d: no faultfs mount on it any more", f.conn)
 	}
-	p := filepath.Join(fusectlDir, strconv.FormatUint(uint64(f.conn), 10), "abort")
-	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
-		return fmt.Errorf("write %s: %w", p, err)
+	var errs []error
+	for c := range live {
+		p := filepath.Join(fusectlDir, strconv.FormatUint(uint64(c), 10), "abort")
+		if err := os.WriteFile(p, []byte("1"), 0); err != nil {
+			errs = append(errs, fmt.Errorf("write %s: %w", p, err))
+		}
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 func (f *FaultFS) command(cmd string) {
@@ -208,10 +287,12 @@ func (f *FaultFS) cleanup() {
 	// nor anything the test left hanging can wedge the cleanup. The
 	// connection may be gone already.
 	_ = f.abort()
-	if err := unmountTop(f.mountpoint, func(m *mountinfo.Info) bool {
-		return m.FSType == FaultFSType && m.Major == 0 && uint32(m.Minor) == f.conn
-	}); err != nil {
-		f.t.Errorf("faultfs cleanup: %v", err)
+	for _, m := range append([]faultMount{{f.mountpoint, f.conn}}, f.more...) {
+		if err := unmountTop(m.path, func(in *mountinfo.Info) bool {
+			return in.FSType == FaultFSType && in.Major == 0 && uint32(in.Minor) == m.conn
+		}); err != nil {
+			f.t.Errorf("faultfs cleanup: %v", err)
+		}
 	}
 	f.d.kill()
 	if f.t.Failed() {
@@ -275,13 +356,43 @@ func runFaultFSDaemon(cfg faultFSConfig, ready *readiness) error {
 	if err := srv.WaitMount(); err != nil {
 		return fmt.Errorf("wait for fuse mount at %s: %w", cfg.Mountpoint, err)
 	}
+	// The daemon lives until every connection ended: one aborted mount
+	// must not end the others (its exit would abort them all).
+	var served sync.WaitGroup
+	served.Go(srv.Wait)
+	if cfg.MoreFile != "" {
+		raw, err := os.ReadFile(cfg.MoreFile)
+		if err != nil {
+			return fmt.Errorf("read mountpoint list: %w", err)
+		}
+		if len(raw) > 0 {
+			cfg.More = append(cfg.More, strings.Split(string(raw), "\n")...)
+		}
+	}
+	for _, mp := range cfg.More {
+		// Each mount its own node tree: go-fuse binds a tree to one server.
+		root, err := fs.NewLoopbackRoot(cfg.Backing)
+		if err != nil {
+			return fmt.Errorf("loopback root %s: %w", cfg.Backing, err)
+		}
+		o := *opts
+		s, err := fuse.NewServer(&faultRaw{RawFileSystem: fs.NewNodeFS(root, &o), f: flt}, mp, &o.MountOptions)
+		if err != nil {
+			return fmt.Errorf("mount fuse at %s: %w", mp, err)
+		}
+		go s.Serve()
+		if err := s.WaitMount(); err != nil {
+			return fmt.Errorf("wait for fuse mount at %s: %w", mp, err)
+		}
+		served.Go(s.Wait)
+	}
 	ln, err := net.Listen("unix", cfg.Control)
 	if err != nil {
 		return fmt.Errorf("listen on control socket: %w", err)
 	}
 	go serveControl(ln, flt)
 	ready.ok()
-	srv.Wait()
+	served.Wait()
 	return nil
 }
 
@@ -311,6 +422,13 @@ func handleControl(c net.Conn, flt *faults) {
 			break
 		}
 		flt.setErrno(syscall.Errno(n))
+	case "delay":
+		d, err := time.ParseDuration(arg)
+		if err != nil || d < 0 {
+			reply = fmt.Sprintf("error: bad delay %q\n", arg)
+			break
+		}
+		flt.setDelay(d)
 	case "hang":
 		flt.startHang()
 	case "release":

@@ -3,6 +3,7 @@ package lab
 import (
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
@@ -12,6 +13,14 @@ type faults struct {
 	mu    sync.Mutex
 	errno syscall.Errno
 	hang  chan struct{} // non-nil while hung; closed by release
+	// delay makes every answer this late: a slow daemon, not a hung one.
+	delay time.Duration
+}
+
+func (f *faults) setDelay(d time.Duration) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.delay = d
 }
 
 func (f *faults) setErrno(e syscall.Errno) {
@@ -43,8 +52,9 @@ func (f *faults) release() {
 // the connection ends the call.
 func (f *faults) check() fuse.Status {
 	f.mu.Lock()
-	hang := f.hang
+	hang, delay := f.hang, f.delay
 	f.mu.Unlock()
+	time.Sleep(delay)
 	if hang != nil {
 		<-hang
 	}

@@ -1,0 +1,456 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// The fault matrix at scale: a storage backend outage breaks every volume
+// of a node at once. Each test lays out n broken pod volumes and 10 healthy
+// pods, runs the agent (real API server, real mounts, real remount repairer)
+// against a lab CSI node plugin, and checks outcomes only: every broken
+// volume healed, the healthy ones untouched (same mounts, never reported),
+// events within the node's budget, threads bounded. The benchmarks of
+// bench_test.go time the same scenarios at a thousand volumes.
+
+// tmpfsMagic is the f_type statfs reports for a tmpfs: what the lab CSI
+// plugin stages.
+const tmpfsMagic = 0x01021994
+
+// labCSI is a CSI node plugin for the lab kubelet tree: NodeStageVolume
+// mounts a fresh tmpfs on the staging path, NodePublishVolume bind-mounts
+// it onto the target. Real mounts, made in the test's private mount
+// namespace, so that the agent's re-stage and its verification act on real
+// paths; it stands in for a driver that can stage a thousand volumes in
+// seconds, which no FUSE driver here can.
+type labCSI struct {
+	csi.UnimplementedNodeServer
+	stages, publishes atomic.Int64
+	mu                sync.Mutex
+	mounted           []string
+}
+
+func (d *labCSI) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: []*csi.NodeServiceCapability{{
+		Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME}},
+	}}}, nil
+}
+
+func (d *labCSI) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	return &csi.NodeGetInfoResponse{NodeId: lab.DefaultNodeName}, nil
+}
+
+func (d *labCSI) NodeStageVolume(_ context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	p := req.GetStagingTargetPath()
+	if err := os.MkdirAll(p, 0o750); err != nil {
+		return nil, err
+	}
+	if err := unix.Mount("labcsi", p, "tmpfs", 0, "size=1m"); err != nil {
+		return nil, fmt.Errorf("mount tmpfs at %s: %w", p, err)
+	}
+	if err := os.Mkdir(filepath.Join(p, "sub"), 0o755); err != nil {
+		return nil, err
+	}
+	d.record(p)
+	d.stages.Add(1)
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+func (d *labCSI) NodePublishVolume(_ context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	p := req.GetTargetPath()
+	if err := os.MkdirAll(p, 0o750); err != nil {
+		return nil, err
+	}
+	if err := unix.Mount(req.GetStagingTargetPath(), p, "", unix.MS_BIND, ""); err != nil {
+		return nil, fmt.Errorf("bind %s at %s: %w", req.GetStagingTargetPath(), p, err)
+	}
+	d.record(p)
+	d.publishes.Add(1)
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+func (d *labCSI) record(p string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.mounted = append(d.mounted, p)
+}
+
+// serveLabCSI serves a labCSI at the conventional socket of labDriver
+// under the lab kubelet root, where the repairer finds it.
+func (e *env) serveLabCSI() *labCSI {
+	e.t.Helper()
+	sock := filepath.Join(e.kubelet.Root(), "plugins", labDriver, "csi.sock")
+	if err := os.MkdirAll(filepath.Dir(sock), 0o750); err != nil {
+		e.t.Fatal(err)
+	}
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		e.t.Fatalf("listen on %s: %v", sock, err)
+	}
+	d := &labCSI{}
+	s := grpc.NewServer()
+	csi.RegisterNodeServer(s, d)
+	go s.Serve(ln)
+	e.t.Cleanup(func() {
+		s.Stop()
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		for i := len(d.mounted) - 1; i >= 0; i-- {
+			_ = unix.Unmount(d.mounted[i], unix.MNT_DETACH)
+		}
+	})
+	return d
+}
+
+// createPods creates n Running pods named prefix-<i> that mount the claim
+// of v in container "app" with HostToContainer propagation (so a re-staged
+// host mount reaches them without a live swap), a few at a time.
+func (e *env) createPods(prefix string, v *volume, n int) []*corev1.Pod {
+	e.t.Helper()
+	out := make([]*corev1.Pod, n)
+	errs := make(chan error, n)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 16)
+	h2c := corev1.MountPropagationHostToContainer
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			ctx := context.Background()
+			pod := &corev1.Pod{
+				ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: prefix + "-" + strconv.Itoa(i)},
+				Spec: corev1.PodSpec{
+					NodeName: e.node,
+					Containers: []corev1.Container{{Name: "app", Image: "busybox",
+						VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data", MountPropagation: &h2c}}}},
+					Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+						PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: v.pvc.Name},
+					}}},
+				},
+			}
+			pod, err := e.admin.CoreV1().Pods(testNamespace).Create(ctx, pod, metav1.CreateOptions{})
+			if err != nil {
+				errs <- err
+				return
+			}
+			now := metav1.Now()
+			pod.Status = corev1.PodStatus{
+				Phase:      corev1.PodRunning,
+				Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue, LastTransitionTime: now}},
+				ContainerStatuses: []corev1.ContainerStatus{{
+					Name: "app", Ready: true, Image: "busybox", ImageID: "busybox",
+					ContainerID: "containerd://" + fmt.Sprintf("%064x", i+1),
+					State:       corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}},
+				}},
+			}
+			if pod, err = e.admin.CoreV1().Pods(testNamespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+				errs <- err
+				return
+			}
+			out[i] = pod
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		e.t.Fatalf("create pods %s-*: %v", prefix, err)
+	}
+	return out
+}
+
+// scaleNode is a lab node with broken-to-be volumes and healthy ones.
+type scaleNode struct {
+	e      *env
+	driver *labCSI
+	// targets are the publish targets that the fault breaks.
+	targets []string
+	// daemon serves every volume the fault breaks.
+	daemon *lab.FaultFS
+	// healthy are the publish targets of the 10 pods that stay healthy,
+	// with their mount IDs before the fault; healthyPods are those pods.
+	healthy     map[string]int
+	healthyPods []*corev1.Pod
+	healthyFS   *lab.FaultFS
+}
+
+// newScaleNode lays out n pods on broken-to-be volumes: on one volume (one
+// backend, one staging mount, n publish binds) when shared, else each on
+// its own volume and FUSE connection (n backends), all served by one
+// FaultFS daemon. Ten more pods have healthy volumes of their own, served by
+// another daemon.
+func newScaleNode(t testing.TB, n int, shared bool) *scaleNode {
+	e := newEnv(t, nil)
+	no := false
+	if _, err := e.admin.StorageV1().CSIDrivers().Create(context.Background(), &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: labDriver},
+		Spec:       storagev1.CSIDriverSpec{AttachRequired: &no},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create CSIDriver: %v", err)
+	}
+	s := &scaleNode{e: e, driver: e.serveLabCSI(), healthy: make(map[string]int)}
+	if shared {
+		v := e.createVolume("shared", nil)
+		s.daemon = lab.StartFaultFSMany(t, []string{v.staging})
+		for _, pod := range e.createPods("shared", v, n) {
+			s.targets = append(s.targets, e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false))
+		}
+	} else {
+		vols := make([]*volume, n)
+		stagings := make([]string, n)
+		for i := range n {
+			vols[i] = e.createVolume("b"+strconv.Itoa(i), nil)
+			stagings[i] = vols[i].staging
+		}
+		s.daemon = lab.StartFaultFSMany(t, stagings)
+		for i, v := range vols {
+			pod := e.createPods("b"+strconv.Itoa(i), v, 1)[0]
+			s.targets = append(s.targets, e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false))
+		}
+	}
+	var vols []*volume
+	var stagings []string
+	for i := range 10 {
+		v := e.createVolume("ok"+strconv.Itoa(i), nil)
+		vols = append(vols, v)
+		stagings = append(stagings, v.staging)
+	}
+	s.healthyFS = lab.StartFaultFSMany(t, stagings)
+	for i, v := range vols {
+		pod := e.createPods("ok"+strconv.Itoa(i), v, 1)[0]
+		s.healthyPods = append(s.healthyPods, pod)
+		pub := e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
+		s.healthy[pub] = 0
+	}
+	return s
+}
+
+// snapshotHealthy records the mount IDs of the healthy publish targets.
+func (s *scaleNode) snapshotHealthy(t testing.TB) {
+	for p := range s.healthy {
+		s.healthy[p] = topMountID(t, p)
+	}
+}
+
+func topMountID(t testing.TB, path string) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && f[4] == path {
+			n, _ := strconv.Atoi(f[0])
+			id = max(id, n)
+		}
+	}
+	return id
+}
+
+// healed counts the broken-to-be targets that now show a fresh lab CSI
+// mount (tmpfs), each probed with statfs in parallel.
+func (s *scaleNode) healed() int {
+	var n atomic.Int64
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for _, p := range s.targets {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			var st unix.Statfs_t
+			if err := unix.Statfs(p, &st); err == nil && st.Type == tmpfsMagic {
+				n.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	return int(n.Load())
+}
+
+// checkHealthy fails for each healthy pod whose mount changed or that the
+// agent reported on.
+func (s *scaleNode) checkHealthy(t testing.TB) {
+	for p, id := range s.healthy {
+		if got := topMountID(t, p); got != id {
+			t.Errorf("healthy publish target %s: mount %d became %d", p, id, got)
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(p, &st); err != nil || st.Type != lab.FUSEMagic {
+			t.Errorf("healthy publish target %s: statfs %v, f_type %#x; want its FUSE mount answering", p, err, st.Type)
+		}
+	}
+	for _, pod := range s.healthyPods {
+		if evs := s.e.eventsOf(pod.UID); len(evs) > 0 {
+			t.Errorf("healthy pod %s has %d events (first %s: %s), want none", pod.Name, len(evs), evs[0].Reason, evs[0].Note)
+		}
+	}
+}
+
+// eventWrites counts the event writes of a recorder's snapshot.
+func eventWrites(counts map[string]int) int {
+	n := 0
+	for k, v := range counts {
+		if strings.Contains(k, "/apis/events.k8s.io/") && (strings.HasPrefix(k, "POST ") || strings.HasPrefix(k, "PATCH ")) {
+			n += v
+		}
+	}
+	return n
+}
+
+// scaleResult is what one scale run measured.
+type scaleResult struct {
+	// took is from the fault to every broken volume healed.
+	took time.Duration
+	// eventWrites counts the agent's event creates and patches from the
+	// fault to one summary period after the heal.
+	eventWrites int
+	// threads before the agent started, and their peak during the run.
+	threadsBefore, threadsPeak int
+}
+
+// runScale breaks the node (dead or hung daemon), runs the agent (the
+// agent's defaults, but for the probe interval and deadline, 1 s in tests;
+// with defaults set, the agent's own, and the API client's default rate
+// limits, as the command runs it) and waits until every broken volume is
+// healed. The 10 healthy pods' daemon answers every request 600 ms late
+// (60 % of the test deadline, 30 % of the default one): slow, never hung.
+func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *runningAgent, scaleResult) {
+	s := newScaleNode(t, n, shared)
+	rep, err := remount.New(remount.Config{KubeletRoot: s.e.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	client, rec := s.e.countingClient(defaults)
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr, cfg.Version = s.e.node, s.e.kubelet.Root(), "", "test"
+	if !defaults {
+		cfg.ProbeInterval, cfg.ProbeTimeout = time.Second, time.Second
+	}
+	s.healthyFS.Delay(600 * time.Millisecond)
+	var res scaleResult
+	res.threadsBefore = threads(t)
+	a := s.e.startAgent(cfg, agent.Deps{Client: client, Repairer: rep})
+	s.snapshotHealthy(t)
+	time.Sleep(3 * time.Second) // a few cycles over the slow healthy daemon
+	before := eventWrites(rec.snapshot())
+	if hang {
+		s.daemon.Hang()
+		t.Cleanup(s.daemon.Release)
+	} else {
+		s.daemon.Kill()
+	}
+	start := time.Now()
+	deadline := start.Add(15 * time.Minute)
+	for {
+		res.threadsPeak = max(res.threadsPeak, threads(t))
+		h := s.healed()
+		if h == n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d broken volumes healed %s after the fault", h, n, time.Since(start).Round(time.Second))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	res.took = time.Since(start)
+	time.Sleep(eventSummaryWait) // the agent's summary of held events
+	res.eventWrites = eventWrites(rec.snapshot()) - before
+	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d",
+		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak)
+	return s, a, res
+}
+
+// checkScale asserts the outcomes of a scale run.
+func checkScale(t *testing.T, n int, hang bool, s *scaleNode, a *runningAgent, res scaleResult) {
+	s.checkHealthy(t)
+	// The node's budget: 25 at once, one a second, and one summary per
+	// reason every 10 s (a handful of reasons).
+	secs := res.took + eventSummaryWait
+	if limit := 25 + int(secs.Seconds()) + 4*(1+int(secs/(10*time.Second))); res.eventWrites > limit {
+		t.Errorf("%d event writes for %d broken volumes over %s, want at most %d (the node's budget)", res.eventWrites, n, secs.Round(time.Second), limit)
+	}
+	if hang && res.threadsPeak-res.threadsBefore > n+64 {
+		t.Errorf("threads peaked at %d over %d before the agent for %d hung backends, want at most one per hung backend plus a constant", res.threadsPeak, res.threadsBefore, n)
+	}
+	if v, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); v < 1 {
+		t.Errorf("no successful restage counted")
+	}
+}
+
+// eventSummaryWait covers one summary period of the agent's event budget.
+const eventSummaryWait = 11 * time.Second
+
+func testScale(t *testing.T, n int, shared, hang bool) {
+	s, a, res := runScale(t, n, shared, hang, false)
+	checkScale(t, n, hang, s, a, res)
+}
+
+// TestScaleDeadVolumesOneBackend: one backend dies under n pods.
+func TestScaleDeadVolumesOneBackend(t *testing.T) { testScale(t, scaleN(100), true, false) }
+
+// TestScaleDeadBackends: n backends die at once, one pod each.
+func TestScaleDeadBackends(t *testing.T) { testScale(t, scaleN(50), false, false) }
+
+// TestScaleHungBackends: n backends hang at once, one pod each; a slow
+// daemon beside them is never aborted.
+func TestScaleHungBackends(t *testing.T) { testScale(t, scaleN(50), false, true) }
+
+// BenchmarkScale times the fault matrix at a thousand volumes (n from
+// $MOUNTMEDIC_SCALE_N), the agent at its defaults and with the API client's
+// default rate limits, as the command runs it: fault -> every volume healed
+// (for hung backends: each connection aborted, re-staged and verified),
+// the agent's event writes, and its threads. One iteration per case.
+//
+//	go test -run '^$' -bench Scale -benchtime 1x -timeout 60m ./agent
+func BenchmarkScale(b *testing.B) {
+	n := scaleN(1000)
+	for _, c := range []struct {
+		name         string
+		shared, hang bool
+	}{
+		{"dead-one-backend", true, false},
+		{"dead-backends", false, false},
+		{"hung-backends", false, true},
+	} {
+		b.Run(fmt.Sprintf("%s/volumes=%d", c.name, n), func(b *testing.B) {
+			var res scaleResult
+			for range b.N {
+				_, _, res = runScale(b, n, c.shared, c.hang, true)
+			}
+			b.ReportMetric(res.took.Seconds(), "healed-s")
+			b.ReportMetric(float64(res.eventWrites), "event-writes")
+			b.ReportMetric(float64(res.threadsPeak-res.threadsBefore), "agent-threads-peak")
+		})
+	}
+}
+
+// scaleN is n, or $MOUNTMEDIC_SCALE_N when set (to run a test at another
+// size by hand).
+func scaleN(n int) int {
+	if v, err := strconv.Atoi(os.Getenv("MOUNTMEDIC_SCALE_N")); err == nil && v > 0 {
+		return v
+	}
+	return n
+}
