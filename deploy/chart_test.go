@@ -36,8 +36,30 @@ const chartDir = "chart/mountmedic"
 // each becomes and the value that turns it on (none: always).
 var chartParts = []struct{ dir, file, enable string }{
 	{".", "agent.yaml", ""},
+	// A kustomize Component: what the base plus it renders beyond the base.
+	{"controller", "controller.yaml", "controller.enabled"},
 	{"prometheus", "prometheus.yaml", "prometheus.enabled"},
 	{"grafana", "grafana.yaml", "grafana.enabled"},
+}
+
+// renderPart renders one chart part: a kustomization, or for the controller
+// Component, the objects the base with it adds to the base.
+func renderPart(t *testing.T, dir string) []object {
+	t.Helper()
+	if dir != "controller" {
+		return kustomize(t, dir)
+	}
+	base := map[string]bool{}
+	for _, o := range kustomize(t, ".") {
+		base[objKey(o)] = true
+	}
+	var out []object
+	for _, o := range renderOverlay(t, "controller", controllerOverlay) {
+		if !base[objKey(o)] {
+			out = append(out, o)
+		}
+	}
+	return out
 }
 
 // The namespace every kustomization installs into: in the chart, the
@@ -53,11 +75,13 @@ const (
 func markBlock(valuesPath string) string { return "@@B:" + valuesPath + "@@" }
 func markQuote(expr string) string       { return "@@Q:" + expr + "@@" }
 func markAppend(include string) string   { return "@@A:" + include + "@@" }
+func markRaw(expr string) string         { return "@@R:" + expr + "@@" }
 
 var (
 	reBlock  = regexp.MustCompile(`(?m)^( *)([A-Za-z]+): '@@B:([A-Za-z.]+)@@'$`)
 	reQuote  = regexp.MustCompile(`'@@Q:([^@]+)@@'`)
 	reAppend = regexp.MustCompile(`(?m)^( *)- '@@A:([A-Za-z.]+)@@'$`)
+	reRaw    = regexp.MustCompile(`'@@R:([^@]+)@@'`)
 )
 
 // chartTemplate turns one kustomization's objects into template text.
@@ -80,6 +104,9 @@ func chartTemplate(t *testing.T, objs []object, enable string) []byte {
 		if o.Kind == "DaemonSet" && o.Metadata.Name == "mountmedic" {
 			markAgent(t, m)
 		}
+		if o.Kind == "Deployment" && o.Metadata.Name == "mountmedic-controller" {
+			markController(t, m)
+		}
 		out, err := yaml.Marshal(m)
 		if err != nil {
 			t.Fatal(err)
@@ -100,6 +127,7 @@ func chartTemplate(t *testing.T, objs []object, enable string) []byte {
 		return fmt.Sprintf("%s{{- include %q . | nindent %d }}", g[1], g[2], len(g[1]))
 	})
 	s = reQuote.ReplaceAllString(s, "{{ $1 | quote }}")
+	s = reRaw.ReplaceAllString(s, "{{ $1 }}")
 	s = strings.ReplaceAll(s, markNS, "{{ .Release.Namespace }}")
 	if strings.Contains(s, "@@") {
 		t.Fatalf("a marker was left in the template (a field shape the generator does not know):\n%s", s)
@@ -173,6 +201,21 @@ func markAgent(t *testing.T, ds map[string]any) {
 	t.Fatal("the DaemonSet has no container named agent")
 }
 
+// markController puts the controller's knobs into its Deployment.
+func markController(t *testing.T, d map[string]any) {
+	t.Helper()
+	dig(t, d, "spec")["replicas"] = markRaw(".Values.controller.replicas")
+	containers, _ := dig(t, d, "spec", "template", "spec")["containers"].([]any)
+	for _, c := range containers {
+		c := c.(map[string]any)
+		c["image"] = markQuote(`include "mountmedic.image" .`)
+		c["imagePullPolicy"] = markQuote(".Values.image.pullPolicy")
+		c["resources"] = markBlock("controller.resources")
+		args, _ := c["args"].([]any)
+		c["args"] = append(args, markAppend("mountmedic.controllerArgs"))
+	}
+}
+
 func dig(t *testing.T, m map[string]any, path ...string) map[string]any {
 	t.Helper()
 	for _, p := range path {
@@ -190,7 +233,7 @@ func chartTemplates(t *testing.T) map[string][]byte {
 	t.Helper()
 	files := map[string][]byte{}
 	for _, p := range chartParts {
-		files[p.file] = chartTemplate(t, kustomize(t, p.dir), p.enable)
+		files[p.file] = chartTemplate(t, renderPart(t, p.dir), p.enable)
 	}
 	return files
 }
@@ -282,7 +325,7 @@ func TestChartRendersTheBase(t *testing.T) {
 				if p.enable != "" {
 					set = append(set, p.enable+"=true")
 				}
-				for _, o := range kustomize(t, p.dir) {
+				for _, o := range renderPart(t, p.dir) {
 					if o.Kind != "Namespace" {
 						want[objKey(o)] = normalize(t, o)
 					}
@@ -322,7 +365,8 @@ func TestChartValues(t *testing.T) {
 		"agent.extraArgs={--probe-interval=5s}",
 		"agent.resources.limits.memory=256Mi",
 		"agent.nodeSelector.pool=storage",
-		"prometheus.enabled=true", "grafana.enabled=true")
+		"prometheus.enabled=true", "grafana.enabled=true",
+		"controller.enabled=true", "controller.replicas=3", "controller.extraArgs={--failover-max-nodes=2}")
 	var ds appsv1.DaemonSet
 	if err := yaml.Unmarshal(find(t, objs, "DaemonSet", "mountmedic").raw, &ds); err != nil {
 		t.Fatal(err)
@@ -344,9 +388,16 @@ func TestChartValues(t *testing.T) {
 		t.Errorf("nodeSelector = %v, want pool=storage added to kubernetes.io/os=linux", ds.Spec.Template.Spec.NodeSelector)
 	}
 	checkAgentArgs(t, buildMountmedic(t), c.Args)
+	ctl := decodeController(t, objs)
+	if *ctl.Spec.Replicas != 3 || !slices.Contains(ctl.Spec.Template.Spec.Containers[0].Args, "--failover-max-nodes=2") ||
+		ctl.Spec.Template.Spec.Containers[0].Image != "registry.example.com/mountmedic:v1.2.3" {
+		t.Errorf("controller: replicas %d, args %q, image %q; want 3, --failover-max-nodes=2 added, the values' image",
+			*ctl.Spec.Replicas, ctl.Spec.Template.Spec.Containers[0].Args, ctl.Spec.Template.Spec.Containers[0].Image)
+	}
 	// Nothing of the release is left in the base's namespace.
 	for _, o := range objs {
-		if o.Metadata.Namespace != "" && o.Metadata.Namespace != "storage-ops" {
+		// kubelet's Leases are in kube-node-lease wherever mountmedic is.
+		if o.Metadata.Namespace != "" && o.Metadata.Namespace != "storage-ops" && o.Metadata.Namespace != "kube-node-lease" {
 			t.Errorf("%s is in namespace %q, want the release's", objKey(o), o.Metadata.Namespace)
 		}
 		if bytes.Contains(o.raw, []byte("system:serviceaccount:"+baseNamespace+":")) || bytes.Contains(o.raw, []byte("namespace: "+baseNamespace+"\n")) {
@@ -358,7 +409,7 @@ func TestChartValues(t *testing.T) {
 func TestChartLint(t *testing.T) {
 	helm := lab.RequireTool(t, "helm")
 	run(t, ".", helm, "lint", "--strict", "--kube-version", kubeVersion, chartDir)
-	run(t, ".", helm, "lint", "--strict", "--kube-version", kubeVersion, chartDir, "--set", "failover.enabled=true,prometheus.enabled=true,grafana.enabled=true")
+	run(t, ".", helm, "lint", "--strict", "--kube-version", kubeVersion, chartDir, "--set", "failover.enabled=true,controller.enabled=true,prometheus.enabled=true,grafana.enabled=true")
 }
 
 // TestChartInstall installs the chart as a user would, with helm against the
@@ -383,7 +434,7 @@ func TestChartInstall(t *testing.T) {
 		return out
 	}
 	h("install", "mountmedic", chartDir, "--namespace", "storage-ops", "--create-namespace",
-		"--set", "prometheus.enabled=true,grafana.enabled=true", "--wait=false")
+		"--set", "prometheus.enabled=true,grafana.enabled=true,controller.enabled=true", "--wait=false")
 	ctx := context.Background()
 	ds, err := c.Client.AppsV1().DaemonSets("storage-ops").Get(ctx, "mountmedic", metav1.GetOptions{})
 	if err != nil {

@@ -31,3 +31,10 @@ args come first, unchanged, so that the default render is the base).
 - {{ . }}
 {{- end }}
 {{- end }}
+
+{{/* The controller's flags that the values add to the Deployment's own. */}}
+{{- define "mountmedic.controllerArgs" -}}
+{{- range .Values.controller.extraArgs }}
+- {{ . }}
+{{- end }}
+{{- end }}
