@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/utils/ptr"
 
+	"github.com/mountmedic/mountmedic/agent/status"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 )
 
@@ -166,6 +167,27 @@ func liveScenario(t *testing.T, e *env, ns string) {
 	}
 	if got := e.metric(t, ctx, "mountmedic_repairs_total", `tier="liveswap"`, `result="success"`); got <= swaps {
 		t.Errorf("mountmedic_repairs_total{tier=liveswap,result=success} = %v, want more than %v", got, swaps)
+	}
+	e.statusAfterHeal(t, ctx, o)
+}
+
+// statusAfterHeal reads the cluster view (mountmedic status) of the node
+// from the real API server: its volumes healthy again per the condition
+// the agent keeps on its Node, the last repair the one just seen.
+func (e *env) statusAfterHeal(t *testing.T, ctx context.Context, o outage) {
+	t.Helper()
+	var row status.Node
+	err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		v, err := status.Read(ctx, e.c.Client, status.Options{Namespace: "mountmedic", Nodes: []string{e.n.Name},
+			HeartbeatInterval: 10 * time.Second, FenceAfter: 30 * time.Second, StaleAfter: 15 * time.Minute})
+		if err != nil || len(v.Nodes) != 1 {
+			return false, err
+		}
+		row = v.Nodes[0]
+		return row.Volumes.State == "healthy" && row.LastRepair != nil && row.LastRepair.Outcome == "repaired" && !row.LastRepair.At.Before(o.start.Truncate(time.Second)), nil
+	})
+	if err != nil {
+		t.Errorf("mountmedic status of %s after the heal = %+v (last repair %+v), want volumes healthy and the repair just seen: %v", e.n.Name, row.Volumes, row.LastRepair, err)
 	}
 }
 
