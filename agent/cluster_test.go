@@ -71,6 +71,11 @@ func newEnv(t testing.TB, controllers []string) *env {
 		node:    lab.DefaultNodeName,
 	}
 	e.agentConfig = nodeConfig(t, c, e.node)
+	// The node's own Node object, as a real node has: the agent writes its
+	// PodVolumeMountsBroken condition there.
+	if _, err := c.Client.CoreV1().Nodes().Create(context.Background(), &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: e.node}}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create node %s: %v", e.node, err)
+	}
 	return e
 }
 

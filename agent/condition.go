@@ -108,6 +108,8 @@ type conditionWriter struct {
 	written    *conditionState
 	writtenAt  time.Time
 	transition time.Time
+	backoff    time.Duration
+	retryAt    time.Time
 }
 
 // newConditionWriter makes the writer of node's condition and registers its
@@ -169,11 +171,20 @@ func (w *conditionWriter) run(ctx context.Context) {
 		if w.written != nil && now.Sub(w.writtenAt) < w.minGap {
 			continue // the next tick writes it
 		}
+		if now.Before(w.retryAt) {
+			continue // backing off after a failed write
+		}
 		if err := w.write(ctx, *want, now); err != nil {
 			w.writes.WithLabelValues(resultFailure).Inc()
-			logger.Info("Cannot write the node condition; retrying", "err", err)
+			// Back off: minGap, doubling up to the heartbeat period (a
+			// missing Node or a refused write must not cost a request a
+			// probe cycle).
+			w.backoff = min(max(2*w.backoff, w.minGap), w.heartbeat)
+			w.retryAt = now.Add(w.backoff)
+			logger.Info("Cannot write the node condition; retrying", "err", err, "retryIn", w.backoff)
 			continue
 		}
+		w.backoff, w.retryAt = 0, time.Time{}
 		w.writes.WithLabelValues(resultSuccess).Inc()
 		w.broken.Set(boolGauge(want.status == corev1.ConditionTrue))
 		if changed {

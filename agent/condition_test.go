@@ -238,3 +238,28 @@ func TestParseConditionMessage(t *testing.T) {
 		}
 	}
 }
+
+// TestConditionWriterBacksOff: a Node that is missing (or a write refused)
+// costs a few requests with backoff, not one per probe cycle.
+func TestConditionWriterBacksOff(t *testing.T) {
+	c := kubetest.Start(t, kubetest.Options{})
+	cs, err := kubernetes.NewForConfig(c.ImpersonateConfig("system:node:cond-gone", "system:nodes", "system:authenticated"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newConditionWriter(cs, "cond-gone", 10*time.Second, prometheus.NewRegistry())
+	w.minGap = 50 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); w.run(ctx) }()
+	for range 60 { // a probe cycle every 20 ms for 1.2 s
+		w.observe(conditionReport(ds{"s3", probe.Healthy}))
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	// Backoff 50, 100, 200, 400, 800 ms: at most 6 tries in 1.2 s.
+	if got := counterValue(t, w.writes.WithLabelValues(resultFailure)); got < 1 || got > 6 {
+		t.Errorf("failed writes over 60 cycles with the Node missing = %v, want 1 to 6 (backing off)", got)
+	}
+}
