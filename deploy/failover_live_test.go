@@ -75,6 +75,9 @@ const simNodeName = "lab-node-b"
 
 // simNode is the simulated node of the live test.
 type simNode struct {
+	// name is the node's (simNodeName, or the lab node whose kubelet the
+	// live test also plays).
+	name        string
 	cs          kubernetes.Interface
 	proxy       *lab.TCPProxy
 	agent       *process
@@ -115,7 +118,7 @@ func startSimNode(ctx context.Context, t *testing.T, c *kubetest.Cluster, bin st
 	if err != nil {
 		t.Fatalf("set node %s Ready: %v", simNodeName, err)
 	}
-	n := &simNode{cs: cs, kubeletOn: true}
+	n := &simNode{name: simNodeName, cs: cs, kubeletOn: true}
 	kctx, stop := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	wg.Go(func() { n.kubelet(kctx) })
@@ -190,12 +193,12 @@ func (n *simNode) kubelet(ctx context.Context) {
 		n.mu.Unlock()
 		if on {
 			now := metav1.NowMicro()
-			l, err := leases.Get(ctx, simNodeName, metav1.GetOptions{})
+			l, err := leases.Get(ctx, n.name, metav1.GetOptions{})
 			switch {
 			case apierrors.IsNotFound(err):
 				_, _ = leases.Create(ctx, &coordinationv1.Lease{
-					ObjectMeta: metav1.ObjectMeta{Name: simNodeName},
-					Spec:       coordinationv1.LeaseSpec{HolderIdentity: ptr.To(simNodeName), LeaseDurationSeconds: ptr.To[int32](40), RenewTime: &now},
+					ObjectMeta: metav1.ObjectMeta{Name: n.name},
+					Spec:       coordinationv1.LeaseSpec{HolderIdentity: ptr.To(n.name), LeaseDurationSeconds: ptr.To[int32](40), RenewTime: &now},
 				}, metav1.CreateOptions{})
 			case err == nil:
 				l.Spec.RenewTime = &now

@@ -30,6 +30,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -125,6 +126,28 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-f", "controller/serviceaccount.yaml", "-f", "controller/rbac.yaml")
 	c.CreateNamespace(t, appsNS)
+	// The lab node's Node object, as a real node has (the agent writes its
+	// PodVolumeMountsBroken condition there), Ready, its kubelet Lease
+	// renewed by the test as the simulated node's is: the failover
+	// controller judges it alive.
+	if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: labNode}}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create node %s: %v", labNode, err)
+	}
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		node, err := c.Client.CoreV1().Nodes().Get(ctx, labNode, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		now := metav1.Now()
+		node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady",
+			LastHeartbeatTime: now, LastTransitionTime: now}}
+		_, err = c.Client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatalf("set node %s Ready: %v", labNode, err)
+	}
+	go (&simNode{name: labNode, cs: c.Client, kubeletOn: true}).kubelet(ctx)
 	credentials := agentCredentials(ctx, t, c, labNode, "")
 
 	// Pods in the API and their volumes in a lab kubelet tree.
