@@ -37,6 +37,17 @@ const nodeMonitorGrace = 40 * time.Second
 func failoverScenario(t *testing.T, e *env, ns string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
+	// The cluster side: mountmedic controller under deploy/controller's
+	// ServiceAccount and RBAC, with the Deployment's defaults.
+	ctl, err := e2e.StartController(t, e.c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("controller log:\n%s", ctl.LogTail(40))
+		}
+	})
 	sim, err := e2e.StartSimNode(ctx, e.c.Client, "sim-"+ns)
 	if err != nil {
 		t.Fatal(err)
