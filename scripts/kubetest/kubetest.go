@@ -56,6 +56,11 @@ type Options struct {
 	// ControllerManagerArgs are appended to kube-controller-manager's
 	// generated flags.
 	ControllerManagerArgs []string
+	// APIServerArgs are appended to kube-apiserver's generated flags.
+	APIServerArgs []string
+	// EtcdDataDir, when set, is where etcd keeps its data (e.g. under
+	// /dev/shm, for scale tests); the default is under Dir.
+	EtcdDataDir string
 }
 
 // startTimeout bounds the wait for every component to be ready.
@@ -79,6 +84,12 @@ type Cluster struct {
 	t     testing.TB
 	pki   *pki
 	procs []*lab.Process // in start order
+
+	// apiBin and apiArgs start kube-apiserver again (StartAPIServer);
+	// apiIndex is its place in procs.
+	apiBin   string
+	apiArgs  []string
+	apiIndex int
 }
 
 // Start starts etcd and kube-apiserver (and kube-controller-manager when
@@ -128,9 +139,13 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
 
+	etcdDir := filepath.Join(c.Dir, "etcd")
+	if opts.EtcdDataDir != "" {
+		etcdDir = opts.EtcdDataDir
+	}
 	etcd, err := c.run("etcd", bins["etcd"], []string{
 		"--name=kubetest",
-		"--data-dir=" + filepath.Join(c.Dir, "etcd"),
+		"--data-dir=" + etcdDir,
 		"--listen-client-urls=" + c.EtcdURL,
 		"--advertise-client-urls=" + c.EtcdURL,
 		"--listen-peer-urls=" + peerURL,
@@ -170,6 +185,8 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--allow-privileged=true",
 		"--profiling=false",
 	}
+	apiArgs = append(apiArgs, opts.APIServerArgs...)
+	c.apiBin, c.apiArgs, c.apiIndex = bins["kube-apiserver"], apiArgs, len(c.procs)
 	api, err := c.run("kube-apiserver", bins["kube-apiserver"], apiArgs, logDir)
 	if err != nil {
 		return err
@@ -308,6 +325,32 @@ func (c *Cluster) stop() {
 	for i := len(c.procs) - 1; i >= 0; i-- {
 		c.procs[i].Stop(10 * time.Second)
 	}
+}
+
+// StopAPIServer stops kube-apiserver (SIGTERM, then SIGKILL after 10 s),
+// as an outage or an upgrade of the control plane does; etcd and the
+// controllers keep running. StartAPIServer brings it back.
+func (c *Cluster) StopAPIServer() {
+	c.procs[c.apiIndex].Stop(10 * time.Second)
+}
+
+// StartAPIServer starts kube-apiserver again with the flags it first had (the
+// same port and certificates) and waits until it is ready.
+func (c *Cluster) StartAPIServer() error {
+	cmd := exec.Command(c.apiBin, c.apiArgs...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	p, err := lab.RunProcess("kube-apiserver", cmd, filepath.Join(c.Dir, "logs", "kube-apiserver.log"))
+	if err != nil {
+		return err
+	}
+	c.procs[c.apiIndex] = p
+	httpClient, err := rest.HTTPClientFor(c.Config)
+	if err != nil {
+		return fmt.Errorf("create admin http client: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+	defer cancel()
+	return waitHTTP(ctx, p, httpClient, c.Server+"/readyz")
 }
 
 // ImpersonateConfig returns a copy of the admin config that acts as user with
