@@ -71,7 +71,6 @@ type env struct {
 
 	mu      sync.Mutex
 	tainted map[string]time.Time // node -> when the harness first saw mountmedic's taint
-	deleted map[string]time.Time // pod name -> when the harness saw it deleted
 }
 
 // simNode is a kwok node with a real heartbeat.
@@ -113,7 +112,6 @@ func startEnv(t *testing.T) *env {
 		nodes:   envInt("MOUNTMEDIC_SCALE_NODES", 300),
 		hbs:     envInt("MOUNTMEDIC_SCALE_HEARTBEATS", 100),
 		tainted: map[string]time.Time{},
-		deleted: map[string]time.Time{},
 	}
 	e.hbs = min(e.hbs, e.nodes)
 	kwokBin := lab.RequireTool(t, "kwok")
@@ -460,8 +458,7 @@ func isExists(err error) bool {
 	return errors.As(err, &s) && s.Status().Reason == metav1.StatusReasonAlreadyExists
 }
 
-// watch records when mountmedic's taint first appears on each node and
-// when each workload pod is deleted.
+// watch records when mountmedic's taint first appears on each node.
 func (e *env) watch(t testing.TB) {
 	f := informers.NewSharedInformerFactoryWithOptions(e.admin, 0)
 	nodes := f.Core().V1().Nodes().Informer()
@@ -483,25 +480,9 @@ func (e *env) watch(t testing.TB) {
 	if _, err := nodes.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: onNode, UpdateFunc: func(_, n any) { onNode(n) }}); err != nil {
 		t.Fatal(err)
 	}
-	pf := informers.NewSharedInformerFactoryWithOptions(e.admin, 0, informers.WithNamespace(workNS))
-	pods := pf.Core().V1().Pods().Informer()
-	if _, err := pods.AddEventHandler(cache.ResourceEventHandlerFuncs{DeleteFunc: func(obj any) {
-		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = d.Obj
-		}
-		if p, ok := obj.(*corev1.Pod); ok {
-			e.mu.Lock()
-			e.deleted[p.Name+"/"+string(p.UID)] = time.Now()
-			e.mu.Unlock()
-		}
-	}}); err != nil {
-		t.Fatal(err)
-	}
 	f.Start(e.ctx.Done())
-	pf.Start(e.ctx.Done())
 	f.WaitForCacheSync(e.ctx.Done())
-	pf.WaitForCacheSync(e.ctx.Done())
-	t.Cleanup(func() { e.cancel(); f.Shutdown(); pf.Shutdown() })
+	t.Cleanup(func() { e.cancel(); f.Shutdown() })
 }
 
 // taintedSince lists the nodes first tainted at or after since.
@@ -515,19 +496,6 @@ func (e *env) taintedSince(since time.Time) map[string]time.Time {
 		}
 	}
 	return out
-}
-
-// deletedSince counts the workload pods deleted at or after since.
-func (e *env) deletedSince(since time.Time) int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	n := 0
-	for _, at := range e.deleted {
-		if !at.Before(since) {
-			n++
-		}
-	}
-	return n
 }
 
 // killKubelet makes kwok stop acting for node: no more Lease renewals or

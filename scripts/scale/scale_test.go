@@ -299,6 +299,7 @@ func (e *env) partitioned(t *testing.T, r *report, n *simNode) {
 // baseline.
 func (e *env) outage(t *testing.T, r *report, living []*simNode) {
 	before := e.taintedSince(time.Time{})
+	podsBefore := e.podUIDs(t)
 	start := time.Now()
 	down := 2 * e.fenceWindow()
 	e.c.StopAPIServer()
@@ -317,7 +318,13 @@ func (e *env) outage(t *testing.T, r *report, living []*simNode) {
 		delete(after, n)
 	}
 	fences := e.fences(start, living)
-	deleted := e.deletedSince(start)
+	podsAfter := e.podUIDs(t)
+	deleted := 0
+	for uid := range podsBefore {
+		if !podsAfter[uid] {
+			deleted++
+		}
+	}
 	if len(after) > 0 {
 		t.Errorf("API server outage: nodes tainted: %v", keys(after))
 	}
@@ -325,6 +332,10 @@ func (e *env) outage(t *testing.T, r *report, living []*simNode) {
 		t.Errorf("API server outage: %d fences and %d pod deletions, want none", fences, deleted)
 	}
 	u := e.audit.window(back, end)
+	if all := e.audit.window(start, end); deleted != all.count("heartbeat", "delete pods ("+workNS+")")+all.count("controller", "delete pods ("+workNS+")")+
+		all.count("candidate", "delete pods ("+workNS+")")+all.count("kcm", "delete pods ("+workNS+")") {
+		t.Logf("API server outage: %d workload pods gone, the audit log has %v", deleted, all.byWhat)
+	}
 	r.add("")
 	r.add("### kube-apiserver stopped for %s (2x the fence window), then back", down.Round(time.Second))
 	r.add("")
@@ -337,6 +348,20 @@ func (e *env) outage(t *testing.T, r *report, living []*simNode) {
 			t.Fatalf("recreate pod of %s: %v", n.name, err)
 		}
 	}
+}
+
+// podUIDs lists the workload pods' UIDs.
+func (e *env) podUIDs(t testing.TB) map[string]bool {
+	t.Helper()
+	list, err := e.admin.CoreV1().Pods(workNS).List(e.ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatalf("list workload pods: %v", err)
+	}
+	out := map[string]bool{}
+	for _, p := range list.Items {
+		out[string(p.UID)] = true
+	}
+	return out
 }
 
 func classRates(u usage) string {
@@ -423,6 +448,7 @@ func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []
 		m1["mountmedic_failover_failovers_total{result=deferred}"]-m0["mountmedic_failover_failovers_total{result=deferred}"])
 	r.add("Requests/s meanwhile: %s. Controller: %s. Living agents' renewal failures: %.0f; living agents fenced: %d.",
 		classRates(u), topKinds(u, "controller", 5), failures, e.fences(start, alive))
+	r.add("The controller process led during this case: %v (on main any agent may win the leader Lease, e.g. after the outage; its requests then count as candidate).", m1["mountmedic_failover_leader"] == 1)
 	r.add("Controller process after it: RSS %.0f MiB (peak %.0f MiB), Go heap in use %.0f MiB.",
 		m1["process_resident_memory_bytes"]/(1<<20), vmHWM(ctrl.p.Pid())/(1<<20), m1["go_memstats_heap_inuse_bytes"]/(1<<20))
 }
