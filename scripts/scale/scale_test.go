@@ -60,10 +60,15 @@ func TestScale(t *testing.T) {
 	living := slices.Clone(e.sim)
 	pop := func() *simNode { n := living[len(living)-1]; living = living[:len(living)-1]; return n }
 
-	e.oneDies(t, r, pop())
-	e.partitioned(t, r, pop())
-	e.outage(t, r, living)
-	e.fifthDies(t, r, ctrl, living)
+	dead := map[string]bool{}
+	n := pop()
+	dead[n.name] = true
+	e.oneDies(t, r, n)
+	n = pop()
+	dead[n.name] = true
+	e.partitioned(t, r, n)
+	living = e.fifthDies(t, r, ctrl, living, dead)
+	e.outage(t, r, living, dead)
 }
 
 // controllerName says which controller the figures come from.
@@ -297,9 +302,8 @@ func (e *env) partitioned(t *testing.T, r *report, n *simNode) {
 // No node may be tainted; with main's heartbeat every agent fences and then
 // deletes its fenced pods (outageMayFence), which the report gives as the
 // baseline.
-func (e *env) outage(t *testing.T, r *report, living []*simNode) {
-	before := e.taintedSince(time.Time{})
-	podsBefore := e.podUIDs(t)
+func (e *env) outage(t *testing.T, r *report, living []*simNode, dead map[string]bool) {
+	podsBefore := e.podUIDs(t, living)
 	start := time.Now()
 	down := 2 * e.fenceWindow()
 	e.c.StopAPIServer()
@@ -314,11 +318,15 @@ func (e *env) outage(t *testing.T, r *report, living []*simNode) {
 	end := time.Now()
 	e.audit.waitCaughtUp(e.ctx, end)
 	after := e.taintedSince(start)
-	for n := range before {
-		delete(after, n)
+	deadTainted := 0
+	for n := range after {
+		if dead[n] {
+			delete(after, n)
+			deadTainted++
+		}
 	}
 	fences := e.fences(start, living)
-	podsAfter := e.podUIDs(t)
+	podsAfter := e.podUIDs(t, living)
 	deleted := 0
 	for uid := range podsBefore {
 		if !podsAfter[uid] {
@@ -339,27 +347,27 @@ func (e *env) outage(t *testing.T, r *report, living []*simNode) {
 	r.add("")
 	r.add("### kube-apiserver stopped for %s (2x the fence window), then back", down.Round(time.Second))
 	r.add("")
-	r.add("Fences %d (of %d living agents), taints %d, workload pod deletions %d. Requests/s in the %s after it came back: %s.",
-		fences, len(living), len(after), deleted, end.Sub(back).Round(time.Second), classRates(u))
-	// The harness plays the StatefulSet controller: the deleted pods come
-	// back on their nodes, for the next case.
-	for _, n := range living {
-		if err := e.createPod(n.name); err != nil {
-			t.Fatalf("recreate pod of %s: %v", n.name, err)
-		}
-	}
+	r.add("Fences %d (of %d living agents), taints of living nodes %d, workload pod deletions %d (of pods on living nodes). Requests/s in the %s after it came back: %s. (Dead nodes of the previous case tainted meanwhile: %d.)",
+		fences, len(living), len(after), deleted, end.Sub(back).Round(time.Second), classRates(u), deadTainted)
 }
 
-// podUIDs lists the workload pods' UIDs.
-func (e *env) podUIDs(t testing.TB) map[string]bool {
+// podUIDs lists the UIDs of the workload pods that are not being deleted
+// (without a kubelet, a deleted pod bound to a node stays, terminating).
+func (e *env) podUIDs(t testing.TB, nodes []*simNode) map[string]bool {
 	t.Helper()
 	list, err := e.admin.CoreV1().Pods(workNS).List(e.ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatalf("list workload pods: %v", err)
 	}
+	on := map[string]bool{}
+	for _, n := range nodes {
+		on[n.name] = true
+	}
 	out := map[string]bool{}
 	for _, p := range list.Items {
-		out[string(p.UID)] = true
+		if p.DeletionTimestamp == nil && on[p.Spec.NodeName] {
+			out[string(p.UID)] = true
+		}
 	}
 	return out
 }
@@ -377,14 +385,16 @@ func classRates(u usage) string {
 // fifthDies: 20% of the nodes die at once (every fifth node, so 20% of the
 // heartbeat nodes among them). The controller may taint dead nodes only,
 // must make progress, and the living agents must keep renewing.
-func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []*simNode) {
-	dead := map[string]bool{}
+// It returns the heartbeat nodes still alive and adds the dead to dead.
+func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []*simNode, dead map[string]bool) []*simNode {
+	var names []string
 	var deadSim []*simNode
 	var alive []*simNode
 	for i, n := range living {
 		if i%5 == 0 {
 			deadSim = append(deadSim, n)
 			dead[n.name] = true
+			names = append(names, n.name)
 		} else {
 			alive = append(alive, n)
 		}
@@ -392,12 +402,12 @@ func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []
 	for i := e.hbs; i < e.nodes; i++ {
 		if i%5 == 0 {
 			dead[nodeName(i)] = true
+			names = append(names, nodeName(i))
 		}
 	}
 	m0, _ := scrape(ctrl.metrics)
 	failures0 := renewalFailures(alive)
 	start := time.Now()
-	names := keys(dead)
 	if err := parallel(len(names), 16, func(i int) error { return e.killKubelet(names[i]) }); err != nil {
 		t.Fatalf("kill kubelets: %v", err)
 	}
@@ -439,7 +449,7 @@ func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []
 		last = max(last, d)
 	}
 	r.add("")
-	r.add("### 20%% of %d nodes die at once (%d, of which %d with a heartbeat and a pod to fail over)", e.nodes, len(dead), len(deadSim))
+	r.add("### 20%% of %d nodes die at once (%d, of which %d with a heartbeat and a pod to fail over)", e.nodes, len(names), len(deadSim))
 	r.add("")
 	r.add("Observed %s: %d nodes tainted (first after %s, last after %s; MaxNodes %d at a time), controller pod deletions %.0f, failovers %.0f, deferrals (events) seen in metrics: %v.",
 		end.Sub(start).Round(time.Second), len(tainted), first.Round(100*time.Millisecond), last.Round(100*time.Millisecond), e.failoverConfig().MaxNodes,
@@ -451,6 +461,7 @@ func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []
 	r.add("The controller process led during this case: %v (on main any agent may win the leader Lease, e.g. after the outage; its requests then count as candidate).", m1["mountmedic_failover_leader"] == 1)
 	r.add("Controller process after it: RSS %.0f MiB (peak %.0f MiB), Go heap in use %.0f MiB.",
 		m1["process_resident_memory_bytes"]/(1<<20), vmHWM(ctrl.p.Pid())/(1<<20), m1["go_memstats_heap_inuse_bytes"]/(1<<20))
+	return alive
 }
 
 // renewalFailures sums the heartbeats' failed renewals.
