@@ -30,11 +30,17 @@
 //	                             lease becomes 8 s, renewed every 2 s; the
 //	                             heartbeat's 5 s becomes 1 s)
 //
+//	MOUNTMEDIC_SCALE_LOGS        a directory to copy the cluster's logs into
+//	                             (etcd, kube-apiserver, kcm, kwok, the
+//	                             controller, the agents)
+//
 // Scaling time down by a factor keeps every per-node rate in the same
 // ratio (kubelet lease writes to heartbeat writes) and makes each rate
 // 1/factor higher, so CI runs a few hundred nodes in a few minutes; the
-// figures per node are given at factor 1 (real timings) by dividing by
-// 1/factor, and bench.sh uses factor 1 unless told otherwise.
+// report gives rates per node at real timings (multiplied back by the
+// factor). bench.sh uses factor 0.5 unless told otherwise. The fence margin
+// does not go below the stop grace + 5 s (the duty's validation), so at
+// small factors the fence window is a little longer than scaled.
 //
 // The seam to the code under test is seam_test.go: startController and
 // startAgent, the only two places that know how mountmedic is wired.
