@@ -20,6 +20,7 @@ KUBE_VERSION=v1.37.1
 S3DRIVER_VERSION=v0.43.7
 VERSITYGW_VERSION=v1.8.0
 HELM_VERSION=v3.22.0
+KWOK_VERSION=v0.8.0
 
 TOOLS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tools
 CACHE=${MOUNTMEDIC_CACHE:-/var/cache/mountmedic}
@@ -39,6 +40,7 @@ COMPONENTS=(
 	"s3driver|$S3DRIVER_VERSION|s3driver|github.com/yandex-cloud/k8s-csi-s3/cmd/s3driver"
 	"versitygw|$VERSITYGW_VERSION|versitygw|github.com/versity/versitygw/cmd/versitygw"
 	"helm|$HELM_VERSION|helm|helm.sh/helm/v3/cmd/helm"
+	"kwok|$KWOK_VERSION|kwok|sigs.k8s.io/kwok/cmd/kwok"
 )
 
 log() { printf '%s tools: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -59,6 +61,7 @@ module_of() {
 	github.com/yandex-cloud/k8s-csi-s3/*) echo github.com/yandex-cloud/k8s-csi-s3 ;;
 	github.com/versity/versitygw/*) echo github.com/versity/versitygw ;;
 	helm.sh/helm/v3/*) echo helm.sh/helm/v3 ;;
+	sigs.k8s.io/kwok/*) echo sigs.k8s.io/kwok ;;
 	*) die "no module known for $1" ;;
 	esac
 }
@@ -92,6 +95,25 @@ entry() { # entry NAME prints its COMPONENTS line
 }
 
 cached_path() { echo "$BIN/$1-$2/$1"; }
+
+# install_extras copies what a binary needs besides itself next to it, from
+# its build module (DIR): kwok's node stages (kustomize/stage/node/ in its
+# module zip; kwok does nothing to a node without stages). Tests read them
+# from <binary's directory>/stages/.
+install_extras() { # install_extras NAME VERSION DIR
+	local out moddir
+	case $1 in
+	kwok)
+		out=$(dirname "$(cached_path "$1" "$2")")/stages
+		[ -f "$out/node-heartbeat-with-lease.yaml" ] && return 0
+		moddir=$(cd "$3" && GOFLAGS=-mod=mod go list -m -f '{{.Dir}}' sigs.k8s.io/kwok) || return 1
+		mkdir -p "$out"
+		cp "$moddir/kustomize/stage/node/fast/node-initialize.yaml" \
+			"$moddir/kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" "$out/"
+		chmod 0644 "$out"/*.yaml
+		;;
+	esac
+}
 
 link_current() { # link_current NAME VERSION
 	mkdir -p "$CURRENT"
@@ -162,6 +184,7 @@ build_module() {
 		e=$(entry "$name")
 		version=$(field 1 "$e")
 		if [ -x "$(cached_path "$name" "$version")" ]; then
+			install_extras "$name" "$version" "$TOOLS_DIR/$(field 2 "$e")" || return 1
 			link_current "$name" "$version"
 			log "$name $version cached"
 		else
@@ -199,6 +222,7 @@ build_module() {
 		version=$(field 1 "$(entry "$name")")
 		mkdir -p "$(dirname "$(cached_path "$name" "$version")")"
 		mv -f "$tmp/$name" "$(cached_path "$name" "$version")"
+		install_extras "$name" "$version" "$dir" || { rm -rf "$tmp"; return 1; }
 		link_current "$name" "$version"
 		echo "$name $version ${took}s (with: ${missing[*]})" >>"$LOGS/timings"
 	done

@@ -375,11 +375,13 @@ func (c *peerClient) ask(ctx context.Context, key []byte, p peerInfo) (*peerAnsw
 }
 
 // pickPeers chooses up to n peers at random among the heartbeat Leases
-// listed: held (not released), with a peer address, not self.
+// listed: held (not released), renewed lately (Stale: a node whose
+// heartbeat stopped is dead or fenced, no witness: asked during an outage it
+// would not answer and make the asker fence), with a peer address, not self.
 func pickPeers(self string, leases []leaseView, n int, r *rand.Rand) []peerInfo {
 	var cands []peerInfo
 	for _, l := range leases {
-		if l.Name == self || !l.Held || l.Addr == "" {
+		if l.Name == self || !l.Held || l.Stale || l.Addr == "" {
 			continue
 		}
 		cands = append(cands, peerInfo{Node: l.Name, Addr: l.Addr})
@@ -393,9 +395,10 @@ func pickPeers(self string, leases []leaseView, n int, r *rand.Rand) []peerInfo 
 
 // leaseView is what pickPeers needs of a heartbeat Lease.
 type leaseView struct {
-	Name string
-	Held bool
-	Addr string
+	Name  string
+	Held  bool
+	Stale bool
+	Addr  string
 }
 
 // listPeerLeases lists the heartbeat Leases of one shard (all of them if
@@ -414,9 +417,13 @@ func (h *Heartbeat) listPeerLeases(ctx context.Context, shard string) ([]leaseVi
 		return nil, fmt.Errorf("list heartbeat leases: %w", err)
 	}
 	out := make([]leaseView, 0, len(list.Items))
+	// renewTime is the writer's wall clock: compared with ours, with room for
+	// skew (twice the fence window).
+	now := time.Now()
 	for _, l := range list.Items {
+		stale := l.Spec.RenewTime == nil || now.Sub(l.Spec.RenewTime.Time) > 2*h.cfg.FenceAfter
 		out = append(out, leaseView{Name: l.Name, Held: l.Spec.HolderIdentity != nil && *l.Spec.HolderIdentity != "",
-			Addr: l.Annotations[PeerAddressAnnotation]})
+			Stale: stale, Addr: l.Annotations[PeerAddressAnnotation]})
 	}
 	return out, nil
 }

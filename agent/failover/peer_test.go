@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -281,4 +282,29 @@ func prometheusGatherer(t *testing.T, m *peerMetrics) prometheus.Gatherer {
 		t.Fatal(err)
 	}
 	return reg
+}
+
+// TestPickPeers: only held, fresh Leases with an address, never self: a
+// node whose heartbeat stopped (dead, fenced) is no witness of an outage.
+func TestPickPeers(t *testing.T) {
+	leases := []leaseView{
+		{Name: "self", Held: true, Addr: "10.0.0.1:9810"},
+		{Name: "ok-1", Held: true, Addr: "10.0.0.2:9810"},
+		{Name: "ok-2", Held: true, Addr: "10.0.0.3:9810"},
+		{Name: "released", Held: false, Addr: "10.0.0.4:9810"},
+		{Name: "stale", Held: true, Stale: true, Addr: "10.0.0.5:9810"},
+		{Name: "no-address", Held: true},
+	}
+	got := pickPeers("self", leases, 7, rand.New(rand.NewPCG(1, 2)))
+	var names []string
+	for _, p := range got {
+		names = append(names, p.Node)
+	}
+	slices.Sort(names)
+	if !slices.Equal(names, []string{"ok-1", "ok-2"}) {
+		t.Errorf("pickPeers = %v, want [ok-1 ok-2]", names)
+	}
+	if got := pickPeers("self", append(leases, leaseView{Name: "ok-3", Held: true, Addr: "a:1"}), 2, rand.New(rand.NewPCG(3, 4))); len(got) != 2 {
+		t.Errorf("pickPeers with n=2 gave %d peers", len(got))
+	}
 }

@@ -56,6 +56,11 @@ type Options struct {
 	// ControllerManagerArgs are appended to kube-controller-manager's
 	// generated flags.
 	ControllerManagerArgs []string
+	// APIServerArgs are appended to kube-apiserver's generated flags.
+	APIServerArgs []string
+	// EtcdDataDir, when set, is where etcd keeps its data (e.g. under
+	// /dev/shm, for scale tests); the default is under Dir.
+	EtcdDataDir string
 }
 
 // startTimeout bounds the wait for every component to be ready.
@@ -134,9 +139,13 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
 
+	etcdDir := filepath.Join(c.Dir, "etcd")
+	if opts.EtcdDataDir != "" {
+		etcdDir = opts.EtcdDataDir
+	}
 	etcd, err := c.run("etcd", bins["etcd"], []string{
 		"--name=kubetest",
-		"--data-dir=" + filepath.Join(c.Dir, "etcd"),
+		"--data-dir=" + etcdDir,
 		"--listen-client-urls=" + c.EtcdURL,
 		"--advertise-client-urls=" + c.EtcdURL,
 		"--listen-peer-urls=" + peerURL,
@@ -176,6 +185,7 @@ func (c *Cluster) start(bins map[string]string, opts Options) error {
 		"--allow-privileged=true",
 		"--profiling=false",
 	}
+	apiArgs = append(apiArgs, opts.APIServerArgs...)
 	c.apiBin, c.apiArgs, c.api = bins["kube-apiserver"], apiArgs, len(c.procs)
 	api, err := c.run("kube-apiserver", bins["kube-apiserver"], apiArgs, logDir)
 	if err != nil {
