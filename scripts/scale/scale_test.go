@@ -435,9 +435,16 @@ func (e *env) fifthDies(t *testing.T, r *report, ctrl *controllerProc, living []
 			t.Errorf("20%% die: living node %s tainted", n)
 		}
 	}
-	if len(tainted) == 0 {
-		t.Errorf("20%% die: no dead node tainted in %s: no progress", end.Sub(start).Round(time.Second))
+	// Either answer is right (the issue's "a stand-down or progress at its
+	// cap"): 20% of the nodes is the controller's default stand-down share,
+	// so it stands down once enough of them are NotReady, and may have
+	// failed one over (at --failover-max-nodes) before that.
+	standDown := m1["mountmedic_failover_stand_down"] == 1
+	if len(tainted) == 0 && !standDown {
+		t.Errorf("20%% die: no dead node tainted in %s and no stand-down: no progress", end.Sub(start).Round(time.Second))
 	}
+	r.add("20%% die: the controller stood down: %v (at its default --failover-stand-down-share %.2g); %d dead heartbeat nodes tainted.",
+		standDown, e.controllerConfig().StandDownShare, len(tainted))
 	if got := e.fences(start, alive); got > 0 {
 		t.Errorf("20%% die: %d living agents fenced (starved)", got)
 	}
