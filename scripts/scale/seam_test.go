@@ -47,13 +47,15 @@ func (e *env) failoverConfig() failover.Config {
 	c.Enabled = true
 	c.Namespace = agentNS
 	c.HeartbeatInterval = e.scaled(c.HeartbeatInterval)
-	// Validate wants whole seconds.
-	c.FenceAfter = max(e.scaled(c.FenceAfter).Round(time.Second), 2*c.HeartbeatInterval)
+	// Validate wants whole seconds. At least 10 s: the fence window is
+	// about the machine's scheduling latency, not the cluster's size, and
+	// a shorter one starves on two busy cores.
+	c.FenceAfter = max(e.scaled(c.FenceAfter).Round(time.Second), 2*c.HeartbeatInterval, 10*time.Second)
 	c.FenceStopGrace = e.scaled(c.FenceStopGrace)
 	c.APITimeout = e.scaled(c.APITimeout)
 	c.PeerKeyFile = e.peerKey
 	c.PeerListen, c.PeerAdvertise = "127.0.0.1:0", ""
-	c.PeerTimeout = min(e.scaled(c.PeerTimeout), c.HeartbeatInterval/2)
+	c.PeerTimeout = c.HeartbeatInterval / 2 // 2 s scaled down would be 0.4 s: a loaded machine's latency
 	c.PeerRefresh = max(e.scaled(c.PeerRefresh), time.Second)
 	return c
 }
