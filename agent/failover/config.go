@@ -330,7 +330,7 @@ func (c *ControllerConfig) AddFlags(fl *pflag.FlagSet) {
 	fl.DurationVar(&c.KubeletGrace, "failover-kubelet-grace", c.KubeletGrace, "the node's kubelet Lease must not have changed for this long, besides the node being NotReady")
 	fl.BoolVar(&c.TrustShutdownTaint, "failover-trust-shutdown-taint", c.TrustShutdownTaint, "accept the cloud provider's node.cloudprovider.kubernetes.io/shutdown taint in place of a stale heartbeat (a hibernated node carries it too, unfenced)")
 	fl.IntVar(&c.MaxNodes, "failover-max-nodes", c.MaxNodes, "nodes that may be in failover at once")
-	fl.Float64Var(&c.StandDownShare, "failover-stand-down-share", c.StandDownShare, "fail no node over while at least this share of the judged nodes (and more than two), or all of them, are not Ready; keep it at or below 0.25 with the agents' peer check (a group cut off together must not be failed over)")
+	fl.Float64Var(&c.StandDownShare, "failover-stand-down-share", c.StandDownShare, "fail no node over while at least this share of the judged nodes (and more than two), or all of them, look dead (not Ready, kubelet silent); keep it at or below 0.25 with the agents' peer check (a group cut off together must not be failed over)")
 	fl.StringVar(&c.NodeSelector, "failover-node-selector", c.NodeSelector, "label selector of the nodes to fail over (default all)")
 	c.Policy.addFlags(fl)
 	fl.BoolVar(&c.DryRun, "failover-dry-run", c.DryRun, "decide and report (events, logs, metrics), taint and delete nothing")

@@ -255,7 +255,8 @@ type term struct {
 
 	obs   *observer
 	state map[string]*nodeState
-	// dead are the judged nodes that look dead: not Ready (cached view);
+	// dead are the judged nodes that look dead: not Ready, kubelet silent
+	// for KubeletGrace (cached view);
 	// failing those in failover (acted on, eligible pods left).
 	dead, failing map[string]bool
 	standingDown  bool
@@ -437,10 +438,16 @@ func (t *term) handle(ctx context.Context, node *corev1.Node, ev evidence, j jud
 	logger := klog.FromContext(ctx)
 	name := node.Name
 	marked := ev.OutOfService == oosOurs || ev.ForceMarked
-	// Every node whose Ready condition is not True counts towards the
-	// stand-down, as in kube's node lifecycle controller: nodes that die
-	// together turn NotReady together, before any of them is confirmed dead.
-	if ev.Ready != corev1.ConditionTrue {
+	// A node that looks dead counts towards the stand-down: not Ready and
+	// its kubelet silent for KubeletGrace. Nodes that die together turn so
+	// together, before any of them is confirmed dead (the heartbeat's window
+	// is longer). A node NotReady whose kubelet shows life (no network
+	// plugin, a kubelet reporting a problem) is not dying and does not
+	// count; kube's node lifecycle controller counts every NotReady node,
+	// which on a cluster whose nodes are NotReady for such reasons would
+	// stand the controller down for good (found by the e2e node, which has
+	// no CNI plugin).
+	if ev.Ready != corev1.ConditionTrue && ev.KubeletSilent >= c.cfg.KubeletGrace {
 		t.dead[name] = true
 	} else {
 		delete(t.dead, name)
@@ -544,7 +551,8 @@ func (t *term) checkSight(ctx context.Context, now time.Time) {
 		"blindSince", since.Format(time.RFC3339), "blindFor", now.Sub(since).Round(time.Second).String(), "nodes", len(t.state))
 }
 
-// standDown says whether too many judged nodes look dead (are not Ready) to
+// standDown says whether too many judged nodes look dead (not Ready, kubelet
+// silent) to
 // act on any: more than two and at least StandDownShare of them, or all of
 // them (kube's node lifecycle controller's partial and full disruption).
 func (t *term) standDown() bool {
