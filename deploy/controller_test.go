@@ -261,31 +261,7 @@ func checkControllerAccess(t *testing.T, c *kubetest.Cluster) {
 // name every flag of `mountmedic controller`, with the defaults it prints.
 func TestReadmeCoversControllerFlags(t *testing.T) {
 	readme, _ := controllerFlagTable(t, string(readFile(t, "README.md")))
-	help := string(run(t, ".", buildMountmedic(t), "controller", "--help"))
-	flags, _, _ := strings.Cut(help, "Global Flags:")
-	defaults := helpDefaults(flags)
-	if len(defaults) < 20 {
-		t.Fatalf("found only %d flags in mountmedic controller --help:\n%s", len(defaults), flags)
-	}
-	rows := readmeFlagRows(readme)
-	for name, def := range defaults {
-		if name == "help" {
-			continue
-		}
-		cell, ok := rows[name]
-		if !ok {
-			t.Errorf("README.md's configuration tables have no row for the controller's --%s", name)
-			continue
-		}
-		lit, ok := strings.CutPrefix(cell, "`")
-		lit, ok2 := strings.CutSuffix(lit, "`")
-		if !ok || !ok2 || strings.ContainsAny(lit, "`$") {
-			continue
-		}
-		if !sameDefault(lit, def) {
-			t.Errorf("README.md says --%s defaults to %q; mountmedic controller --help says %q", name, lit, def.value)
-		}
-	}
+	checkReadmeFlags(t, readme, "controller", 20)
 }
 
 // Markers around the controller's flag table in deploy/README.md: the

@@ -411,20 +411,35 @@ func readFile(t *testing.T, path string) []byte {
 // mountmedic metric of the real agent's capture.
 func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
 	_, readme := controllerFlagTable(t, string(readFile(t, "README.md")))
-	help := string(run(t, ".", buildMountmedic(t), "agent", "--help"))
+	checkReadmeFlags(t, readme, "agent", 30)
+	for _, capture := range []string{metricsCapture, controllerCapture} {
+		for name := range shape(t, readFile(t, capture)) {
+			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
+				t.Errorf("README.md's metrics table has no row for %s (%s)", name, capture)
+			}
+		}
+	}
+}
+
+// checkReadmeFlags checks that table (README.md's flag rows for command)
+// names every flag of `mountmedic <command> --help` (at least min of them),
+// and that each default written as a literal value is the one it prints.
+func checkReadmeFlags(t *testing.T, table, command string, min int) {
+	t.Helper()
+	help := string(run(t, ".", buildMountmedic(t), command, "--help"))
 	flags, _, _ := strings.Cut(help, "Global Flags:")
 	defaults := helpDefaults(flags)
-	if len(defaults) < 30 {
-		t.Fatalf("found only %d flags in mountmedic agent --help:\n%s", len(defaults), flags)
+	if len(defaults) < min {
+		t.Fatalf("found only %d flags in mountmedic %s --help:\n%s", len(defaults), command, flags)
 	}
-	rows := readmeFlagRows(readme)
+	rows := readmeFlagRows(table)
 	for name, def := range defaults {
 		if name == "help" {
 			continue
 		}
 		cell, ok := rows[name]
 		if !ok {
-			t.Errorf("README.md's configuration table has no row for --%s", name)
+			t.Errorf("README.md's configuration tables have no row for the %s's --%s", command, name)
 			continue
 		}
 		lit, ok := strings.CutPrefix(cell, "`")
@@ -433,14 +448,7 @@ func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
 			continue // a description such as (all) or `$NODE_NAME`, else ...
 		}
 		if !sameDefault(lit, def) {
-			t.Errorf("README.md says --%s defaults to %q; mountmedic agent --help says %q", name, lit, def.value)
-		}
-	}
-	for _, capture := range []string{metricsCapture, controllerCapture} {
-		for name := range shape(t, readFile(t, capture)) {
-			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
-				t.Errorf("README.md's metrics table has no row for %s (%s)", name, capture)
-			}
+			t.Errorf("README.md says --%s defaults to %q; mountmedic %s --help says %q", name, lit, command, def.value)
 		}
 	}
 }
