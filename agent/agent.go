@@ -17,9 +17,7 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 
@@ -168,32 +166,6 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 // of watching the same pods a second time. Run starts and stops it; a
 // reader reads it once HasSynced.
 func (a *Agent) PodInformer() cache.SharedIndexInformer { return a.podInf }
-
-// NewClient makes a client from the kubeconfig file, or the in-cluster
-// configuration when kubeconfig is empty: the agent's ServiceAccount, which
-// only the failover heartbeat's Lease uses (WithLeases). The agent's own
-// client is NewNodeClient's.
-func NewClient(kubeconfig, version string) (kubernetes.Interface, error) {
-	var rc *rest.Config
-	var err error
-	if kubeconfig == "" {
-		rc, err = rest.InClusterConfig()
-		if err != nil {
-			return nil, fmt.Errorf("in-cluster config: %w; outside a pod pass --kubeconfig", err)
-		}
-	} else {
-		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-		if err != nil {
-			return nil, fmt.Errorf("--kubeconfig %s: %w", kubeconfig, err)
-		}
-	}
-	rc.UserAgent = "mountmedic/" + version
-	c, err := kubernetes.NewForConfig(rc)
-	if err != nil {
-		return nil, fmt.Errorf("kubernetes client: %w", err)
-	}
-	return c, nil
-}
 
 // Run runs the agent until ctx ends.
 func Run(ctx context.Context, cfg Config, deps Deps) error {

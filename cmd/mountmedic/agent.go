@@ -234,8 +234,8 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	return dutyErr
 }
 
-// restConfig loads the API server configuration the way agent.NewClient
-// does: in-cluster, or from --kubeconfig.
+// restConfig loads the API server configuration of a ServiceAccount
+// (the agent's heartbeat, the controller): in-cluster, or from --kubeconfig.
 func restConfig(kubeconfig string) (*rest.Config, error) {
 	if kubeconfig == "" {
 		rc, err := rest.InClusterConfig()

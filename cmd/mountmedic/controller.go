@@ -13,8 +13,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
@@ -73,14 +71,9 @@ metrics, and changes nothing. See agent/failover and deploy/README.md.`,
 // controllerClient makes the controller's client from the kubeconfig file
 // or the in-cluster configuration.
 func controllerClient(f *controllerFlags) (kubernetes.Interface, error) {
-	var rc *rest.Config
-	var err error
-	if f.kubeconfig == "" {
-		if rc, err = rest.InClusterConfig(); err != nil {
-			return nil, fmt.Errorf("in-cluster config: %w; outside a pod pass --kubeconfig", err)
-		}
-	} else if rc, err = clientcmd.BuildConfigFromFlags("", f.kubeconfig); err != nil {
-		return nil, fmt.Errorf("--kubeconfig %s: %w", f.kubeconfig, err)
+	rc, err := restConfig(f.kubeconfig)
+	if err != nil {
+		return nil, err
 	}
 	rc.UserAgent = "mountmedic-controller/" + version
 	rc.QPS, rc.Burst = f.qps, f.burst
