@@ -6,17 +6,32 @@ import (
 	"context"
 	"os"
 	"os/signal"
+	"runtime"
 	"syscall"
 
 	"golang.org/x/sys/unix"
 )
 
+// init keeps the main goroutine on the process's main thread for good, so
+// that no other goroutine ever runs there. The kernel hands a signal sent to
+// the process (kill, kubelet's SIGTERM) to the main thread first, and a
+// thread waiting on a FUSE request whose daemon hangs does not return to run
+// the handler: the signal stays pending until the daemon answers. With a
+// probe or a table read blocked on the main thread, SIGTERM was lost for as
+// long as the daemon hung (TestScanStopsOnSignalWhileReading, 1 run in ~20
+// in CI). The main thread now only waits (run), and handles every signal.
+func init() { runtime.LockOSThread() }
+
 func main() { os.Exit(run()) }
 
+// run runs the command on its own goroutine (never on the main thread, see
+// init) and returns its exit status.
 func run() int {
 	ctx, stop := notifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	return execute(ctx, commandArgs(os.Args), os.Stdout, os.Stderr)
+	code := make(chan int, 1)
+	go func() { code <- execute(ctx, commandArgs(os.Args), os.Stdout, os.Stderr) }()
+	return <-code
 }
 
 // signalled is the cause of a context that a signal ended. It is

@@ -167,16 +167,20 @@ func TestScanStopsOnSignalWhileReading(t *testing.T) {
 		code int
 	}{"SIGINT": {syscall.SIGINT, 130}, "SIGTERM": {syscall.SIGTERM, 143}} {
 		t.Run(name, func(t *testing.T) {
-			mnt := filepath.Join(t.TempDir(), "slow")
-			fs := lab.StartFaultFS(t, mnt)
-			table := filepath.Join(mnt, "node.mountinfo")
+			// The table is in place before the mount, so that every FUSE
+			// request waitFUSERequest sees is scan's (a close of the test's
+			// own write sends one that could still wait there).
+			backing := t.TempDir()
 			data, err := os.ReadFile(filepath.Join("..", "..", "probe", "testdata", "s3fs-two-pods.mountinfo"))
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := os.WriteFile(table, data, 0o644); err != nil {
+			if err := os.WriteFile(filepath.Join(backing, "node.mountinfo"), data, 0o644); err != nil {
 				t.Fatal(err)
 			}
+			mnt := filepath.Join(t.TempDir(), "slow")
+			fs := lab.StartFaultFS(t, mnt, lab.WithBackingDir(backing))
+			table := filepath.Join(mnt, "node.mountinfo")
 			fs.Hang()
 			released := false
 			defer func() {
@@ -226,11 +230,9 @@ func TestScanStopsOnSignalWhileProbing(t *testing.T) {
 }
 
 // waitSignalCaught waits until process pid catches sig (its SigCgt mask in
-// /proc/<pid>/status), so that the signal cannot meet a process whose
-// runtime has not set up its handlers yet (the default action would kill it
-// silently). TestScanStopsOnSignalWhileProbing once saw no "stopped by
-// SIGTERM" within a minute on a machine loaded by two other suites; the
-// cause is not proven, and this closes the one window the test left open.
+// /proc/<pid>/status): the Go runtime catches every signal from its start,
+// so a signal sent earlier (between the fork and the runtime's start) would
+// meet the default action and kill the process silently.
 func waitSignalCaught(t *testing.T, pid int, sig syscall.Signal) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
