@@ -25,9 +25,9 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // BenchmarkAgentSteadyState runs the real mountmedic binary (`mountmedic

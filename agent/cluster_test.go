@@ -22,8 +22,8 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // TestMain runs the tests in the lab's private mount namespace; klog's

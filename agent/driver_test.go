@@ -19,10 +19,10 @@ import (
 
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/probe"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // s3Volume is a volume of the real k8s-csi-s3 driver: its API objects, and

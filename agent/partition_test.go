@@ -11,8 +11,8 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // TestAgentKeepsWorkingWithoutAPIServer cuts the agent off from the API

@@ -21,8 +21,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // The fault matrix at scale: a storage backend outage breaks every volume

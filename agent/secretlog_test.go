@@ -14,8 +14,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // syncBuffer is a buffer klog can write to from several goroutines.

@@ -18,8 +18,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // The Helm chart (deploy/chart/mountmedic) is generated from the kustomize

@@ -35,8 +35,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/util/retry"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // The lab node's name and the labels Prometheus gives its scrape target,

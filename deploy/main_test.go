@@ -28,7 +28,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml, the Helm chart's templates) and the metrics capture (testdata/metrics.txt)")

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/mountmedic/mountmedic/probe"
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // TestCheckInHungAndSymlinks: CheckIn keeps CheckPath's rules on a hung

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // superBase has an ext4 volume on an NBD device (staging and publish), an

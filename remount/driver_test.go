@@ -22,8 +22,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/mountmedic/mountmedic/probe"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // The Repairer against the real k8s-csi-s3 driver (s3driver + s3fs) and a

@@ -19,7 +19,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/mountmedic/mountmedic/probe"
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // The restart tier needs a container runtime and a kubelet that starts a

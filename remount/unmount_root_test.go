@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/probe"
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // TestUnmountFromTable unmounts mounts named by another namespace's table,

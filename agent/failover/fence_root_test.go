@@ -13,8 +13,8 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // TestNodeFenceUnmount fences one pod of a real kubelet tree (ext4 volumes

@@ -35,7 +35,7 @@ import (
 
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // The simulated cluster: real etcd, kube-apiserver and

@@ -24,8 +24,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/utils/ptr"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // BenchmarkControllerMemory measures the memory of a real `mountmedic

@@ -6,7 +6,7 @@
 // only the namespace holds the plugin and its FUSE daemons together: killing PID 1
 // kills them all, as a node-plugin crash does, and leaves the mounts dead
 // (ENOTCONN). The driver shares the caller's mount namespace; tests run it inside
-// the private mount namespace of probe/lab (lab.Main, lab.RequireRoot).
+// the private mount namespace of scripts/lab (lab.Main, lab.RequireRoot).
 //
 // s3driver and versitygw come from lab.BinDir ($MOUNTMEDIC_BIN, else
 // $MOUNTMEDIC_CACHE/bin/current, default /var/cache/mountmedic), as scripts/tools.sh

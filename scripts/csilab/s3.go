@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // Credentials of the lab's S3 server. They protect nothing: the server listens on

@@ -19,7 +19,7 @@
 //
 // Isolation: containerd and kubelet run in a PID namespace of their own whose
 // init is a copy of the test binary (Main, init.go), in a mount namespace
-// copied from the fault lab's private one (probe/lab), where every mount is
+// copied from the fault lab's private one (scripts/lab), where every mount is
 // made shared as on a systemd host. /var/lib/kubelet, /var/lib/containerd,
 // /run/containerd, /var/log/pods and /var/log/containers are shared binds
 // of temporary directories (a missing mount point is created in an overlay

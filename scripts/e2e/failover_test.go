@@ -20,9 +20,9 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // nodeMonitorGrace is kube-controller-manager's --node-monitor-grace-period

@@ -16,8 +16,8 @@ import (
 
 	"k8s.io/apimachinery/pkg/util/wait"
 
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // naiveBound is how long the naive way gets to heal after the plugin is

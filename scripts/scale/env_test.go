@@ -37,8 +37,8 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
-	"github.com/mountmedic/mountmedic/probe/lab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 const (

@@ -36,7 +36,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
-	"github.com/mountmedic/mountmedic/probe/lab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // failoverConfig is the agents' configuration for this run: mountmedic's
