@@ -6,16 +6,18 @@ import (
 	"sync"
 
 	"github.com/mountmedic/mountmedic/remount"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // DriverCapsFunc returns a CSI driver's node capabilities; errors match
 // remount.ErrDriverUnavailable when the driver is down.
-type DriverCapsFunc func(ctx context.Context, driver string) (remount.NodeCapabilities, error)
+type DriverCapsFunc func(ctx context.Context, driver string) (kubelet.NodeCapabilities, error)
 
 // driverCapser is a repairer that asks drivers for their capabilities
 // through the clients it keeps (a *remount.Repairer).
 type driverCapser interface {
-	Capabilities(ctx context.Context, driver string) (remount.NodeCapabilities, error)
+	Capabilities(ctx context.Context, driver string) (kubelet.NodeCapabilities, error)
 }
 
 // The command's repairer must keep satisfying driverCapser, or New would
@@ -26,19 +28,19 @@ var _ driverCapser = (*remount.Repairer)(nil)
 // under kubeletRoot the way kubelet does and dials it once per call: for an
 // agent without a repairer, which still reports whether drivers are up.
 func DialDriverCaps(kubeletRoot string) DriverCapsFunc {
-	return func(ctx context.Context, driver string) (remount.NodeCapabilities, error) {
+	return func(ctx context.Context, driver string) (kubelet.NodeCapabilities, error) {
 		ep, err := remount.FindDriver(ctx, kubeletRoot, driver)
 		if err != nil {
-			return remount.NodeCapabilities{}, err
+			return kubelet.NodeCapabilities{}, err
 		}
 		c, err := remount.DialCSI(ctx, ep.Path, remount.CSIOptions{})
 		if err != nil {
-			return remount.NodeCapabilities{}, err
+			return kubelet.NodeCapabilities{}, err
 		}
 		defer c.Close()
 		caps, err := c.NodeGetCapabilities(ctx)
 		if err != nil {
-			return remount.NodeCapabilities{}, fmt.Errorf("csi driver %q: %w", driver, err)
+			return kubelet.NodeCapabilities{}, fmt.Errorf("csi driver %q: %w", driver, err)
 		}
 		return caps, nil
 	}
@@ -50,14 +52,14 @@ func DialDriverCaps(kubeletRoot string) DriverCapsFunc {
 type capsCache struct {
 	fn DriverCapsFunc
 	mu sync.Mutex
-	m  map[string]remount.NodeCapabilities
+	m  map[string]kubelet.NodeCapabilities
 }
 
 func newCapsCache(fn DriverCapsFunc) *capsCache {
-	return &capsCache{fn: fn, m: make(map[string]remount.NodeCapabilities)}
+	return &capsCache{fn: fn, m: make(map[string]kubelet.NodeCapabilities)}
 }
 
-func (c *capsCache) get(ctx context.Context, driver string) (remount.NodeCapabilities, error) {
+func (c *capsCache) get(ctx context.Context, driver string) (kubelet.NodeCapabilities, error) {
 	c.mu.Lock()
 	caps, ok := c.m[driver]
 	c.mu.Unlock()

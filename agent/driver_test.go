@@ -23,6 +23,8 @@ import (
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // s3Volume is a volume of the real k8s-csi-s3 driver: its API objects, and
@@ -149,7 +151,7 @@ func (d *driverEnv) newOwnedVolume(name string, o podOptions) *s3Volume {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vr, err := remount.BuildVolumeRequest(remount.VolumeObjects{Pod: pod, VolumeName: "data", PVC: v.pvc, PV: pvObj,
+	vr, err := kubelet.BuildVolumeRequest(kubelet.VolumeObjects{Pod: pod, VolumeName: "data", PVC: v.pvc, PV: pvObj,
 		CSIDriver: driverObj, StageSecret: secretObj, PublishSecret: secretObj, Capabilities: caps, KubeletRoot: d.kubelet.Root()})
 	if err != nil {
 		t.Fatal(err)
@@ -158,11 +160,11 @@ func (d *driverEnv) newOwnedVolume(name string, o podOptions) *s3Volume {
 	if vr.StagingPath != staging {
 		t.Fatalf("request staging path %s, kubelet's %s", vr.StagingPath, staging)
 	}
-	if err := csi.NodeStageVolume(ctx, remount.StageRequest(vr)); err != nil {
+	if err := csi.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
 		t.Fatalf("NodeStageVolume: %v", err)
 	}
 	target := d.kubelet.PreparePublish(string(pod.UID), pvObj.Name, csilab.DriverName, sv.Handle)
-	if err := csi.NodePublishVolume(ctx, remount.PublishRequest(vr)); err != nil {
+	if err := csi.NodePublishVolume(ctx, kubelet.PublishRequest(vr)); err != nil {
 		t.Fatalf("NodePublishVolume: %v", err)
 	}
 	writeFile(t, filepath.Join(target, "data.txt"), "data of "+name)

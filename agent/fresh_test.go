@@ -13,6 +13,8 @@ import (
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // recordingRepairer records the tiers called and heals nothing.
@@ -65,8 +67,8 @@ func TestRepairReadsPodsFresh(t *testing.T) {
 	cfg.MetricsAddr = ""
 	cfg.Version = "test"
 	rep := &recordingRepairer{}
-	a, err := New(cfg, Deps{Client: c.Client, Repairer: rep, DriverCaps: func(context.Context, string) (remount.NodeCapabilities, error) {
-		return remount.NodeCapabilities{}, nil
+	a, err := New(cfg, Deps{Client: c.Client, Repairer: rep, DriverCaps: func(context.Context, string) (kubelet.NodeCapabilities, error) {
+		return kubelet.NodeCapabilities{}, nil
 	}})
 	if err != nil {
 		t.Fatal(err)
@@ -92,7 +94,7 @@ func TestRepairReadsPodsFresh(t *testing.T) {
 		bv := &brokenVolume{key: "vol/" + string(cached.UID), csi: true, driver: "lab.csi", volumeHandle: "h",
 			pods: map[string]*podUse{string(cached.UID): {uid: string(cached.UID)}}}
 		rs := &residual{vol: bv, r: &resolved{
-			vol:         &remount.Volume{Driver: "lab.csi", VolumeHandle: "h", Pods: []remount.PodVolume{{Publish: remount.VolumeRequest{PodUID: cached.UID}}}},
+			vol:         &remount.Volume{Driver: "lab.csi", VolumeHandle: "h", Pods: []remount.PodVolume{{Publish: kubelet.VolumeRequest{PodUID: cached.UID}}}},
 			pods:        []*corev1.Pod{cached},
 			restageable: true, needSwap: true,
 			ownBinds: map[string][]string{string(cached.UID): {"c1"}},

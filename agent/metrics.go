@@ -8,6 +8,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/mountmedic/mountmedic/probe"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Repair results, as mountmedic_repairs_total labels them.
@@ -31,7 +33,7 @@ const (
 var metricTiers = []string{TierRestage, TierLiveSwap, TierRestart, TierEvict, TierUnmount}
 
 // metricKinds are the kubelet mount kinds, as probe names them.
-var metricKinds = []probe.Kind{probe.KindPublish, probe.KindStaging, probe.KindSubPath, probe.KindBlock, probe.KindPluginVolume}
+var metricKinds = []kubelet.Kind{kubelet.KindPublish, kubelet.KindStaging, kubelet.KindSubPath, kubelet.KindBlock, kubelet.KindPluginVolume}
 
 // metrics are the agent's collectors, in a private registry. No label names
 // a pod, a path or a volume.
@@ -150,7 +152,7 @@ func driverLabel(m *probe.Mount) string {
 	switch {
 	case m.Driver != "":
 		return m.Driver
-	case m.Target.Plugin != "" && m.Target.Plugin != probe.CSIPluginDir:
+	case m.Target.Plugin != "" && m.Target.Plugin != kubelet.CSIPluginDir:
 		return m.Target.Plugin
 	}
 	return "unknown"

@@ -13,6 +13,8 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/remount"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // errAPIWait marks a repair that waits for the API server (an object or a
@@ -32,7 +34,7 @@ func (a *Agent) podVolume(ctx context.Context, pod *corev1.Pod, use *podUse) (*c
 		return nil
 	}
 	withClaim := func(v *corev1.Volume) (*corev1.Volume, *corev1.PersistentVolumeClaim, error) {
-		claim, ok := remount.ClaimName(pod, v)
+		claim, ok := kubelet.ClaimName(pod, v)
 		if !ok {
 			return v, nil, nil
 		}
@@ -49,14 +51,14 @@ func (a *Agent) podVolume(ctx context.Context, pod *corev1.Pod, use *podUse) (*c
 		return nil, nil, fmt.Errorf("pod has no volume %q that its mounts name", use.volumeName)
 	}
 	if v := byName(use.specName); v != nil {
-		if _, ok := remount.ClaimName(pod, v); !ok {
+		if _, ok := kubelet.ClaimName(pod, v); !ok {
 			return v, nil, nil // an inline volume
 		}
 	}
 	var errs []error
 	for i := range pod.Spec.Volumes {
 		v := &pod.Spec.Volumes[i]
-		claim, ok := remount.ClaimName(pod, v)
+		claim, ok := kubelet.ClaimName(pod, v)
 		if !ok {
 			continue
 		}
@@ -274,7 +276,7 @@ func (r *resolved) wipe() {
 	for i := range r.vol.Pods {
 		clear(r.vol.Pods[i].Publish.StageSecrets)
 		clear(r.vol.Pods[i].Publish.PublishSecrets)
-		delete(r.vol.Pods[i].Publish.PodAttributes, remount.ServiceAccountTokensKey)
+		delete(r.vol.Pods[i].Publish.PodAttributes, kubelet.ServiceAccountTokensKey)
 	}
 }
 
@@ -347,7 +349,7 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		return s, nil
 	}
 	for _, pv := range pvs {
-		in := remount.VolumeObjects{Pod: pv.pod, VolumeName: pv.vol.Name, PVC: pv.pvc, Capabilities: caps, KubeletRoot: a.cfg.KubeletRoot}
+		in := kubelet.VolumeObjects{Pod: pv.pod, VolumeName: pv.vol.Name, PVC: pv.pvc, Capabilities: caps, KubeletRoot: a.cfg.KubeletRoot}
 		if in.PVC != nil && in.PVC.Spec.VolumeName != "" {
 			if in.PV, err = a.kube.pv(ctx, in.PVC.Spec.VolumeName); err != nil {
 				return r, apiErr("PersistentVolume "+in.PVC.Spec.VolumeName, err)
@@ -357,7 +359,7 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 			return r, apiErr("CSIDriver "+bv.driver, err)
 		}
 		if in.PV != nil && in.PV.Spec.CSI != nil && (in.CSIDriver == nil || in.CSIDriver.Spec.AttachRequired == nil || *in.CSIDriver.Spec.AttachRequired) {
-			name := remount.AttachmentName(in.PV.Spec.CSI.VolumeHandle, in.PV.Spec.CSI.Driver, pv.pod.Spec.NodeName)
+			name := kubelet.AttachmentName(in.PV.Spec.CSI.VolumeHandle, in.PV.Spec.CSI.Driver, pv.pod.Spec.NodeName)
 			va, err := a.kube.volumeAttachment(ctx, name)
 			if err != nil && !apierrors.IsNotFound(err) {
 				return r, apiErr("VolumeAttachment "+name, err)
@@ -369,7 +371,7 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 			r.why = fmt.Sprintf("CSIDriver %s asks for service account tokens, which mountmedic does not mint", d.Name)
 			return r, nil
 		}
-		stageRef, publishRef := remount.SecretRefs(in.PV)
+		stageRef, publishRef := kubelet.SecretRefs(in.PV)
 		if stageRef != nil && (caps.StageUnstage || (in.PV.Spec.VolumeMode != nil && *in.PV.Spec.VolumeMode == corev1.PersistentVolumeBlock)) {
 			if in.StageSecret, err = getSecret(stageRef); err != nil {
 				return r, err
@@ -378,16 +380,16 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		if in.PublishSecret, err = getSecret(publishRef); err != nil {
 			return r, err
 		}
-		vr, err := remount.BuildVolumeRequest(in)
+		vr, err := kubelet.BuildVolumeRequest(in)
 		if err != nil {
-			if errors.Is(err, remount.ErrUnsupportedVolume) {
+			if errors.Is(err, kubelet.ErrUnsupportedVolume) {
 				r.restageable = false
 				r.why = err.Error()
 				return r, nil
 			}
-			if errors.Is(err, remount.ErrObjectMismatch) {
+			if errors.Is(err, kubelet.ErrObjectMismatch) {
 				// Perhaps a stale cache: read them afresh next time.
-				claim, _ := remount.ClaimName(pv.pod, pv.vol)
+				claim, _ := kubelet.ClaimName(pv.pod, pv.vol)
 				a.kube.forget("pvc/"+pv.pod.Namespace+"/"+claim, "csidriver/"+bv.driver)
 				if in.PV != nil {
 					a.kube.forget("pv/" + in.PV.Name)

@@ -1,12 +1,12 @@
 package agent
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"slices"
 	"sort"
 
 	"github.com/mountmedic/mountmedic/probe"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // brokenVolume is one volume with broken kubelet mounts on this node: a CSI
@@ -67,11 +67,6 @@ func (v *brokenVolume) podUIDs() []string {
 	return out
 }
 
-func handleHash(handle string) string {
-	sum := sha256.Sum256([]byte(handle))
-	return hex.EncodeToString(sum[:])
-}
-
 // csiKey names the CSI volume a mount belongs to, from the mount or the
 // mounts it was bound from: the volume handle (vol_data.json) or the
 // staging path's handle hash. "" when neither is known.
@@ -88,10 +83,10 @@ func csiKey(m *probe.Mount) (key, driver, handle string) {
 		return "", "", ""
 	}
 	if handle != "" {
-		return "csi/" + driver + "/" + handleHash(handle), driver, handle
+		return "csi/" + driver + "/" + kubelet.HandleHash(handle), driver, handle
 	}
 	for s := m; s != nil; s = s.From {
-		if s.Target.Kind == probe.KindStaging && s.Target.HandleHash != "" {
+		if s.Target.Kind == kubelet.KindStaging && s.Target.HandleHash != "" {
 			return "csi/" + driver + "/" + s.Target.HandleHash, driver, ""
 		}
 	}
@@ -115,7 +110,7 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 	for i, r := range broken {
 		k, d, h := csiKey(r.Mount)
 		own[i] = named{k, d, h}
-		if k == "" && r.Mount.Backend != nil && r.Mount.Target.Kind != probe.KindBlock {
+		if k == "" && r.Mount.Backend != nil && r.Mount.Target.Kind != kubelet.KindBlock {
 			if backendKey == nil {
 				backendKey = make(map[*probe.Backend]string)
 			}
@@ -139,7 +134,7 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 		key, driver, handle := own[i].key, own[i].driver, own[i].handle
 		csi := key != ""
 		switch {
-		case m.Target.Kind == probe.KindBlock:
+		case m.Target.Kind == kubelet.KindBlock:
 			key, csi = "block/"+m.Target.PV+"/"+m.Target.PodUID+"/"+m.Target.Volume, false
 			if m.Target.PV == "" && m.Backend != nil {
 				key = "block/dev/" + m.Backend.Dev.String()
@@ -153,7 +148,7 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 		}
 		v := out[key]
 		if v == nil {
-			v = &brokenVolume{key: key, csi: csi, block: m.Target.Kind == probe.KindBlock,
+			v = &brokenVolume{key: key, csi: csi, block: m.Target.Kind == kubelet.KindBlock,
 				backend: r.Backend, state: r.State, err: r.Err, pods: make(map[string]*podUse)}
 			out[key] = v
 		}
@@ -172,7 +167,7 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 		if r.State == probe.Hung {
 			v.hung = true
 		}
-		if m.Target.Kind == probe.KindStaging {
+		if m.Target.Kind == kubelet.KindStaging {
 			// The staging mount's state is the volume's.
 			v.state, v.err = r.State, r.Err
 		}
@@ -186,16 +181,16 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 			v.pods[m.Target.PodUID] = u
 		}
 		switch m.Target.Kind {
-		case probe.KindPublish:
+		case kubelet.KindPublish:
 			u.specName = m.Target.Volume
-		case probe.KindSubPath:
+		case kubelet.KindSubPath:
 			// kubelet names the directory after the volume's inner spec
 			// name, as it does the publish target: the PV of a claim, the
 			// pod volume of an inline one (makeMounts in kubelet_pods.go).
 			if u.specName == "" {
 				u.specName = m.Target.Volume
 			}
-		case probe.KindPluginVolume:
+		case kubelet.KindPluginVolume:
 			u.specName, u.volumeName = m.Target.Volume, m.Target.Volume
 		}
 		if !slices.Contains(u.dead, m) {
@@ -216,7 +211,7 @@ func volumeDrivers(inv *probe.Inventory) []string {
 		}
 	}
 	for _, m := range inv.Mounts {
-		if m.Target.Plugin == probe.CSIPluginDir || m.Target.Kind == probe.KindStaging || m.Target.Kind == probe.KindSubPath {
+		if m.Target.Plugin == kubelet.CSIPluginDir || m.Target.Kind == kubelet.KindStaging || m.Target.Kind == kubelet.KindSubPath {
 			add(m.Driver)
 		}
 	}

@@ -24,8 +24,9 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // The two nodes of the blast-radius test and the CSI driver of their
@@ -101,7 +102,7 @@ func TestNodeBlastRadius(t *testing.T) {
 		}, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("create PVC: %v", err)
 		}
-		o.va = remount.AttachmentName(handle, radiusCSI, node)
+		o.va = kubelet.AttachmentName(handle, radiusCSI, node)
 		if _, err := admin.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
 			ObjectMeta: metav1.ObjectMeta{Name: o.va},
 			Spec: storagev1.VolumeAttachmentSpec{Attacher: radiusCSI, NodeName: node,

@@ -3,9 +3,10 @@
 //
 // probe owns three things:
 //
-//   - Classify: which kubelet path a mount point is (CSI publish target, CSI
-//     staging mount, subPath bind, raw block device, another volume plugin),
-//     with the pod UID, volume, container, index and driver it names.
+//   - Mount: each mount point with what kubelet.Classify says it is (CSI
+//     publish target, CSI staging mount, subPath bind, raw block device,
+//     another volume plugin), the pod UID, volume, container, index and
+//     driver it names, and its vol_data.json.
 //   - Inventory: a mount table (the host's, or a captured file) turned into a
 //     graph linked by device numbers and mountinfo roots, never by path
 //     strings: subPath bind -> publish target -> staging mount -> backend (a
@@ -29,6 +30,11 @@
 //     deadline (and a quarter) for all of them together; a probe still within
 //     its deadline then is pending, judged by the next cycle.
 //
+// Kubelet's conventions (its paths both ways, and the CSI requests it builds
+// from API objects) live in probe/kubelet, the one place a change in
+// kubelet's layout is made.
+//
 // probe must not import a Kubernetes client, the remount package or the agent
-// package: it takes a mount table in and gives data out.
+// package: it takes a mount table in and gives data out. API types reach it
+// only as data, through probe/kubelet.
 package probe

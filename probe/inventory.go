@@ -12,6 +12,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // DefaultKubeletRoot is kubelet's default --root-dir.
@@ -34,11 +36,11 @@ type Mount struct {
 	Path     string `json:"path"`
 	Options  string `json:"options"`
 	// Optional holds mountinfo's optional fields (shared:N, master:N...).
-	Optional     string `json:"optional,omitempty"`
-	FSType       string `json:"fsType"`
-	Source       string `json:"source"`
-	SuperOptions string `json:"superOptions"`
-	Target       Target `json:"target"`
+	Optional     string         `json:"optional,omitempty"`
+	FSType       string         `json:"fsType"`
+	Source       string         `json:"source"`
+	SuperOptions string         `json:"superOptions"`
+	Target       kubelet.Target `json:"target"`
 	// Driver and VolumeHandle come from vol_data.json beside a publish target
 	// (live tables only) or from the staging path the mount derives from.
 	Driver       string `json:"driver,omitempty"`
@@ -217,7 +219,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 
 	covered := CoveredIDs(infos)
 	for _, in := range infos {
-		t, ok := Classify(root, in.Mountpoint)
+		t, ok := kubelet.Classify(root, in.Mountpoint)
 		if !ok {
 			continue
 		}
@@ -255,9 +257,9 @@ func link(inv *Inventory) {
 	publish := make(map[devPod][]*Mount)
 	for _, m := range inv.Mounts {
 		switch m.Target.Kind {
-		case KindStaging:
+		case kubelet.KindStaging:
 			staging[m.Dev] = append(staging[m.Dev], m)
-		case KindPublish:
+		case kubelet.KindPublish:
 			k := devPod{m.Dev, m.Target.PodUID}
 			publish[k] = append(publish[k], m)
 		}
@@ -276,21 +278,21 @@ func link(inv *Inventory) {
 	}
 	for _, m := range inv.Mounts {
 		switch m.Target.Kind {
-		case KindPublish:
+		case kubelet.KindPublish:
 			m.From = best(m, staging[m.Dev])
-		case KindSubPath:
+		case kubelet.KindSubPath:
 			if m.From = best(m, publish[devPod{m.Dev, m.Target.PodUID}]); m.From == nil {
 				m.From = best(m, staging[m.Dev])
 			}
 		}
 	}
 	for _, m := range inv.Mounts {
-		if m.Target.Kind == KindStaging {
+		if m.Target.Kind == kubelet.KindStaging {
 			m.Driver = m.Target.Driver
 			continue
 		}
 		for s := m.From; s != nil; s = s.From {
-			if s.Target.Kind == KindStaging && s.Target.Driver != "" {
+			if s.Target.Kind == kubelet.KindStaging && s.Target.Driver != "" {
 				m.Driver = s.Target.Driver
 				break
 			}
@@ -334,12 +336,12 @@ func backends(inv *Inventory, infos []*mountinfo.Info, opts Options) {
 	// path when it has one.
 	order := make([]*Mount, 0, len(inv.Mounts))
 	for _, m := range inv.Mounts {
-		if m.Target.Kind == KindStaging {
+		if m.Target.Kind == kubelet.KindStaging {
 			order = append(order, m)
 		}
 	}
 	for _, m := range inv.Mounts {
-		if m.Target.Kind != KindStaging {
+		if m.Target.Kind != kubelet.KindStaging {
 			order = append(order, m)
 		}
 	}
@@ -437,7 +439,7 @@ type volData struct {
 // vol_data.json kubelet keeps beside them.
 func readVolData(inv *Inventory) {
 	for _, m := range inv.Mounts {
-		if m.Target.Kind != KindPublish {
+		if m.Target.Kind != kubelet.KindPublish {
 			continue
 		}
 		rel := strings.TrimPrefix(filepath.Dir(m.Path), inv.Root+"/")
@@ -452,7 +454,7 @@ func readVolData(inv *Inventory) {
 	}
 	// Propagate to subPath binds and staging mounts of the same volume.
 	for _, m := range inv.Mounts {
-		if m.Target.Kind == KindSubPath && m.From != nil && m.From.VolumeHandle != "" {
+		if m.Target.Kind == kubelet.KindSubPath && m.From != nil && m.From.VolumeHandle != "" {
 			m.VolumeHandle = m.From.VolumeHandle
 			if m.Driver == "" {
 				m.Driver = m.From.Driver
@@ -463,7 +465,7 @@ func readVolData(inv *Inventory) {
 
 func loadVolData(root, relDir string) (volData, error) {
 	var vd volData
-	f, err := OpenBeneath(root, filepath.Join(relDir, "vol_data.json"), unix.O_RDONLY)
+	f, err := OpenBeneath(root, filepath.Join(relDir, kubelet.VolDataFile), unix.O_RDONLY)
 	if err != nil {
 		return vd, err
 	}
@@ -511,7 +513,7 @@ func findUnmounted(root string, inv *Inventory) []*Mount {
 	}
 	var out []*Mount
 	for _, uid := range pods {
-		rel := filepath.Join("pods", uid, "volumes", CSIPluginDir)
+		rel := filepath.Join("pods", uid, "volumes", kubelet.CSIPluginDir)
 		vols, err := readDirBeneath(root, rel)
 		if err != nil {
 			continue
@@ -533,7 +535,7 @@ func findUnmounted(root string, inv *Inventory) []*Mount {
 			}
 			f.Close()
 			out = append(out, &Mount{Path: p, Driver: vd.DriverName, VolumeHandle: vd.VolumeHandle,
-				Target: Target{Kind: KindPublish, PodUID: uid, Plugin: CSIPluginDir, Volume: v}})
+				Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: uid, Plugin: kubelet.CSIPluginDir, Volume: v}})
 		}
 	}
 	return out

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/moby/sys/mountinfo"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 func readTestdata(t *testing.T, name string) *Inventory {
@@ -80,7 +82,7 @@ func TestBuildCoveredAndLegacy(t *testing.T) {
 	inv := readTestdata(t, "mixed-node.mountinfo")
 	var covered, upper *Mount
 	for _, m := range inv.Mounts {
-		if m.Target.Kind == KindStaging && m.Target.Driver == "juicefs.csi.io" {
+		if m.Target.Kind == kubelet.KindStaging && m.Target.Driver == "juicefs.csi.io" {
 			if m.Covered {
 				covered = m
 			} else {
@@ -238,7 +240,7 @@ func FuzzParse(f *testing.F) {
 			}
 		}
 		for _, m := range inv.Mounts {
-			if !Under(inv.Root, m.Path) {
+			if !kubelet.Under(inv.Root, m.Path) {
 				t.Fatalf("mount %q outside the root was kept", m.Path)
 			}
 			if m.Backend == nil || m.Backend.Dev != m.Dev {

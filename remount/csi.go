@@ -18,6 +18,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 var (
@@ -71,16 +73,8 @@ func (o CSIOptions) withDefaults() CSIOptions {
 	return o
 }
 
-// NodeCapabilities is what a driver's NodeGetCapabilities advertised, as far
-// as the requests kubelet builds depend on it.
-type NodeCapabilities struct {
-	StageUnstage          bool // STAGE_UNSTAGE_VOLUME
-	SingleNodeMultiWriter bool // SINGLE_NODE_MULTI_WRITER
-	VolumeMountGroup      bool // VOLUME_MOUNT_GROUP
-}
-
-func nodeCapabilities(caps []*csi.NodeServiceCapability) NodeCapabilities {
-	var nc NodeCapabilities
+func nodeCapabilities(caps []*csi.NodeServiceCapability) kubelet.NodeCapabilities {
+	var nc kubelet.NodeCapabilities
 	for _, c := range caps {
 		switch c.GetRpc().GetType() {
 		case csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME:
@@ -213,9 +207,9 @@ func (c *CSIClient) classify(method string, err error) error {
 // that failed while the driver was down is re-dialled at once instead of
 // after gRPC's backoff, so a driver that has just come back answers the
 // first call.
-func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (NodeCapabilities, error) {
+func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (kubelet.NodeCapabilities, error) {
 	if err := checkSocket("csi", c.path, ErrDriverUnavailable); err != nil {
-		return NodeCapabilities{}, err
+		return kubelet.NodeCapabilities{}, err
 	}
 	c.redial(ctx)
 	var resp *csi.NodeGetCapabilitiesResponse
@@ -225,7 +219,7 @@ func (c *CSIClient) NodeGetCapabilities(ctx context.Context) (NodeCapabilities, 
 		return err
 	})
 	if err != nil {
-		return NodeCapabilities{}, err
+		return kubelet.NodeCapabilities{}, err
 	}
 	return nodeCapabilities(resp.GetCapabilities()), nil
 }
@@ -248,7 +242,7 @@ func (c *CSIClient) redial(ctx context.Context) {
 	c.conn.WaitForStateChange(ctx, connectivity.TransientFailure)
 }
 
-// NodeStageVolume sends req (see StageRequest).
+// NodeStageVolume sends req (see kubelet.StageRequest).
 func (c *CSIClient) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) error {
 	switch {
 	case req.GetVolumeId() == "":
@@ -266,7 +260,7 @@ func (c *CSIClient) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolum
 	})
 }
 
-// NodePublishVolume sends req (see PublishRequest).
+// NodePublishVolume sends req (see kubelet.PublishRequest).
 func (c *CSIClient) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) error {
 	switch {
 	case req.GetVolumeId() == "":

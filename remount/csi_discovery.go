@@ -16,6 +16,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/version"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // RegistrationTimeout bounds the connection and the GetInfo call on one
@@ -66,7 +68,7 @@ type scan struct {
 // registered driver whose socket is missing gives ErrDriverUnavailable; an
 // endpoint that is not a unix socket is refused.
 func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, error) {
-	if err := checkName("csi driver name", driver); err != nil {
+	if err := kubelet.CheckPathName("csi driver name", driver); err != nil {
 		return Endpoint{}, err
 	}
 	sc, err := scanRegistry(ctx, kubeletRoot)
@@ -221,12 +223,4 @@ func getInfo(ctx context.Context, sock string) (*registration, error) {
 		Endpoint: Endpoint{Driver: info.GetName(), Path: path, Registration: sock, Versions: info.GetSupportedVersions()},
 		highest:  highest,
 	}, nil
-}
-
-// checkName refuses names that would leave their directory in a path.
-func checkName(what, name string) error {
-	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
-		return fmt.Errorf("%s %q cannot be used in a path: it is empty, a dot name or holds a slash", what, name)
-	}
-	return nil
 }

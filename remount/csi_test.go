@@ -12,6 +12,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // shortTimeouts keep tests quick; no test asserts a duration.
@@ -94,7 +96,7 @@ func TestCSIClientCalls(t *testing.T) {
 		t.Errorf("Endpoint() = %q, want %q", c.Endpoint(), path)
 	}
 
-	want := NodeCapabilities{StageUnstage: true, VolumeMountGroup: true, SingleNodeMultiWriter: true}
+	want := kubelet.NodeCapabilities{StageUnstage: true, VolumeMountGroup: true, SingleNodeMultiWriter: true}
 	for i := range 3 {
 		got, err := c.NodeGetCapabilities(ctx)
 		if err != nil || got != want {
@@ -105,12 +107,12 @@ func TestCSIClientCalls(t *testing.T) {
 		t.Errorf("driver got %d NodeGetCapabilities calls, want 3 (asked every time)", n)
 	}
 
-	vr := VolumeRequest{
+	vr := kubelet.VolumeRequest{
 		Driver: "fake.csi.example.com", VolumeHandle: "bucket/prefix", AccessMode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
 		StageUnstage: true, StagingPath: "/var/lib/kubelet/staging", TargetPath: "/var/lib/kubelet/target",
 		StageSecrets: map[string]string{"secretAccessKey": "s3cr3t"},
 	}
-	stage, publish := StageRequest(vr), PublishRequest(vr)
+	stage, publish := kubelet.StageRequest(vr), kubelet.PublishRequest(vr)
 	if err := c.NodeStageVolume(ctx, stage); err != nil {
 		t.Fatalf("NodeStageVolume() = %v", err)
 	}
@@ -169,7 +171,7 @@ func TestCSIClientErrorCodes(t *testing.T) {
 			f := &fakeDriver{err: status.Error(tc.code, "driver says no")}
 			path, _ := serveDriver(t, f)
 			c := dial(t, path, shortTimeouts)
-			err := c.NodeStageVolume(t.Context(), StageRequest(VolumeRequest{VolumeHandle: "v", StagingPath: "/s"}))
+			err := c.NodeStageVolume(t.Context(), kubelet.StageRequest(kubelet.VolumeRequest{VolumeHandle: "v", StagingPath: "/s"}))
 			var rpcErr *RPCError
 			if !errors.As(err, &rpcErr) {
 				t.Fatalf("NodeStageVolume() = %v, want an *RPCError", err)
@@ -253,10 +255,10 @@ func TestCSIClientTimeouts(t *testing.T) {
 	path, _ := serveDriver(t, f)
 	c := dial(t, path, shortTimeouts)
 	ctx := t.Context() // no deadline: only the per-call timeout can end a call
-	vr := VolumeRequest{VolumeHandle: "v", StagingPath: "/s", TargetPath: "/t", StageUnstage: true}
+	vr := kubelet.VolumeRequest{VolumeHandle: "v", StagingPath: "/s", TargetPath: "/t", StageUnstage: true}
 	calls := map[string]func() error{
-		"NodeStageVolume":     func() error { return c.NodeStageVolume(ctx, StageRequest(vr)) },
-		"NodePublishVolume":   func() error { return c.NodePublishVolume(ctx, PublishRequest(vr)) },
+		"NodeStageVolume":     func() error { return c.NodeStageVolume(ctx, kubelet.StageRequest(vr)) },
+		"NodePublishVolume":   func() error { return c.NodePublishVolume(ctx, kubelet.PublishRequest(vr)) },
 		"NodeGetCapabilities": func() error { _, err := c.NodeGetCapabilities(ctx); return err },
 	}
 	for name, call := range calls {

@@ -9,10 +9,9 @@
 //     node service calls a repair makes (NodeGetCapabilities,
 //     NodeStageVolume, NodePublishVolume) with per-call timeouts and a
 //     distinct, retryable ErrDriverUnavailable for a driver that is down;
-//   - the requests kubelet would send: VolumeRequest, built from plain
-//     Kubernetes objects by BuildVolumeRequest, turned into
-//     NodeStageVolumeRequest and NodePublishVolumeRequest by StageRequest and
-//     PublishRequest, with the staging and publish paths kubelet uses;
+//   - the requests kubelet would send, which probe/kubelet builds from plain
+//     Kubernetes objects (BuildVolumeRequest, StageRequest, PublishRequest,
+//     with the staging and publish paths kubelet uses);
 //   - the toolbox of mount-side steps: OpenSafe, Unmounter (lazy unmount,
 //     FUSE abort), OverMounter, Swapper with PlanSwap and ProcessMounts,
 //     FindHolders, CRIClient and Restarter; each reports what it did and can

@@ -24,6 +24,8 @@ import (
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // The Repairer against the real k8s-csi-s3 driver (s3driver + s3fs) and a
@@ -135,7 +137,7 @@ func randomUID(t testing.TB) types.UID {
 }
 
 // newVolume creates the volume (an S3 prefix), builds each pod's request
-// from API objects with BuildVolumeRequest, stages and publishes it through
+// from API objects with kubelet.BuildVolumeRequest, stages and publishes it through
 // the driver as kubelet would, writes data.txt and sub/g.txt, makes the
 // subPath binds and starts the containers (in their pod's cgroup).
 func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *realVolume {
@@ -186,7 +188,7 @@ func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *real
 		for _, c := range pd.ctrs {
 			pod.Spec.Containers = append(pod.Spec.Containers, corev1.Container{Name: c.name, VolumeMounts: c.mounts})
 		}
-		vr, err := BuildVolumeRequest(VolumeObjects{Pod: pod, VolumeName: testVolumeName, PVC: pvc, PV: pv, CSIDriver: driverObj,
+		vr, err := kubelet.BuildVolumeRequest(kubelet.VolumeObjects{Pod: pod, VolumeName: testVolumeName, PVC: pvc, PV: pv, CSIDriver: driverObj,
 			StageSecret: secret, PublishSecret: secret, Capabilities: caps, KubeletRoot: d.root})
 		if err != nil {
 			t.Fatal(err)
@@ -196,7 +198,7 @@ func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *real
 		}
 		if i == 0 {
 			rv.vol.Stage = vr
-			if err := d.csi.NodeStageVolume(ctx, StageRequest(vr)); err != nil {
+			if err := d.csi.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -204,7 +206,7 @@ func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *real
 		if target != vr.TargetPath {
 			t.Fatalf("publish path %s, the lab kubelet's %s", vr.TargetPath, target)
 		}
-		if err := d.csi.NodePublishVolume(ctx, PublishRequest(vr)); err != nil {
+		if err := d.csi.NodePublishVolume(ctx, kubelet.PublishRequest(vr)); err != nil {
 			t.Fatal(err)
 		}
 		if i == 0 {

@@ -16,6 +16,8 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // freshPublishName is the directory beside a kept publish target where the
@@ -218,7 +220,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 			p.deadRoot = d[0].Root
 		} else {
 			for _, m := range p.pv.Dead {
-				if m != nil && m.Target.Kind == probe.KindPublish && m.Root != "" {
+				if m != nil && m.Target.Kind == kubelet.KindPublish && m.Root != "" {
 					p.deadRoot = m.Root
 				}
 			}
@@ -230,7 +232,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 			continue
 		}
 		for _, m := range b.Mounts {
-			if m.Target.Kind != probe.KindSubPath {
+			if m.Target.Kind != kubelet.KindSubPath {
 				continue
 			}
 			for _, p := range h.pods {
@@ -302,7 +304,7 @@ func (r *Repairer) checkPlace(path string) error {
 		if parent == r.root {
 			return nil // nothing below the root exists yet: no symlink either
 		}
-		if parent == p || !probe.Under(r.root, parent) {
+		if parent == p || !kubelet.Under(r.root, parent) {
 			return fmt.Errorf("resolve %s: %w", path, err)
 		}
 		p = parent
@@ -469,7 +471,7 @@ func (h *hostRun) stageVolume(ctx context.Context) error {
 		return nil
 	}
 	start := time.Now()
-	err := h.client.NodeStageVolume(ctx, StageRequest(h.v.Stage))
+	err := h.client.NodeStageVolume(ctx, kubelet.StageRequest(h.v.Stage))
 	a.Took = time.Since(start)
 	if err != nil {
 		a.Err = fmt.Errorf("stage volume %q at %s: %w", h.v.VolumeHandle, h.staging, err)
@@ -491,7 +493,7 @@ func (h *hostRun) publishPod(ctx context.Context, p *podPlan) error {
 		return nil
 	}
 	start := time.Now()
-	err := h.client.NodePublishVolume(ctx, PublishRequest(p.pv.Publish))
+	err := h.client.NodePublishVolume(ctx, kubelet.PublishRequest(p.pv.Publish))
 	a.Took = time.Since(start)
 	if err != nil {
 		a.Err = fmt.Errorf("publish volume %q at %s: %w", h.v.VolumeHandle, p.target, err)
@@ -568,7 +570,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 		sp.Close()
 	}
 
-	req := PublishRequest(p.pv.Publish)
+	req := kubelet.PublishRequest(p.pv.Publish)
 	req.TargetPath = temp
 	start := time.Now()
 	err = h.client.NodePublishVolume(ctx, req)

@@ -12,6 +12,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"github.com/mountmedic/mountmedic/probe"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // ProcessMount is a mount as one process sees it in /proc/<pid>/mountinfo.
@@ -160,7 +162,7 @@ func relRoot(parent, child string) (string, bool) {
 	if parent == "/" {
 		return strings.TrimPrefix(child, "/"), true
 	}
-	if probe.Under(parent, child) {
+	if kubelet.Under(parent, child) {
 		return strings.TrimPrefix(child, parent+"/"), true
 	}
 	return "", false

@@ -7,6 +7,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/mountmedic/mountmedic/probe"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Tier is a rung of the repair ladder, least disruptive first. Eviction,
@@ -48,7 +50,7 @@ type Volume struct {
 	VolumeHandle string
 	// Stage is the request for NodeStageVolume (any pod's VolumeRequest:
 	// the stage part does not depend on the pod).
-	Stage VolumeRequest
+	Stage kubelet.VolumeRequest
 	// Backend is the dead filesystem (its FUSE connection is aborted first
 	// when Hung is set).
 	Backend *probe.Backend
@@ -60,7 +62,7 @@ type Volume struct {
 // PodVolume is one pod's use of a Volume.
 type PodVolume struct {
 	// Publish is the request for NodePublishVolume at this pod's target.
-	Publish VolumeRequest
+	Publish kubelet.VolumeRequest
 	// Dead are this pod's kubelet mounts on the dead backend: its publish
 	// target and subPath binds.
 	Dead []*probe.Mount

@@ -14,6 +14,8 @@ import (
 
 	"github.com/mountmedic/mountmedic/probe"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Defaults of a Repairer's Config.
@@ -215,9 +217,9 @@ func (r *Repairer) csiClient(ctx context.Context, driver string, refind bool) (*
 // endpoint again (the driver may have registered elsewhere) and asks once
 // more. A driver that is not registered is unavailable (FindDriver): it may
 // be restarting.
-func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, NodeCapabilities, error) {
+func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, kubelet.NodeCapabilities, error) {
 	c, err := r.csiClient(ctx, driver, false)
-	var caps NodeCapabilities
+	var caps kubelet.NodeCapabilities
 	if err == nil {
 		caps, err = c.NodeGetCapabilities(ctx)
 	}
@@ -235,10 +237,10 @@ func (r *Repairer) checkDriver(ctx context.Context, driver string) (*CSIClient, 
 // keeps for the driver (the endpoint is found again when the driver does not
 // answer there). Errors match ErrDriverUnavailable when the driver is down
 // or not registered: retry later.
-func (r *Repairer) Capabilities(ctx context.Context, driver string) (NodeCapabilities, error) {
+func (r *Repairer) Capabilities(ctx context.Context, driver string) (kubelet.NodeCapabilities, error) {
 	_, caps, err := r.checkDriver(ctx, driver)
 	if err != nil {
-		return NodeCapabilities{}, fmt.Errorf("node capabilities of csi driver %q: %w", driver, err)
+		return kubelet.NodeCapabilities{}, fmt.Errorf("node capabilities of csi driver %q: %w", driver, err)
 	}
 	return caps, nil
 }

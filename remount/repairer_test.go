@@ -19,6 +19,8 @@ import (
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Unit tests of the Repairer's pure logic; the tiers themselves are tested
@@ -50,7 +52,7 @@ func TestBuildHostTable(t *testing.T) {
 	if top := tab.top(root + "/nothing"); top != nil {
 		t.Errorf("top of a path with no mount = %v, want nil", top)
 	}
-	if k := tab.top(stg).Target.Kind; k != probe.KindStaging {
+	if k := tab.top(stg).Target.Kind; k != kubelet.KindStaging {
 		t.Errorf("staging mount classified %s", k)
 	}
 	for _, tc := range []struct {
@@ -188,8 +190,8 @@ func TestRestageDriverDownChangesNothing(t *testing.T) {
 	lv := newLabVolume(t, k, labHandle, labVolume)
 	tab := table(t, root)
 	dead := []*probe.Mount{
-		{ID: tab.top(lv.target).ID, Path: lv.target, Dev: lv.dev(), Target: probe.Target{Kind: probe.KindPublish, PodUID: labPod}},
-		{ID: tab.top(lv.subPath).ID, Path: lv.subPath, Dev: lv.dev(), Target: probe.Target{Kind: probe.KindSubPath, PodUID: labPod}},
+		{ID: tab.top(lv.target).ID, Path: lv.target, Dev: lv.dev(), Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: labPod}},
+		{ID: tab.top(lv.subPath).ID, Path: lv.subPath, Dev: lv.dev(), Target: kubelet.Target{Kind: kubelet.KindSubPath, PodUID: labPod}},
 	}
 	lv.fs.Kill()
 	var changes atomic.Int32
@@ -203,7 +205,7 @@ func TestRestageDriverDownChangesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	vr := VolumeRequest{Driver: labDriver, VolumeHandle: labHandle, StageUnstage: true,
+	vr := kubelet.VolumeRequest{Driver: labDriver, VolumeHandle: labHandle, StageUnstage: true,
 		StagingPath: lv.staging, TargetPath: lv.target, PodUID: labPod}
 	v := &Volume{Driver: vr.Driver, VolumeHandle: vr.VolumeHandle, Stage: vr, Hung: true,
 		Backend: &probe.Backend{Dev: lv.dev(), Kind: probe.BackendFUSE},
@@ -233,7 +235,7 @@ func TestBlockVolumeLeftToEviction(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	v := &Volume{Driver: "d", VolumeHandle: "h", Stage: VolumeRequest{Block: true}}
+	v := &Volume{Driver: "d", VolumeHandle: "h", Stage: kubelet.VolumeRequest{Block: true}}
 	var wg sync.WaitGroup
 	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
 		wg.Go(func() {
@@ -341,7 +343,7 @@ func TestCapabilities(t *testing.T) {
 	}
 	defer r.Close()
 	ctx := t.Context()
-	want := NodeCapabilities{StageUnstage: true, VolumeMountGroup: true}
+	want := kubelet.NodeCapabilities{StageUnstage: true, VolumeMountGroup: true}
 	for i := range 2 {
 		if got, err := r.Capabilities(ctx, name); err != nil || got != want {
 			t.Fatalf("Capabilities(%s) call %d = %+v, %v; want %+v", name, i, got, err, want)
@@ -355,7 +357,7 @@ func TestCapabilities(t *testing.T) {
 	}
 	srv.Stop()
 	deadSocket(t, sock)
-	if got, err := r.Capabilities(ctx, name); !errors.Is(err, ErrDriverUnavailable) || got != (NodeCapabilities{}) {
+	if got, err := r.Capabilities(ctx, name); !errors.Is(err, ErrDriverUnavailable) || got != (kubelet.NodeCapabilities{}) {
 		t.Errorf("Capabilities with the driver down = %+v, %v; want none and ErrDriverUnavailable", got, err)
 	}
 }

@@ -18,6 +18,8 @@ import (
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 func TestMain(m *testing.M) { lab.Main(m) }
@@ -64,7 +66,7 @@ func detachAll(t testing.TB, root string) {
 	}
 	for range 64 {
 		ms, err := mountinfo.GetMounts(func(in *mountinfo.Info) (skip, stop bool) {
-			return !probe.Under(root, in.Mountpoint), false
+			return !kubelet.Under(root, in.Mountpoint), false
 		})
 		if err != nil {
 			t.Errorf("detach all: %v", err)
@@ -301,7 +303,7 @@ func plantSymlink(t testing.TB, root, uid, volume string) (target, outside strin
 	}
 	t.Cleanup(func() { unix.Unmount(outside, unix.MNT_DETACH) })
 	writeFile(t, filepath.Join(outside, "marker"), "outside")
-	volDir := filepath.Join(root, "pods", uid, "volumes", probe.CSIPluginDir, volume)
+	volDir := filepath.Join(root, "pods", uid, "volumes", kubelet.CSIPluginDir, volume)
 	if err := os.MkdirAll(filepath.Dir(volDir), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -336,7 +338,7 @@ func TestRefusePlantedSymlink(t *testing.T) {
 	target, outside := plantSymlink(t, root, uid, labVolume)
 	// A second pod whose mount directory itself is the symlink.
 	const uid2 = "a1b2c3d4-0000-4000-8000-000000000002"
-	last := filepath.Join(root, "pods", uid2, "volumes", probe.CSIPluginDir, labVolume, "mount")
+	last := filepath.Join(root, "pods", uid2, "volumes", kubelet.CSIPluginDir, labVolume, "mount")
 	if err := os.MkdirAll(filepath.Dir(last), 0o755); err != nil {
 		t.Fatal(err)
 	}

@@ -11,8 +11,9 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/mountmedic/mountmedic/probe"
 	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Safe paths.
@@ -22,7 +23,7 @@ import (
 // filesystem mounted there, which may be dead (ENOTCONN) or hung (the call
 // never returns). OpenSafe proves both with file descriptors and no stat:
 //
-//  1. probe.Under: the cleaned path lies below the root, by path segments.
+//  1. kubelet.Under: the cleaned path lies below the root, by path segments.
 //  2. The parent directory is opened O_PATH with openat2 relative to an
 //     O_PATH descriptor of the root, with RESOLVE_BENEATH, RESOLVE_NO_SYMLINKS
 //     and RESOLVE_NO_MAGICLINKS: no component of the parent chain is a
@@ -104,7 +105,7 @@ type SafePath struct {
 func OpenSafe(root, path string) (*SafePath, error) {
 	root = filepath.Clean(root)
 	clean := filepath.Clean(path)
-	if !filepath.IsAbs(path) || !probe.Under(root, clean) {
+	if !filepath.IsAbs(path) || !kubelet.Under(root, clean) {
 		return nil, &UnsafePathError{Path: path, Root: root, Reason: "not strictly below the kubelet root"}
 	}
 	rel := strings.TrimPrefix(clean, root+"/")

@@ -15,6 +15,8 @@ import (
 	"github.com/mountmedic/mountmedic/probe"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Live swap.
@@ -295,7 +297,7 @@ func (s *Swapper) swapPid(ctx context.Context, pid int, ts []SwapTarget) []Actio
 			continue
 		}
 		for _, d := range done {
-			if probe.Under(d, cp) {
+			if kubelet.Under(d, cp) {
 				w.nested = true
 			}
 		}

@@ -42,6 +42,6 @@ go test -race -count=1 -timeout 20m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-
 # budget with "context deadline exceeded" and no crasher on a loaded machine
 # (golang/go#75804, fixed in go1.27). A count ends when the workers have run
 # that many inputs, so only a real crasher (or a build error) fails the step.
-for target in FuzzParse FuzzClassify; do
-	go test -run '^$' -fuzz "^${target}\$" -fuzztime "${FUZZTIME:-200000x}" ./probe
+for target in ./probe:FuzzParse ./probe/kubelet:FuzzClassify; do
+	go test -run '^$' -fuzz "^${target#*:}\$" -fuzztime "${FUZZTIME:-200000x}" "${target%%:*}"
 done

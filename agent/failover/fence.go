@@ -9,6 +9,8 @@ import (
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // ContainerStopper stops the running containers of pods on this node.
@@ -121,15 +123,15 @@ func podMounts(inv *probe.Inventory, podUIDs []string) map[string][]*probe.Mount
 			continue
 		}
 		switch {
-		case m.Target.Kind == probe.KindPublish && m.Target.Plugin == probe.CSIPluginDir:
+		case m.Target.Kind == kubelet.KindPublish && m.Target.Plugin == kubelet.CSIPluginDir:
 			out[m.Target.PodUID] = append(mounts, m)
 			published[podDev{m.Target.PodUID, m.Dev}] = true
-		case m.Target.Kind == probe.KindBlock:
+		case m.Target.Kind == kubelet.KindBlock:
 			out[m.Target.PodUID] = append(mounts, m)
 		}
 	}
 	for _, m := range inv.Mounts {
-		if m.Target.Kind == probe.KindSubPath && published[podDev{m.Target.PodUID, m.Dev}] {
+		if m.Target.Kind == kubelet.KindSubPath && published[podDev{m.Target.PodUID, m.Dev}] {
 			out[m.Target.PodUID] = append(out[m.Target.PodUID], m)
 		}
 	}
@@ -226,8 +228,8 @@ func (f *NodeFence) MountedPods(context.Context) ([]string, error) {
 	}
 	var out []string
 	for _, m := range inv.Mounts {
-		csi := m.Target.Kind == probe.KindPublish && m.Target.Plugin == probe.CSIPluginDir
-		if (csi || m.Target.Kind == probe.KindBlock) && m.Target.PodUID != "" && !slices.Contains(out, m.Target.PodUID) {
+		csi := m.Target.Kind == kubelet.KindPublish && m.Target.Plugin == kubelet.CSIPluginDir
+		if (csi || m.Target.Kind == kubelet.KindBlock) && m.Target.PodUID != "" && !slices.Contains(out, m.Target.PodUID) {
 			out = append(out, m.Target.PodUID)
 		}
 	}

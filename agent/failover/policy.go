@@ -12,7 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Annotation on a pod: "false" keeps it from being failed over (and
@@ -43,11 +43,11 @@ type claimInfo struct {
 }
 
 // claimNames lists the claims a pod uses: its persistentVolumeClaim volumes
-// and the claims of its generic ephemeral volumes (remount.ClaimName).
+// and the claims of its generic ephemeral volumes (kubelet.ClaimName).
 func claimNames(pod *corev1.Pod) []string {
 	var out []string
 	for i := range pod.Spec.Volumes {
-		if claim, ok := remount.ClaimName(pod, &pod.Spec.Volumes[i]); ok {
+		if claim, ok := kubelet.ClaimName(pod, &pod.Spec.Volumes[i]); ok {
 			out = append(out, claim)
 		}
 	}

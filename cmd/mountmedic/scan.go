@@ -16,6 +16,8 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/mountmedic/mountmedic/probe"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 type scanFlags struct {
@@ -153,18 +155,18 @@ func scanTable(ctx context.Context, f scanFlags) (*probe.Inventory, *probe.Repor
 
 // scanRow is one mount in scan's JSON output.
 type scanRow struct {
-	Path         string       `json:"path"`
-	Target       probe.Target `json:"target"`
-	Driver       string       `json:"driver,omitempty"`
-	VolumeHandle string       `json:"volumeHandle,omitempty"`
-	From         string       `json:"from,omitempty"`
-	Dev          string       `json:"dev,omitempty"`
-	Root         string       `json:"root,omitempty"`
-	FSType       string       `json:"fsType,omitempty"`
-	Backend      string       `json:"backend,omitempty"`
-	State        probe.State  `json:"state"`
-	Error        string       `json:"error,omitempty"`
-	ProbeSeconds float64      `json:"probeSeconds"`
+	Path         string         `json:"path"`
+	Target       kubelet.Target `json:"target"`
+	Driver       string         `json:"driver,omitempty"`
+	VolumeHandle string         `json:"volumeHandle,omitempty"`
+	From         string         `json:"from,omitempty"`
+	Dev          string         `json:"dev,omitempty"`
+	Root         string         `json:"root,omitempty"`
+	FSType       string         `json:"fsType,omitempty"`
+	Backend      string         `json:"backend,omitempty"`
+	State        probe.State    `json:"state"`
+	Error        string         `json:"error,omitempty"`
+	ProbeSeconds float64        `json:"probeSeconds"`
 }
 
 type scanDoc struct {
@@ -343,14 +345,14 @@ func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline b
 	r := rm.row(res)
 	vol := r.Target.Volume
 	switch r.Target.Kind {
-	case probe.KindSubPath:
+	case kubelet.KindSubPath:
 		vol = vol + " [" + r.Target.Container + "/" + strconv.Itoa(r.Target.Index) + "]"
-	case probe.KindStaging:
+	case kubelet.KindStaging:
 		vol = r.Target.PV
 		if vol == "" {
 			vol = short(r.Target.HandleHash, 12)
 		}
-	case probe.KindBlock:
+	case kubelet.KindBlock:
 		if vol == "" {
 			vol = r.Target.PV
 		}

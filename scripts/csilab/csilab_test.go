@@ -12,9 +12,10 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 func TestMain(m *testing.M) { lab.Main(m) }
@@ -37,7 +38,7 @@ func TestDeadStagingMount(t *testing.T) {
 	vol := s3.Volume(csilab.Bucket, "")
 	// What kubelet sends for a ReadWriteOnce filesystem volume of a driver
 	// that stages.
-	vr := remount.VolumeRequest{
+	vr := kubelet.VolumeRequest{
 		Driver: csilab.DriverName, VolumeHandle: vol.Handle, VolumeAttributes: vol.Attributes,
 		StageSecrets: vol.Secrets, PublishSecrets: vol.Secrets,
 		AccessMode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, StageUnstage: true,
@@ -51,10 +52,10 @@ func TestDeadStagingMount(t *testing.T) {
 	if !hasStageUnstage(caps) {
 		t.Fatalf("NodeGetCapabilities = %v, want STAGE_UNSTAGE_VOLUME", caps)
 	}
-	if _, err := node.NodeStageVolume(ctx, remount.StageRequest(vr)); err != nil {
+	if _, err := node.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
 		t.Fatalf("NodeStageVolume: %v", err)
 	}
-	if _, err := node.NodePublishVolume(ctx, remount.PublishRequest(vr)); err != nil {
+	if _, err := node.NodePublishVolume(ctx, kubelet.PublishRequest(vr)); err != nil {
 		t.Fatalf("NodePublishVolume: %v", err)
 	}
 	want := []byte("written before the crash\n")
@@ -79,7 +80,7 @@ func TestDeadStagingMount(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The plugin sees the dead mount as mounted (a cached stat) and does nothing.
-	if _, err := node.NodeStageVolume(ctx, remount.StageRequest(vr)); err != nil {
+	if _, err := node.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
 		t.Fatalf("NodeStageVolume on the dead staging path: %v, want OK", err)
 	}
 	if err := statfs(staging); !errors.Is(err, unix.ENOTCONN) {
@@ -94,10 +95,10 @@ func TestDeadStagingMount(t *testing.T) {
 			t.Fatalf("unmount %s: %v", p, err)
 		}
 	}
-	if _, err := node.NodeStageVolume(ctx, remount.StageRequest(vr)); err != nil {
+	if _, err := node.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
 		t.Fatalf("NodeStageVolume after unmount: %v", err)
 	}
-	if _, err := node.NodePublishVolume(ctx, remount.PublishRequest(vr)); err != nil {
+	if _, err := node.NodePublishVolume(ctx, kubelet.PublishRequest(vr)); err != nil {
 		t.Fatalf("NodePublishVolume after unmount: %v", err)
 	}
 	got, err := os.ReadFile(filepath.Join(target, "data.txt"))

@@ -154,7 +154,7 @@ func hmacSum(key []byte, data string) []byte {
 
 // Volume is the data the s3driver needs for one volume, as a PV would carry
 // it: the volume handle, the node stage and publish secrets and the volume
-// attributes (remount.VolumeRequest's VolumeHandle, StageSecrets and
+// attributes (kubelet.VolumeRequest's VolumeHandle, StageSecrets and
 // PublishSecrets, VolumeAttributes).
 type Volume struct {
 	Handle     string            // "bucket" or "bucket/prefix"

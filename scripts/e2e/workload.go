@@ -22,8 +22,9 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"k8s.io/utils/ptr"
 
-	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Files the workload's container writes at its first start, and where it
@@ -463,7 +464,7 @@ func describeNamespace(ctx context.Context, c kubernetes.Interface, ns string) s
 }
 
 // StagingPath is where the node's kubelet stages a CSI volume of the lab's
-// driver (remount.StagingPath).
+// driver (kubelet.StagingPath).
 func StagingPath(handle string) string {
-	return remount.StagingPath(KubeletRoot, csilab.DriverName, handle)
+	return kubelet.StagingPath(KubeletRoot, csilab.DriverName, handle)
 }

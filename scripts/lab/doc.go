@@ -2,8 +2,9 @@
 // real daemons that fail the way node volumes fail, in a private mount
 // namespace so that nothing outlives the test binary.
 //
-// It is test support, used from _test.go files only. It imports no other
-// mountmedic package, so that probe, remount and agent tests can all use it.
+// It is test support, used from _test.go files only. Of mountmedic it imports
+// only probe/kubelet (kubelet's layout, which its kubelet trees follow), so
+// that probe, remount and agent tests can all use it.
 //
 // A package that uses the lab calls Main from its TestMain:
 //

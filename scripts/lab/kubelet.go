@@ -1,30 +1,25 @@
 package lab
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
-// Names kubelet uses in its tree (k8s.io/kubernetes pkg/volume/csi).
+// The tree's layout is kubelet's, from the one package that knows it
+// (probe/kubelet).
 const (
-	csiPluginName    = "kubernetes.io/csi"
-	csiPluginDirName = "kubernetes.io~csi" // EscapeQualifiedName(csiPluginName)
-	emptyDirDirName  = "kubernetes.io~empty-dir"
-	globalMountDir   = "globalmount"
-	volDataFile      = "vol_data.json"
-
 	// DefaultNodeName is the node name a lab Kubelet writes into
 	// vol_data.json.
 	DefaultNodeName = "lab-node"
@@ -70,11 +65,6 @@ func (k *Kubelet) Root() string { return k.root }
 // NodeName is the node name written into vol_data.json.
 func (k *Kubelet) NodeName() string { return DefaultNodeName }
 
-// csiPluginDir is root/plugins/kubernetes.io/csi.
-func (k *Kubelet) csiPluginDir() string {
-	return filepath.Join(k.root, "plugins", csiPluginName)
-}
-
 // StagingPath creates and returns the staging (NodeStageVolume) path kubelet
 // uses for a CSI volume: plugins/kubernetes.io/csi/<driver>/<hex
 // sha256(volumeHandle)>/globalmount. It writes vol_data.json beside
@@ -82,10 +72,9 @@ func (k *Kubelet) csiPluginDir() string {
 // Mount the staged filesystem on the returned path, e.g. with StartFaultFS.
 func (k *Kubelet) StagingPath(driver, volumeHandle string) string {
 	k.t.Helper()
-	sum := sha256.Sum256([]byte(volumeHandle))
-	dir := filepath.Join(k.csiPluginDir(), driver, hex.EncodeToString(sum[:]))
-	k.makeStaging(dir, driver, volumeHandle)
-	return filepath.Join(dir, globalMountDir)
+	p := kubelet.StagingPath(k.root, driver, volumeHandle)
+	k.makeStaging(filepath.Dir(p), driver, volumeHandle)
+	return p
 }
 
 // LegacyStagingPath creates and returns the staging path of kubelets before
@@ -93,14 +82,14 @@ func (k *Kubelet) StagingPath(driver, volumeHandle string) string {
 // staged by an older kubelet keep, with its vol_data.json.
 func (k *Kubelet) LegacyStagingPath(pvName, driver, volumeHandle string) string {
 	k.t.Helper()
-	dir := filepath.Join(k.csiPluginDir(), "pv", pvName)
-	k.makeStaging(dir, driver, volumeHandle)
-	return filepath.Join(dir, globalMountDir)
+	p := kubelet.LegacyStagingPath(k.root, pvName)
+	k.makeStaging(filepath.Dir(p), driver, volumeHandle)
+	return p
 }
 
 func (k *Kubelet) makeStaging(dir, driver, volumeHandle string) {
 	k.t.Helper()
-	k.mkdir(filepath.Join(dir, globalMountDir))
+	k.mkdir(filepath.Join(dir, kubelet.GlobalMountDir))
 	k.writeVolData(dir, map[string]string{
 		"driverName":   driver,
 		"volumeHandle": volumeHandle,
@@ -118,7 +107,7 @@ func (k *Kubelet) PublishPath(podUID, volName string) string {
 }
 
 func (k *Kubelet) publishPath(podUID, volName string) string {
-	return filepath.Join(k.root, "pods", podUID, "volumes", csiPluginDirName, volName, "mount")
+	return kubelet.TargetPath(k.root, types.UID(podUID), volName)
 }
 
 // Publish bind-mounts source (normally the staging mount) onto the publish
@@ -143,13 +132,12 @@ func (k *Kubelet) PreparePublish(podUID, volName, driver, volumeHandle string) s
 	k.t.Helper()
 	target := k.PublishPath(podUID, volName)
 	node := k.NodeName()
-	attach := sha256.Sum256([]byte(volumeHandle + driver + node))
 	k.writeVolData(filepath.Dir(target), map[string]string{
 		"specVolID":           volName,
 		"volumeHandle":        volumeHandle,
 		"driverName":          driver,
 		"nodeName":            node,
-		"attachmentID":        "csi-" + hex.EncodeToString(attach[:]),
+		"attachmentID":        kubelet.AttachmentName(volumeHandle, driver, node),
 		"volumeLifecycleMode": "Persistent",
 	})
 	return target
@@ -161,7 +149,7 @@ func (k *Kubelet) PreparePublish(podUID, volName, driver, volumeHandle string) s
 // one. It returns the target.
 func (k *Kubelet) SubPath(podUID, volName, container string, index int, source string) string {
 	k.t.Helper()
-	target := filepath.Join(k.root, "pods", podUID, "volume-subpaths", volName, container, strconv.Itoa(index))
+	target := kubelet.SubPathTarget(k.root, types.UID(podUID), volName, container, index)
 	k.makeTargetLike(source, target)
 	k.mount(source, target, "", unix.MS_BIND, "")
 	return target
@@ -171,7 +159,7 @@ func (k *Kubelet) SubPath(podUID, volName, container string, index int, source s
 // tmpfs mount when memory is true (medium: Memory), and returns it.
 func (k *Kubelet) EmptyDir(podUID, name string, memory bool) string {
 	k.t.Helper()
-	p := filepath.Join(k.root, "pods", podUID, "volumes", emptyDirDirName, name)
+	p := kubelet.PodVolumePath(k.root, types.UID(podUID), "kubernetes.io/empty-dir", name)
 	k.mkdir(p)
 	if err := os.Chmod(p, 0o777); err != nil {
 		k.t.Fatalf("chmod emptyDir %s: %v", p, err)
@@ -192,14 +180,13 @@ func (k *Kubelet) EmptyDir(podUID, name string, memory bool) string {
 // publish file, which it returns.
 func (k *Kubelet) BlockDevice(podUID, volName, device string) string {
 	k.t.Helper()
-	devices := filepath.Join(k.csiPluginDir(), "volumeDevices")
-	publish := filepath.Join(devices, "publish", volName, podUID)
+	publish := kubelet.BlockTargetPath(k.root, volName, types.UID(podUID))
 	k.makeFile(publish)
 	k.mount(device, publish, "", unix.MS_BIND, "")
-	global := filepath.Join(devices, volName, "dev", podUID)
+	global := kubelet.BlockMapPath(k.root, volName, types.UID(podUID))
 	k.makeFile(global)
 	k.mount(publish, global, "", unix.MS_BIND, "")
-	link := filepath.Join(k.root, "pods", podUID, "volumeDevices", csiPluginDirName, volName)
+	link := kubelet.PodDevicePath(k.root, types.UID(podUID), volName)
 	k.mkdir(filepath.Dir(link))
 	if err := os.Symlink(publish, link); err != nil {
 		k.t.Fatalf("link pod device %s: %v", link, err)
@@ -259,9 +246,9 @@ func (k *Kubelet) writeVolData(dir string, data map[string]string) {
 	k.mkdir(dir)
 	b, err := json.Marshal(data)
 	if err != nil {
-		k.t.Fatalf("encode %s: %v", volDataFile, err)
+		k.t.Fatalf("encode %s: %v", kubelet.VolDataFile, err)
 	}
-	p := filepath.Join(dir, volDataFile)
+	p := filepath.Join(dir, kubelet.VolDataFile)
 	if err := os.WriteFile(p, append(b, '\n'), 0o640); err != nil {
 		k.t.Fatalf("write %s: %v", p, err)
 	}

@@ -46,9 +46,12 @@ var testSupport = []string{
 // or through another package: a prefix of an import path. A prefix ending
 // in "/" names a tree; one without names that package and its subtree.
 var forbidden = map[string][]string{
-	// probe: pure data in, results out; no Kubernetes client or API types,
-	// nothing that acts.
-	"probe": {"k8s.io/client-go", "k8s.io/api", "k8s.io/apimachinery", module + "/remount", module + "/agent", module + "/cmd"},
+	// probe: pure data in, results out; no Kubernetes client, nothing that
+	// acts. API types reach it only as data, through probe/kubelet.
+	"probe": {"k8s.io/client-go", module + "/remount", module + "/agent", module + "/cmd"},
+	// probe/kubelet: kubelet's conventions (paths, CSI requests from API
+	// objects), pure functions; below probe, so it imports no probe either.
+	"probe/kubelet": {"k8s.io/client-go", module + "/probe", module + "/remount", module + "/agent", module + "/cmd"},
 	// remount: acts on mounts and the CSI/CRI sockets; no informers, no
 	// API client, no agent.
 	"remount": {"k8s.io/client-go", module + "/agent", module + "/cmd"},

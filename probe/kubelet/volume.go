@@ -1,4 +1,4 @@
-package remount
+package kubelet
 
 import (
 	"encoding/json"
@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -94,7 +95,7 @@ func buildVolumeRequest(in VolumeObjects) (VolumeRequest, error) {
 	if !filepath.IsAbs(in.KubeletRoot) {
 		return VolumeRequest{}, fmt.Errorf("kubelet root %q is not an absolute path: set it to kubelet's --root-dir", in.KubeletRoot)
 	}
-	if err := checkName("pod uid", string(pod.UID)); err != nil {
+	if err := CheckPathName("pod uid", string(pod.UID)); err != nil {
 		return VolumeRequest{}, fmt.Errorf("%w: %w", err, ErrObjectMismatch)
 	}
 
@@ -260,10 +261,10 @@ func checkPV(pvc *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume) (*c
 	if src.Driver == "" || src.VolumeHandle == "" {
 		return nil, fmt.Errorf("PersistentVolume %s spec.csi has an empty driver or volumeHandle: %w", pv.Name, ErrUnsupportedVolume)
 	}
-	if err := checkName("csi driver name", src.Driver); err != nil {
+	if err := CheckPathName("csi driver name", src.Driver); err != nil {
 		return nil, fmt.Errorf("PersistentVolume %s: %w: %w", pv.Name, err, ErrUnsupportedVolume)
 	}
-	if err := checkName("persistent volume name", pv.Name); err != nil {
+	if err := CheckPathName("persistent volume name", pv.Name); err != nil {
 		return nil, fmt.Errorf("%w: %w", err, ErrUnsupportedVolume)
 	}
 	return pv, nil
@@ -419,5 +420,21 @@ func addTokens(vr *VolumeRequest, d *storagev1.CSIDriver, tokens map[string]auth
 		vr.PodAttributes = map[string]string{}
 	}
 	vr.PodAttributes[ServiceAccountTokensKey] = string(data)
+	return nil
+}
+
+// NodeCapabilities is what a driver's NodeGetCapabilities advertised, as far
+// as the requests kubelet builds depend on it.
+type NodeCapabilities struct {
+	StageUnstage          bool // STAGE_UNSTAGE_VOLUME
+	SingleNodeMultiWriter bool // SINGLE_NODE_MULTI_WRITER
+	VolumeMountGroup      bool // VOLUME_MOUNT_GROUP
+}
+
+// CheckPathName refuses names that would leave their directory in a path.
+func CheckPathName(what, name string) error {
+	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
+		return fmt.Errorf("%s %q cannot be used in a path: it is empty, a dot name or holds a slash", what, name)
+	}
 	return nil
 }

@@ -1,4 +1,4 @@
-package probe
+package kubelet
 
 import (
 	"fmt"
@@ -173,7 +173,7 @@ func classifyPlugin(seg []string) (Target, bool) {
 		}
 		return Target{}, false
 	}
-	if len(seg) != 3 || seg[2] != "globalmount" {
+	if len(seg) != 3 || seg[2] != GlobalMountDir {
 		return Target{}, false
 	}
 	t := Target{Kind: KindStaging, Plugin: CSIPluginDir}

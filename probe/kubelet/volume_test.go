@@ -1,4 +1,4 @@
-package remount
+package kubelet
 
 import (
 	"encoding/json"
@@ -16,6 +16,7 @@ import (
 )
 
 const (
+	testDriver = "s3.csi.example.com"
 	testNode   = "node-1"
 	testRoot   = "/var/lib/kubelet"
 	testHandle = "bucket/prefix"

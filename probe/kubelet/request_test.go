@@ -1,4 +1,4 @@
-package remount
+package kubelet
 
 import (
 	"bytes"

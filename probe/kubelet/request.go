@@ -1,13 +1,9 @@
-package remount
+package kubelet
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"maps"
-	"path/filepath"
 	"slices"
-	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
@@ -24,9 +20,6 @@ const (
 	// ServiceAccountTokensKey carries tokens: its value is a secret.
 	ServiceAccountTokensKey = "csi.storage.k8s.io/serviceAccount.tokens"
 )
-
-// csiPluginName is kubelet's name for its CSI volume plugin.
-const csiPluginName = "kubernetes.io/csi"
 
 const redacted = "<redacted>"
 
@@ -176,7 +169,7 @@ func (vr VolumeRequest) String() string {
 }
 
 // GoString keeps %#v from printing secrets.
-func (vr VolumeRequest) GoString() string { return "remount.VolumeRequest" + vr.String() }
+func (vr VolumeRequest) GoString() string { return "kubelet.VolumeRequest" + vr.String() }
 
 // MarshalLog keeps structured loggers from printing secrets.
 func (vr VolumeRequest) MarshalLog() any { return plainRequest(vr.Redacted()) }
@@ -204,47 +197,3 @@ func AccessMode(mode corev1.PersistentVolumeAccessMode, singleNodeMultiWriter bo
 	}
 	return csi.VolumeCapability_AccessMode_UNKNOWN
 }
-
-// AttachmentName is the name of the VolumeAttachment for a volume on a node:
-// "csi-" and the hex SHA-256 of handle, driver and node name run together
-// (csi_attacher.go getAttachmentName).
-func AttachmentName(volumeHandle, driver, nodeName string) string {
-	sum := sha256.Sum256([]byte(volumeHandle + driver + nodeName))
-	return "csi-" + hex.EncodeToString(sum[:])
-}
-
-// StagingPath is where kubelet stages a filesystem volume:
-// <kubeletRoot>/plugins/kubernetes.io/csi/<driver>/<hex sha256(handle)>/globalmount
-// (csi_attacher.go makeDeviceMountPath). Older kubelets used
-// plugins/kubernetes.io/csi/pv/<pv>/globalmount, which this does not give.
-func StagingPath(kubeletRoot, driver, volumeHandle string) string {
-	sum := sha256.Sum256([]byte(volumeHandle))
-	return filepath.Join(kubeletRoot, "plugins", csiPluginName, driver, hex.EncodeToString(sum[:]), "globalmount")
-}
-
-// TargetPath is where kubelet publishes a filesystem volume for a pod:
-// <kubeletRoot>/pods/<uid>/volumes/kubernetes.io~csi/<spec name>/mount, the
-// spec name (the PV name) with "/" escaped to "~" (csi_mounter.go
-// getTargetPath, GetCSIMounterPath).
-func TargetPath(kubeletRoot string, podUID types.UID, specName string) string {
-	return filepath.Join(kubeletRoot, "pods", string(podUID), "volumes",
-		escapeQualifiedName(csiPluginName), escapeQualifiedName(specName), "mount")
-}
-
-// BlockStagingPath is where kubelet stages a block volume:
-// <kubeletRoot>/plugins/kubernetes.io/csi/volumeDevices/staging/<spec name>
-// (csi_block.go GetStagingPath).
-func BlockStagingPath(kubeletRoot, specName string) string {
-	return filepath.Join(kubeletRoot, "plugins", csiPluginName, "volumeDevices", "staging", specName)
-}
-
-// BlockTargetPath is where kubelet publishes a block volume for a pod:
-// <kubeletRoot>/plugins/kubernetes.io/csi/volumeDevices/publish/<spec name>/<uid>
-// (csi_block.go getPublishPath).
-func BlockTargetPath(kubeletRoot, specName string, podUID types.UID) string {
-	return filepath.Join(kubeletRoot, "plugins", csiPluginName, "volumeDevices", "publish", specName, string(podUID))
-}
-
-// escapeQualifiedName is kubelet's escaping of a plugin or volume name in a
-// path segment: "/" becomes "~".
-func escapeQualifiedName(s string) string { return strings.ReplaceAll(s, "/", "~") }
