@@ -181,7 +181,7 @@ func TestAgentEvictionWaitsForPodDisruptionBudget(t *testing.T) {
 	e.deadVolume(v, pod)
 
 	cfg := e.config()
-	cfg.Tiers = agent.Tiers{Evict: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{})
 
 	e.waitEvent(pod.UID, agent.ReasonEvictionBlocked, "PodDisruptionBudget")
@@ -219,7 +219,7 @@ func TestAgentNeverEvictsUnownedPod(t *testing.T) {
 	e.deadVolume(v, pod)
 
 	cfg := e.config()
-	cfg.Tiers = agent.Tiers{Evict: true, Delete: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierEvict, remount.TierDelete)
 	a := e.startAgent(cfg, agent.Deps{})
 
 	e.waitEvent(pod.UID, agent.ReasonNotRepaired, "no controller owner")
@@ -248,7 +248,7 @@ func TestAgentHonoursClaimOptOut(t *testing.T) {
 	e.deadVolume(v, pod)
 
 	cfg := e.config()
-	cfg.Tiers = agent.Tiers{Evict: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{})
 
 	e.waitEvent(pod.UID, agent.ReasonNotRepaired, agent.OptOutAnnotation)
@@ -374,7 +374,7 @@ func TestAgentSeesShutdownWithoutResync(t *testing.T) {
 	e.kubelet.Publish(string(pod.UID), v.pv.Name, labDriver, v.handle, v.staging, false)
 	cfg := e.config()
 	cfg.Resync = 10 * time.Minute
-	cfg.Tiers = agent.Tiers{}
+	cfg.Tiers = remount.TierSet(0)
 	a := e.startAgent(cfg, agent.Deps{})
 	if n, _ := a.metric(`mountmedic_stale_mounts{driver="` + labDriver + `",kind="publish",state="Shutdown"}`); n != 0 {
 		t.Fatalf("stale mounts before the shutdown = %v, want 0", n)
@@ -413,7 +413,7 @@ func TestAgentFreesTerminatingPods(t *testing.T) {
 	}
 	t.Cleanup(func() { rep.Close() })
 	cfg := e.config()
-	cfg.Tiers = agent.Tiers{Unmount: true, ForceDelete: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierUnmount, remount.TierForceDelete)
 	cfg.ForceDeleteAfter = time.Second
 	e.startAgent(cfg, agent.Deps{Repairer: rep})
 
@@ -444,7 +444,7 @@ func TestAgentLeavesFencedPodsAlone(t *testing.T) {
 	pod := e.createPod("fenced-0", v, podOptions{owner: e.replicaSet("fenced", labels), labels: labels})
 	e.deadVolume(v, pod)
 	cfg := e.config()
-	cfg.Tiers = agent.Tiers{Evict: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{Fenced: func(uid string) bool { return uid == string(pod.UID) }})
 	e.waitEvent(pod.UID, agent.ReasonNotRepaired, "fenced")
 	time.Sleep(time.Second)

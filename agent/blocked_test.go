@@ -76,9 +76,9 @@ func TestAgentWaitsForBlockedDriver(t *testing.T) {
 			t.Errorf("event %s %q while the driver blocks", ev.Reason, ev.Note)
 		}
 	}
-	for _, tier := range []string{agent.TierLiveSwap, agent.TierRestart, agent.TierEvict} {
+	for _, tier := range []remount.Tier{remount.TierLiveSwap, remount.TierRestart, remount.TierEvict} {
 		for _, result := range []string{"success", "failure"} {
-			if n, _ := a.metric(`mountmedic_repairs_total{result="` + result + `",tier="` + tier + `"}`); n != 0 {
+			if n, _ := a.metric(`mountmedic_repairs_total{result="` + result + `",tier="` + tier.String() + `"}`); n != 0 {
 				t.Errorf("repairs_total{%s,%s} = %v while the driver blocks, want 0", tier, result, n)
 			}
 		}

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // OptOutAnnotation on a pod or a PersistentVolumeClaim, set to "false",
@@ -18,87 +19,9 @@ import (
 // probed, counted and reported).
 const OptOutAnnotation = "mountmedic.io/repair"
 
-// Tier names, as --tiers takes them and the repairs_total metric labels
-// them.
-const (
-	TierRestage     = "restage"
-	TierLiveSwap    = "liveswap"
-	TierRestart     = "restart"
-	TierEvict       = "evict"
-	TierUnmount     = "unmount"
-	TierDelete      = "delete"
-	TierForceDelete = "force-delete"
-)
-
-// AllTiers lists every tier name, in ladder order.
-var AllTiers = []string{TierRestage, TierLiveSwap, TierRestart, TierEvict, TierUnmount, TierDelete, TierForceDelete}
-
 // DefaultTiers are the tiers enabled by default: every one except the two
 // deletions, which are opt-in.
-var DefaultTiers = []string{TierRestage, TierLiveSwap, TierRestart, TierEvict, TierUnmount}
-
-// Tiers says which repair tiers may run.
-type Tiers struct {
-	// Restage: unmount the dead mounts lazily and send NodeStageVolume and
-	// NodePublishVolume again.
-	Restage bool
-	// LiveSwap: put the fresh mount into running containers.
-	LiveSwap bool
-	// Restart: restart the containers through the CRI.
-	Restart bool
-	// Evict: evict the pod through the Eviction API (PodDisruptionBudgets
-	// respected), only when a controller of an allowed kind owns it.
-	Evict bool
-	// Unmount: lazily unmount the dead mounts of a pod that is being
-	// deleted, so that kubelet can finish tearing it down.
-	Unmount bool
-	// Delete (opt-in): delete the pod with a UID precondition when Evict is
-	// off, or when the eviction failed for another reason than a
-	// PodDisruptionBudget. Never bypasses a budget that blocks.
-	Delete bool
-	// ForceDelete (opt-in): delete a pod stuck terminating on a dead mount
-	// with grace period 0, ForceDeleteAfter past its deletion deadline.
-	ForceDelete bool
-}
-
-// ParseTiers turns tier names into Tiers.
-func ParseTiers(names []string) (Tiers, error) {
-	var t Tiers
-	for _, n := range names {
-		switch strings.TrimSpace(n) {
-		case TierRestage:
-			t.Restage = true
-		case TierLiveSwap:
-			t.LiveSwap = true
-		case TierRestart:
-			t.Restart = true
-		case TierEvict:
-			t.Evict = true
-		case TierUnmount:
-			t.Unmount = true
-		case TierDelete:
-			t.Delete = true
-		case TierForceDelete:
-			t.ForceDelete = true
-		case "":
-		default:
-			return Tiers{}, fmt.Errorf("unknown tier %q: use %s", n, strings.Join(AllTiers, ", "))
-		}
-	}
-	return t, nil
-}
-
-// Names lists the enabled tiers in ladder order.
-func (t Tiers) Names() []string {
-	on := []bool{t.Restage, t.LiveSwap, t.Restart, t.Evict, t.Unmount, t.Delete, t.ForceDelete}
-	var out []string
-	for i, n := range AllTiers {
-		if on[i] {
-			out = append(out, n)
-		}
-	}
-	return out
-}
+var DefaultTiers = remount.NewTierSet(remount.TierRestage, remount.TierLiveSwap, remount.TierRestart, remount.TierEvict, remount.TierUnmount)
 
 // Config is the agent's configuration; cmd/mountmedic binds its flags into
 // it. Start from DefaultConfig.
@@ -135,7 +58,7 @@ type Config struct {
 	BackoffBase time.Duration
 	BackoffMax  time.Duration
 
-	Tiers Tiers
+	Tiers remount.TierSet
 	// MaxConcurrentRepairs bounds the repairs running at once.
 	MaxConcurrentRepairs int
 	// MaxEvictions bounds evictions and deletions per EvictionWindow on this
@@ -178,7 +101,6 @@ type Config struct {
 
 // DefaultConfig returns the defaults the flags start from.
 func DefaultConfig() Config {
-	tiers, _ := ParseTiers(DefaultTiers)
 	return Config{
 		NodeKubeconfig:       DefaultNodeKubeconfig,
 		KubeletRoot:          probe.DefaultKubeletRoot,
@@ -190,7 +112,7 @@ func DefaultConfig() Config {
 		Resync:               30 * time.Second,
 		BackoffBase:          time.Second,
 		BackoffMax:           5 * time.Minute,
-		Tiers:                tiers,
+		Tiers:                DefaultTiers,
 		MaxConcurrentRepairs: 4,
 		MaxEvictions:         2,
 		EvictionWindow:       10 * time.Minute,
@@ -281,7 +203,7 @@ func (c Config) Validate() error {
 			bad("namespace %q is in both --include-namespaces and --exclude-namespaces: keep it in one", ns)
 		}
 	}
-	if c.Tiers.ForceDelete && c.MaxEvictions == 0 {
+	if c.Tiers.Has(remount.TierForceDelete) && c.MaxEvictions == 0 {
 		bad("--tiers force-delete with --max-evictions 0 can never act: raise --max-evictions or drop force-delete")
 	}
 	return errors.Join(errs...)

@@ -7,21 +7,17 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
-func TestParseTiers(t *testing.T) {
-	got, err := ParseTiers(DefaultTiers)
-	if err != nil {
-		t.Fatalf("ParseTiers(DefaultTiers): %v", err)
+func TestDefaultTiers(t *testing.T) {
+	want := []string{"restage", "liveswap", "restart", "evict", "unmount"}
+	if got := DefaultTiers.Names(); !slices.Equal(got, want) {
+		t.Errorf("DefaultTiers.Names() = %v, want %v", got, want)
 	}
-	if !slices.Equal(got.Names(), DefaultTiers) {
-		t.Errorf("ParseTiers(DefaultTiers).Names() = %v, want %v", got.Names(), DefaultTiers)
-	}
-	if got.Delete || got.ForceDelete {
+	if DefaultTiers.Has(remount.TierDelete) || DefaultTiers.Has(remount.TierForceDelete) {
 		t.Error("the default tiers enable a deletion")
-	}
-	if _, err := ParseTiers([]string{"restage", "evcit"}); err == nil || !strings.Contains(err.Error(), `"evcit"`) {
-		t.Errorf("ParseTiers(evcit) error = %v, want it to name the bad tier", err)
 	}
 }
 
@@ -57,7 +53,7 @@ func TestConfigValidate(t *testing.T) {
 		"bad namespace":       {func(c *Config) { c.IncludeNamespaces = []string{"Kube_System"} }, "Kube_System"},
 		"namespace both ways": {func(c *Config) { c.IncludeNamespaces, c.ExcludeNamespaces = []string{"a"}, []string{"a"} }, "both"},
 		"force delete, no budget": {func(c *Config) {
-			c.Tiers.ForceDelete = true
+			c.Tiers = c.Tiers.With(remount.TierForceDelete, true)
 			c.MaxEvictions = 0
 		}, "force-delete"},
 	}

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // volState is what the loop remembers of one broken volume between probe
@@ -31,7 +33,7 @@ type volState struct {
 	// floor is the first ladder rung of the next run: once a run reached
 	// eviction, later runs go straight to it instead of re-running the
 	// tiers that already failed.
-	floor int
+	floor remount.Tier
 	// inflight: a repair run is under way.
 	inflight bool
 	// residual: the host is healed but running containers still see the
@@ -184,7 +186,7 @@ func (d *decider) finish(key string, o outcome, reachedEvict bool, now time.Time
 		return
 	}
 	if reachedEvict {
-		st.floor = rungEvict
+		st.floor = remount.TierEvict
 	}
 	st.next = now.Add(st.backoff)
 	st.backoff = min(2*st.backoff, d.backoffMax)

@@ -4,6 +4,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 func testDecider() *decider {
@@ -138,8 +140,8 @@ func TestDeciderEvictionFloor(t *testing.T) {
 	d.observe(broken, t0)
 	d.start("v")
 	d.finish("v", outcomeWaiting, true, t0)
-	if got := d.vols["v"].floor; got != rungEvict {
-		t.Errorf("floor after a run reached eviction = %d, want %d", got, rungEvict)
+	if got := d.vols["v"].floor; got != remount.TierEvict {
+		t.Errorf("floor after a run reached eviction = %d, want %d", got, remount.TierEvict)
 	}
 	d.kick("d", t0)
 	if got := d.vols["v"].floor; got != 0 {

@@ -391,7 +391,7 @@ func TestAgentEvictsWhenOnlyTheHostHealed(t *testing.T) {
 	}
 	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
-	cfg.Tiers = agent.Tiers{Restage: true, Evict: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierRestage, remount.TierEvict)
 	d.startAgent(cfg, agent.Deps{Repairer: rep})
 
 	d.drv.Kill()
@@ -427,7 +427,7 @@ func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
 	}
 	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
-	cfg.Tiers = agent.Tiers{Restage: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierRestage)
 	d.startAgent(cfg, agent.Deps{Repairer: rep})
 	d.drv.Kill()
 	if err := d.drv.Restart(); err != nil {

@@ -12,6 +12,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // budget allows at most max disruptive actions (evictions, deletions) per
@@ -112,7 +114,7 @@ func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, p
 		}
 		if a.cfg.DryRun {
 			verb := "evict"
-			if !a.cfg.Tiers.Evict {
+			if !a.cfg.Tiers.Has(remount.TierEvict) {
 				verb = "delete (UID precondition)"
 			}
 			note := a.report.message("would %s the pod so that its controller replaces it with fresh mounts", verb)
@@ -134,7 +136,7 @@ func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, p
 			continue
 		}
 		var err error
-		if a.cfg.Tiers.Evict {
+		if a.cfg.Tiers.Has(remount.TierEvict) {
 			err = a.kube.evict(ctx, pod)
 			switch {
 			case err == nil:
@@ -160,7 +162,7 @@ func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, p
 			}
 			a.metrics.evictions.WithLabelValues(evictFailed).Inc()
 			logger.Error(err, "Eviction failed")
-			if !a.cfg.Tiers.Delete {
+			if !a.cfg.Tiers.Has(remount.TierDelete) {
 				a.budget.give(at)
 				res.failed++
 				if unreachable(err) {

@@ -28,16 +28,6 @@ type repairer interface {
 	Unmount(ctx context.Context, v *remount.Volume) remount.Outcome
 }
 
-// Ladder rungs, least disruptive first.
-const (
-	rungRestage = iota
-	rungLiveSwap
-	rungRestart
-	rungEvict
-)
-
-var rungNames = [...]string{TierRestage, TierLiveSwap, TierRestart, TierEvict}
-
 // job is one repair run for one broken volume, prepared by the loop.
 type job struct {
 	key  string
@@ -49,7 +39,7 @@ type job struct {
 	active      []*corev1.Pod
 	terminating []*corev1.Pod
 	excluded    map[*corev1.Pod]string
-	floor       int
+	floor       remount.Tier
 	since       time.Time
 	attempt     int
 	// resume, when set, is a residual to finish: the host was re-staged
@@ -123,23 +113,21 @@ func (rs *residual) holders(get func(uid string) *corev1.Pod) []*corev1.Pod {
 	return out
 }
 
-// rungs lists the ladder rungs a run may take, from floor.
-func (a *Agent) rungs(restageable bool, floor int) []int {
-	var out []int
+// rungs lists the ladder rungs a run may take, from floor: the node-side
+// tiers when the volume can be re-staged here, then eviction (or, with
+// eviction off, the delete that stands in for it).
+func (a *Agent) rungs(restageable bool, floor remount.Tier) []remount.Tier {
+	var out []remount.Tier
 	t := a.cfg.Tiers
 	if restageable && a.repairer != nil {
-		if t.Restage {
-			out = append(out, rungRestage)
-		}
-		if t.LiveSwap {
-			out = append(out, rungLiveSwap)
-		}
-		if t.Restart {
-			out = append(out, rungRestart)
+		for _, r := range []remount.Tier{remount.TierRestage, remount.TierLiveSwap, remount.TierRestart} {
+			if t.Has(r) {
+				out = append(out, r)
+			}
 		}
 	}
-	if t.Evict || t.Delete {
-		out = append(out, rungEvict)
+	if t.Has(remount.TierEvict) || t.Has(remount.TierDelete) {
+		out = append(out, remount.TierEvict)
 	}
 	for len(out) > 0 && out[0] < floor {
 		out = out[1:]
@@ -147,10 +135,10 @@ func (a *Agent) rungs(restageable bool, floor int) []int {
 	return out
 }
 
-func rungList(rs []int) string {
+func rungList(rs []remount.Tier) string {
 	names := make([]string, len(rs))
 	for i, r := range rs {
-		names[i] = rungNames[r]
+		names[i] = r.String()
 	}
 	return strings.Join(names, ", ")
 }
@@ -215,10 +203,10 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	restageable := j.vol.csi
 	floor := j.floor
 	if j.resume != nil {
-		floor = max(floor, rungLiveSwap) // the host is re-staged already
+		floor = max(floor, remount.TierLiveSwap) // the host is re-staged already
 	}
 	rungs := a.rungs(restageable, floor)
-	needRequests := len(rungs) > 0 && rungs[0] != rungEvict && j.resume == nil
+	needRequests := len(rungs) > 0 && rungs[0] != remount.TierEvict && j.resume == nil
 	var (
 		r   *resolved
 		err error
@@ -252,7 +240,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		return res
 	case err != nil:
 		logger.Error(err, "Cannot describe the volume to its driver")
-		a.metrics.repair(TierRestage, resultFailure, 0)
+		a.metrics.repair(remount.TierRestage, resultFailure, 0)
 		if a.notes.once(j.key, "resolve/"+err.Error()) {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("cannot re-stage: %v", err))
 		}
@@ -285,10 +273,10 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		return res
 	}
 
-	if a.cfg.DryRun && rungs[0] != rungEvict {
+	if a.cfg.DryRun && rungs[0] != remount.TierEvict {
 		// The repairer is a dry-run one (New checks): it resolves every
 		// path, asks the driver whether it answers and reports its plan.
-		tier := rungNames[rungs[0]]
+		tier := rungs[0]
 		out := a.tier(ctx, rungs[0], r.vol)
 		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
 			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
@@ -320,9 +308,9 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	for i, rung := range rungs {
 		next := ""
 		if i+1 < len(rungs) {
-			next = rungNames[rungs[i+1]]
+			next = rungs[i+1].String()
 		}
-		if rung == rungEvict {
+		if rung == remount.TierEvict {
 			res.reachedEvict = true
 			start := time.Now()
 			er := a.evictPods(ctx, j.key, r.pods, r.pvc)
@@ -334,7 +322,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			case er.evicted > 0:
 				result = resultSuccess
 			}
-			a.metrics.repair(TierEvict, result, took)
+			a.metrics.repair(remount.TierEvict, result, took)
 			switch {
 			case er.evicted > 0 || er.waiting:
 				res.outcome = outcomeWaiting
@@ -346,7 +334,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			return res
 		}
 		out := a.tier(ctx, rung, r.vol)
-		tier := rungNames[rung]
+		tier := rung
 		logger.V(2).Info("Repair tier done", "tier", tier, "healed", out.Healed, "took", out.Took, "actions", len(out.Actions), "err", out.Err)
 		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
 			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
@@ -361,12 +349,12 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.metrics.repair(tier, resultFailure, out.Took)
 		}
 		switch {
-		case out.Healed && rung == rungRestage && r.needSwap && next != "":
+		case out.Healed && rung == remount.TierRestage && r.needSwap && next != "":
 			hostHealed = true
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonRepairEscalated, actionRepair,
 				a.report.message("re-staged on the host in %.2fs; running containers hold their own bind of the dead mount: trying %s", out.Took.Seconds(), next))
 			continue
-		case out.Healed && rung == rungRestage && r.needSwap:
+		case out.Healed && rung == remount.TierRestage && r.needSwap:
 			// Nothing after the re-stage can reach the containers' own
 			// binds: say so, never "repaired".
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair,
@@ -393,16 +381,16 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 }
 
 // tier runs one node-side rung on the repairer.
-func (a *Agent) tier(ctx context.Context, rung int, v *remount.Volume) remount.Outcome {
+func (a *Agent) tier(ctx context.Context, rung remount.Tier, v *remount.Volume) remount.Outcome {
 	switch rung {
-	case rungRestage:
+	case remount.TierRestage:
 		return a.repairer.Restage(ctx, v)
-	case rungLiveSwap:
+	case remount.TierLiveSwap:
 		return a.repairer.LiveSwap(ctx, v)
-	case rungRestart:
+	case remount.TierRestart:
 		return a.repairer.Restart(ctx, v)
 	}
-	return remount.Outcome{Err: fmt.Errorf("no node-side tier %d", rung)}
+	return remount.Outcome{Err: fmt.Errorf("no node-side tier %s", rung)}
 }
 
 // planText is a dry run's actions for an event: each step with its path
@@ -544,13 +532,13 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 			continue
 		}
 		switch {
-		case !a.cfg.Tiers.Unmount || a.repairer == nil:
+		case !a.cfg.Tiers.Has(remount.TierUnmount) || a.repairer == nil:
 			if a.notes.once(j.key, "term/"+string(pod.UID)) {
 				a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionUnmount,
 					a.report.message("the pod is terminating with %d dead mounts; the unmount tier is off", len(use.dead)))
 			}
 		case a.cfg.DryRun:
-			a.metrics.repair(TierUnmount, resultDryRun, 0)
+			a.metrics.repair(remount.TierUnmount, resultDryRun, 0)
 			if a.notes.once(j.key, "term/"+string(pod.UID)) {
 				a.report.pod(pod, nil, corev1.EventTypeNormal, ReasonNotRepaired, actionUnmount,
 					a.report.message("would lazily unmount %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
@@ -560,13 +548,13 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 				Pods: []remount.PodVolume{{Dead: use.dead}}}
 			out := a.repairer.Unmount(ctx, v)
 			if out.Err != nil {
-				a.metrics.repair(TierUnmount, resultFailure, out.Took)
+				a.metrics.repair(remount.TierUnmount, resultFailure, out.Took)
 				klog.FromContext(ctx).Error(out.Err, "Unmounting the dead mounts of a terminating pod failed", "pod", klog.KObj(pod))
 				a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionUnmount,
 					a.report.message("lazily unmounting the dead mounts of the terminating pod failed: %v", out.Err))
 				o = outcomeFailed
 			} else {
-				a.metrics.repair(TierUnmount, resultSuccess, out.Took)
+				a.metrics.repair(remount.TierUnmount, resultSuccess, out.Took)
 				if !a.notes.once(j.key, "unmounted/"+string(pod.UID)) {
 					break
 				}
@@ -574,7 +562,7 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 					a.report.message("lazily unmounted %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
 			}
 		}
-		if a.cfg.Tiers.ForceDelete && a.forceDeleteOverdue(pod, now) {
+		if a.cfg.Tiers.Has(remount.TierForceDelete) && a.forceDeleteOverdue(pod, now) {
 			a.forceDelete(ctx, j.key, pod, nil)
 		}
 	}

@@ -10,6 +10,8 @@ import (
 	"github.com/mountmedic/mountmedic/probe"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // Repair results, as mountmedic_repairs_total labels them.
@@ -30,7 +32,7 @@ const (
 )
 
 // metricTiers are the repairs_total tier label values.
-var metricTiers = []string{TierRestage, TierLiveSwap, TierRestart, TierEvict, TierUnmount}
+var metricTiers = []remount.Tier{remount.TierRestage, remount.TierLiveSwap, remount.TierRestart, remount.TierEvict, remount.TierUnmount}
 
 // metricKinds are the kubelet mount kinds, as probe names them.
 var metricKinds = []kubelet.Kind{kubelet.KindPublish, kubelet.KindStaging, kubelet.KindSubPath, kubelet.KindBlock, kubelet.KindPluginVolume}
@@ -135,9 +137,9 @@ func newMetrics(version string, reg *prometheus.Registry) *metrics {
 		m.kubeletMounts.WithLabelValues(k.String())
 	}
 	for _, t := range metricTiers {
-		m.repairSeconds.WithLabelValues(t)
+		m.repairSeconds.WithLabelValues(t.String())
 		for _, r := range []string{resultSuccess, resultFailure, resultDriverUnavailable, resultDryRun} {
-			m.repairs.WithLabelValues(t, r)
+			m.repairs.WithLabelValues(t.String(), r)
 		}
 	}
 	for _, r := range []string{evictEvicted, evictBlockedByPDB, evictFailed, evictNoController, evictDryRun} {
@@ -199,10 +201,10 @@ func (m *metrics) observeScan(inv *probe.Inventory, rep *probe.Report, took time
 	m.lastScan.Set(float64(end.UnixNano()) / 1e9)
 }
 
-func (m *metrics) repair(tier, result string, took time.Duration) {
-	m.repairs.WithLabelValues(tier, result).Inc()
+func (m *metrics) repair(tier remount.Tier, result string, took time.Duration) {
+	m.repairs.WithLabelValues(tier.String(), result).Inc()
 	if result != resultDryRun {
-		m.repairSeconds.WithLabelValues(tier).Observe(took.Seconds())
+		m.repairSeconds.WithLabelValues(tier.String()).Observe(took.Seconds())
 	}
 }
 

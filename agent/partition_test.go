@@ -13,6 +13,8 @@ import (
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // TestAgentKeepsWorkingWithoutAPIServer cuts the agent off from the API
@@ -41,7 +43,7 @@ func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := e.config()
-	cfg.Tiers = agent.Tiers{Evict: true}
+	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	cfg.APITimeout = time.Second
 	a := e.startAgent(cfg, agent.Deps{Client: client})
 

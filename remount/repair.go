@@ -1,7 +1,6 @@
 package remount
 
 import (
-	"strconv"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -10,37 +9,6 @@ import (
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
-
-// Tier is a rung of the repair ladder, least disruptive first. Eviction,
-// the last rung, is the agent's: it needs the API server.
-type Tier int
-
-const (
-	// TierRestage aborts a hung FUSE connection, lazily unmounts the dead
-	// subPath binds, publish targets and staging mount, and sends
-	// NodeStageVolume and NodePublishVolume through the driver's socket.
-	// With HostToContainer propagation it reaches running containers.
-	TierRestage Tier = iota
-	// TierLiveSwap puts the fresh mount (or its subPath directory) into each
-	// running container's mount namespace in place of the dead one.
-	TierLiveSwap
-	// TierRestart stops the pod's containers through the CRI so kubelet
-	// starts them again on the fresh mount (dead subPath binds unmounted
-	// first so kubelet binds them again).
-	TierRestart
-	// TierUnmount is no rung: it lazily unmounts the dead mounts of pods
-	// being deleted, so that kubelet can finish tearing them down.
-	TierUnmount
-)
-
-var tierNames = [...]string{"restage", "liveswap", "restart", "unmount"}
-
-func (t Tier) String() string {
-	if int(t) >= 0 && int(t) < len(tierNames) {
-		return tierNames[t]
-	}
-	return "tier(" + strconv.Itoa(int(t)) + ")"
-}
 
 // Volume is one broken CSI volume on this node, as the agent resolved it:
 // the staging mount shared by its pods and, per pod, the publish request

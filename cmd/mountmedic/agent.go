@@ -32,7 +32,7 @@ type agentFlags struct {
 }
 
 func newAgentCommand() *cobra.Command {
-	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers, failover: failover.DefaultConfig()}
+	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers.Names(), failover: failover.DefaultConfig()}
 	f.cfg.NodeName = os.Getenv("NODE_NAME")
 	cmd := &cobra.Command{
 		Use:   "agent",
@@ -89,7 +89,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.DurationVar(&c.Resync, "resync", c.Resync, "re-read the mount table and retry volumes waiting for their driver at least this often")
 	fl.DurationVar(&c.BackoffBase, "backoff-base", c.BackoffBase, "first wait after a failed repair of a volume (doubles per failure)")
 	fl.DurationVar(&c.BackoffMax, "backoff-max", c.BackoffMax, "longest wait between repairs of a volume")
-	fl.StringSliceVar(&f.tiers, "tiers", f.tiers, "repair tiers to enable, comma-separated: "+strings.Join(agent.AllTiers, ", "))
+	fl.StringSliceVar(&f.tiers, "tiers", f.tiers, "repair tiers to enable, comma-separated: "+strings.Join(remount.NewTierSet(remount.AllTiers()...).Names(), ", "))
 	fl.IntVar(&c.MaxConcurrentRepairs, "max-concurrent-repairs", c.MaxConcurrentRepairs, "repairs running at once on this node")
 	fl.IntVar(&c.MaxEvictions, "max-evictions", c.MaxEvictions, "evictions and deletions allowed per --eviction-window on this node (0 disables them)")
 	fl.DurationVar(&c.EvictionWindow, "eviction-window", c.EvictionWindow, "sliding window of --max-evictions")
@@ -110,7 +110,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 // agentConfig turns the flags into a checked agent.Config.
 func agentConfig(f *agentFlags) (agent.Config, error) {
 	cfg := f.cfg
-	tiers, err := agent.ParseTiers(f.tiers)
+	tiers, err := remount.ParseTierSet(f.tiers)
 	if err != nil {
 		return cfg, fmt.Errorf("--tiers: %w", err)
 	}
