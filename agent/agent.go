@@ -305,7 +305,7 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	kick := func(driver string) {
 		a.caps.forget(driver)
 		for _, key := range a.decider.kick(driver, time.Now()) {
-			a.notes.clear(key, ReasonDriverDown)
+			a.notes.clear(key, noteDriverDown)
 		}
 		dirty = true
 		probeTimer.Reset(0)

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"sort"
-	"strings"
 	"sync"
 	"time"
 
@@ -235,46 +234,80 @@ func (d *decider) resync() {
 	}
 }
 
+// noteKind is what an event the agent sends once per volume and episode
+// is about.
+type noteKind uint8
+
+const (
+	noteBroken      noteKind = iota + 1 // VolumeBroken, to the pods
+	noteBrokenClaim                     // VolumeBroken, to the claim
+	noteExcluded                        // a pod left out (subject: its UID)
+	noteSkip                            // the volume is reported, not repaired
+	noteOptOut                          // opted out by annotation
+	noteAPIWait                         // waiting for the API server
+	noteResolve                         // the volume could not be resolved (subject: the error)
+	noteWhy                             // why the ladder starts where it does
+	noteNoRung                          // no enabled tier can repair it
+	noteDryRun                          // a dry run's plan (subject: the plan)
+	noteDriverDown                      // the CSI driver does not answer
+	noteTerminating                     // a terminating pod holds the dead mount (subject: its UID)
+	noteUnmounted                       // its dead mounts were unmounted (subject: the pod's UID)
+	noteRefused                         // an eviction was refused (subject: the pod's UID)
+	noteBudget                          // a PodDisruptionBudget blocks it (subject: the pod's UID)
+	noteForce                           // a force delete (subject: the pod's UID)
+)
+
+// note is one event sent once: its kind and what it is about (a pod's UID,
+// an error's text, a plan; "" when the kind alone says it).
+type note struct {
+	kind    noteKind
+	subject string
+}
+
 // noteBook remembers the events already sent for each volume in its
 // current episode, so that a volume that stays broken does not repeat them
 // at every run. Workers and the loop share it.
 type noteBook struct {
 	mu    sync.Mutex
-	notes map[string]map[string]bool
+	notes map[string]map[note]bool
 }
 
-func newNoteBook() *noteBook { return &noteBook{notes: make(map[string]map[string]bool)} }
+func newNoteBook() *noteBook { return &noteBook{notes: make(map[string]map[note]bool)} }
 
-// once reports whether note was not yet sent for key, and records it.
-func (n *noteBook) once(key, note string) bool {
+// once reports whether the note of kind about subject was not yet sent for
+// the volume key, and records it.
+func (n *noteBook) once(key string, kind noteKind, subject string) bool {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	m := n.notes[key]
 	if m == nil {
-		m = make(map[string]bool)
+		m = make(map[note]bool)
 		n.notes[key] = m
 	}
-	if m[note] {
+	k := note{kind, subject}
+	if m[k] {
 		return false
 	}
-	m[note] = true
+	m[k] = true
 	return true
 }
 
-// clear forgets the notes of key whose text starts with prefix ("" for
-// all of them).
-func (n *noteBook) clear(key, prefix string) {
+// clear forgets the notes of key of the given kind, whatever their subject.
+func (n *noteBook) clear(key string, kind noteKind) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if prefix == "" {
-		delete(n.notes, key)
-		return
-	}
-	for note := range n.notes[key] {
-		if strings.HasPrefix(note, prefix) {
-			delete(n.notes[key], note)
+	for k := range n.notes[key] {
+		if k.kind == kind {
+			delete(n.notes[key], k)
 		}
 	}
+}
+
+// clearAll forgets every note of key: its episode is over.
+func (n *noteBook) clearAll(key string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	delete(n.notes, key)
 }
 
 // keep drops the notes of every volume not in live.

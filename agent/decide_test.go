@@ -151,19 +151,29 @@ func TestDeciderEvictionFloor(t *testing.T) {
 
 func TestNoteBook(t *testing.T) {
 	n := newNoteBook()
-	if !n.once("v", "DriverDown") || n.once("v", "DriverDown") {
+	if !n.once("v", noteDriverDown, "") || n.once("v", noteDriverDown, "") {
 		t.Fatal("once: want true then false")
 	}
-	n.once("v", "other")
-	n.clear("v", "Driver")
-	if !n.once("v", "DriverDown") {
-		t.Error("clear(prefix) did not forget DriverDown")
+	if !n.once("v", noteTerminating, "pod-a") || !n.once("v", noteTerminating, "pod-b") {
+		t.Fatal("once: a note about another subject is another note")
 	}
-	if n.once("v", "other") {
-		t.Error("clear(prefix) forgot a note without the prefix")
+	n.once("v", noteSkip, "")
+	n.clear("v", noteTerminating)
+	if !n.once("v", noteTerminating, "pod-a") || !n.once("v", noteTerminating, "pod-b") {
+		t.Error("clear(kind) did not forget every subject of the kind")
+	}
+	if n.once("v", noteDriverDown, "") || n.once("v", noteSkip, "") {
+		t.Error("clear(kind) forgot a note of another kind")
+	}
+	if !n.once("w", noteSkip, "") {
+		t.Error("a note of one volume silenced another's")
+	}
+	n.clearAll("v")
+	if !n.once("v", noteSkip, "") {
+		t.Error("clearAll did not forget the volume's notes")
 	}
 	n.keep(func(string) bool { return false })
-	if !n.once("v", "other") {
+	if !n.once("v", noteSkip, "") {
 		t.Error("keep(none) did not forget the volume")
 	}
 }

@@ -106,7 +106,7 @@ func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, p
 			if noController {
 				a.metrics.evictions.WithLabelValues(evictNoController).Inc()
 			}
-			if a.notes.once(key, "refused/"+string(pod.UID)) {
+			if a.notes.once(key, noteRefused, string(pod.UID)) {
 				logger.V(2).Info("Not evicting pod", "reason", why)
 				a.report.pod(pod, pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionEvict, a.report.message("%s", why))
 			}
@@ -130,7 +130,7 @@ func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, p
 		if !ok {
 			res.waiting = true
 			note := a.report.message("eviction waits: the node's budget of %d evictions per %s is used up", a.cfg.MaxEvictions, a.cfg.EvictionWindow)
-			if a.notes.once(key, "budget/"+string(pod.UID)) {
+			if a.notes.once(key, noteBudget, string(pod.UID)) {
 				a.report.pod(pod, pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionEvict, note)
 			}
 			continue
@@ -211,7 +211,7 @@ func (a *Agent) forceDeleteOverdue(pod *corev1.Pod, now time.Time) bool {
 func (a *Agent) forceDelete(ctx context.Context, key string, pod *corev1.Pod, pvc *corev1.PersistentVolumeClaim) {
 	logger := klog.FromContext(ctx).WithValues("pod", klog.KObj(pod))
 	if metav1.GetControllerOf(pod) == nil {
-		if a.notes.once(key, "force/"+string(pod.UID)) {
+		if a.notes.once(key, noteForce, string(pod.UID)) {
 			a.report.pod(pod, pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionDelete,
 				a.report.message("the pod is stuck terminating on a dead mount and has no controller owner: mountmedic never force-deletes it"))
 		}

@@ -166,17 +166,17 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	for pod := range j.excluded {
 		allPods = append(allPods, pod)
 	}
-	if a.notes.once(j.key, ReasonVolumeBroken) {
+	if a.notes.once(j.key, noteBroken, "") {
 		logger.V(2).Info("Volume broken", "state", j.vol.state, "mounts", len(j.vol.mounts), "pods", len(j.vol.pods), "err", j.vol.err)
 		a.report.volume(allPods, nil, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
 	}
 	for pod, why := range j.excluded {
-		if a.notes.once(j.key, "excluded/"+string(pod.UID)) {
+		if a.notes.once(j.key, noteExcluded, string(pod.UID)) {
 			a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
 		}
 	}
 	if j.skip != "" {
-		if a.notes.once(j.key, "skip") {
+		if a.notes.once(j.key, noteSkip, "") {
 			logger.V(2).Info("Volume not repaired", "reason", j.skip)
 			a.report.volume(append(append([]*corev1.Pod{}, j.active...), j.terminating...), nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", j.skip))
 		}
@@ -217,14 +217,14 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		r, err = a.resolve(ctx, j, needRequests)
 		defer r.wipe()
 	}
-	if r != nil && r.pvc != nil && a.notes.once(j.key, ReasonVolumeBroken+"/claim") {
+	if r != nil && r.pvc != nil && a.notes.once(j.key, noteBrokenClaim, "") {
 		// The pods heard of it above; the claim is known only now.
 		a.report.claim(r.pvc, r.pods, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
 	}
 	var optOut *optOutError
 	switch {
 	case errors.As(err, &optOut):
-		if a.notes.once(j.key, "optout") {
+		if a.notes.once(j.key, noteOptOut, "") {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, a.report.message("%s", optOut.Error()))
 		}
 		res.outcome = outcomeIgnored
@@ -233,7 +233,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		return a.driverDown(ctx, j, r, res, err)
 	case errors.Is(err, errAPIWait):
 		logger.V(2).Info("Repair waits for the API server", "err", err)
-		if a.notes.once(j.key, "apiwait") {
+		if a.notes.once(j.key, noteAPIWait, "") {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", err))
 		}
 		res.outcome = outcomeWaiting
@@ -241,7 +241,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	case err != nil:
 		logger.Error(err, "Cannot describe the volume to its driver")
 		a.metrics.repair(remount.TierRestage, resultFailure, 0)
-		if a.notes.once(j.key, "resolve/"+err.Error()) {
+		if a.notes.once(j.key, noteResolve, err.Error()) {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("cannot re-stage: %v", err))
 		}
 		res.outcome = outcomeFailed
@@ -249,7 +249,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	}
 	if !r.restageable {
 		rungs = a.rungs(false, j.floor)
-		if a.notes.once(j.key, "why") && r.why != "" {
+		if a.notes.once(j.key, noteWhy, "") && r.why != "" {
 			logger.V(2).Info("Volume cannot be re-staged", "reason", r.why)
 		}
 	}
@@ -261,7 +261,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		if r.why != "" {
 			why = r.why + "; " + why
 		}
-		if a.notes.once(j.key, "norung") {
+		if a.notes.once(j.key, noteNoRung, "") {
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
 		}
 		res.outcome = outcomeIgnored
@@ -288,7 +288,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			plan += "; it would fail: " + out.Err.Error()
 		}
 		note := a.report.message("would %s (%s), then if that does not heal it: %s", tier, plan, orNothing(rungList(rungs[1:])))
-		if a.notes.once(j.key, note) {
+		if a.notes.once(j.key, noteDryRun, note) {
 			logger.V(2).Info("Dry run", "tiers", rungList(rungs), "actions", len(out.Actions), "err", out.Err)
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, note)
 		}
@@ -362,7 +362,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			res.outcome = outcomeIgnored
 			return res
 		case out.Healed:
-			a.notes.clear(j.key, "")
+			a.notes.clearAll(j.key)
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
 				a.report.message("repaired by %s in %.2fs (broken for %.1fs)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
 			res.outcome = outcomeHealed
@@ -436,7 +436,7 @@ func (a *Agent) awaitFresh(ctx context.Context, j *job, r *resolved, freshc <-ch
 	f := <-freshc
 	if f.err != nil {
 		logger.V(2).Info("Repair waits for the API server", "err", f.err)
-		if a.notes.once(j.key, "apiwait") {
+		if a.notes.once(j.key, noteAPIWait, "") {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", f.err))
 		}
 		return nil
@@ -511,7 +511,7 @@ func (a *Agent) driverDown(ctx context.Context, j *job, r *resolved, res jobResu
 			pods = r.pods
 		}
 	}
-	if a.notes.once(j.key, ReasonDriverDown) {
+	if a.notes.once(j.key, noteDriverDown, "") {
 		klog.FromContext(ctx).V(2).Info("CSI driver is down; waiting for it to register again", "err", err)
 		a.report.volume(pods, pvc, corev1.EventTypeWarning, ReasonDriverDown, actionRepair,
 			a.report.message("CSI driver %s is not available (%v): re-staging as soon as it registers again", j.vol.driver, err))
@@ -533,13 +533,13 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 		}
 		switch {
 		case !a.cfg.Tiers.Has(remount.TierUnmount) || a.repairer == nil:
-			if a.notes.once(j.key, "term/"+string(pod.UID)) {
+			if a.notes.once(j.key, noteTerminating, string(pod.UID)) {
 				a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionUnmount,
 					a.report.message("the pod is terminating with %d dead mounts; the unmount tier is off", len(use.dead)))
 			}
 		case a.cfg.DryRun:
 			a.metrics.repair(remount.TierUnmount, resultDryRun, 0)
-			if a.notes.once(j.key, "term/"+string(pod.UID)) {
+			if a.notes.once(j.key, noteTerminating, string(pod.UID)) {
 				a.report.pod(pod, nil, corev1.EventTypeNormal, ReasonNotRepaired, actionUnmount,
 					a.report.message("would lazily unmount %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
 			}
@@ -555,7 +555,7 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 				o = outcomeFailed
 			} else {
 				a.metrics.repair(remount.TierUnmount, resultSuccess, out.Took)
-				if !a.notes.once(j.key, "unmounted/"+string(pod.UID)) {
+				if !a.notes.once(j.key, noteUnmounted, string(pod.UID)) {
 					break
 				}
 				a.report.pod(pod, nil, corev1.EventTypeNormal, ReasonVolumeRepaired, actionUnmount,
