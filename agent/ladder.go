@@ -162,24 +162,8 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	ctx = klog.NewContext(ctx, logger)
 	res = jobResult{key: j.key, outcome: outcomeIgnored}
 
-	allPods := append(append([]*corev1.Pod{}, j.active...), j.terminating...)
-	for pod := range j.excluded {
-		allPods = append(allPods, pod)
-	}
-	if a.notes.once(j.key, noteBroken, "") {
-		logger.V(2).Info("Volume broken", "state", j.vol.state, "mounts", len(j.vol.mounts), "pods", len(j.vol.pods), "err", j.vol.err)
-		a.report.volume(allPods, nil, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
-	}
-	for pod, why := range j.excluded {
-		if a.notes.once(j.key, noteExcluded, string(pod.UID)) {
-			a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
-		}
-	}
+	a.announce(ctx, j)
 	if j.skip != "" {
-		if a.notes.once(j.key, noteSkip, "") {
-			logger.V(2).Info("Volume not repaired", "reason", j.skip)
-			a.report.volume(append(append([]*corev1.Pod{}, j.active...), j.terminating...), nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", j.skip))
-		}
 		return res
 	}
 	if len(j.terminating) > 0 {
@@ -200,13 +184,11 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		freshc <- f
 	}()
 
-	restageable := j.vol.csi
 	floor := j.floor
 	if j.resume != nil {
 		floor = max(floor, remount.TierLiveSwap) // the host is re-staged already
 	}
-	rungs := a.rungs(restageable, floor)
-	needRequests := len(rungs) > 0 && rungs[0] != remount.TierEvict && j.resume == nil
+	rungs := a.rungs(j.vol.csi, floor)
 	var (
 		r   *resolved
 		err error
@@ -214,9 +196,53 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if j.resume != nil {
 		r = j.resume.forPods(j.active)
 	} else {
+		needRequests := len(rungs) > 0 && rungs[0] != remount.TierEvict
 		r, err = a.resolve(ctx, j, needRequests)
 		defer r.wipe()
 	}
+	rungs, done := a.checkResolved(ctx, j, r, err, rungs, &res)
+	if done {
+		return res
+	}
+	if r = a.awaitFresh(ctx, j, r, freshc); r == nil {
+		res.outcome = outcomeWaiting
+		return res
+	}
+	if a.cfg.DryRun && rungs[0] != remount.TierEvict {
+		return a.dryRun(ctx, j, r, rungs, res)
+	}
+	return a.climb(ctx, j, r, rungs, res)
+}
+
+// announce sends the events a broken volume gets once per episode: broken
+// (to every pod that uses it), each pod left out and why, and why the
+// volume is not repaired when the job skips it.
+func (a *Agent) announce(ctx context.Context, j *job) {
+	logger := klog.FromContext(ctx)
+	allPods := append(append([]*corev1.Pod{}, j.active...), j.terminating...)
+	for pod := range j.excluded {
+		allPods = append(allPods, pod)
+	}
+	if a.notes.once(j.key, noteBroken, "") {
+		logger.V(2).Info("Volume broken", "state", j.vol.state, "mounts", len(j.vol.mounts), "pods", len(j.vol.pods), "err", j.vol.err)
+		a.report.volume(allPods, nil, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
+	}
+	for pod, why := range j.excluded {
+		if a.notes.once(j.key, noteExcluded, string(pod.UID)) {
+			a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
+		}
+	}
+	if j.skip != "" && a.notes.once(j.key, noteSkip, "") {
+		logger.V(2).Info("Volume not repaired", "reason", j.skip)
+		a.report.volume(append(append([]*corev1.Pod{}, j.active...), j.terminating...), nil, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", j.skip))
+	}
+}
+
+// checkResolved reports how resolving the volume went and narrows the
+// rungs to what the resolved volume allows. done: the run ends here, with
+// res set.
+func (a *Agent) checkResolved(ctx context.Context, j *job, r *resolved, err error, rungs []remount.Tier, res *jobResult) (_ []remount.Tier, done bool) {
+	logger := klog.FromContext(ctx)
 	if r != nil && r.pvc != nil && a.notes.once(j.key, noteBrokenClaim, "") {
 		// The pods heard of it above; the claim is known only now.
 		a.report.claim(r.pvc, r.pods, corev1.EventTypeWarning, ReasonVolumeBroken, actionProbe, a.report.message("%s", describe(j.vol)))
@@ -228,16 +254,17 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, a.report.message("%s", optOut.Error()))
 		}
 		res.outcome = outcomeIgnored
-		return res
+		return nil, true
 	case err != nil && isDriverDown(err):
-		return a.driverDown(ctx, j, r, res, err)
+		*res = a.driverDown(ctx, j, r, *res, err)
+		return nil, true
 	case errors.Is(err, errAPIWait):
 		logger.V(2).Info("Repair waits for the API server", "err", err)
 		if a.notes.once(j.key, noteAPIWait, "") {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", err))
 		}
 		res.outcome = outcomeWaiting
-		return res
+		return nil, true
 	case err != nil:
 		logger.Error(err, "Cannot describe the volume to its driver")
 		a.metrics.repair(remount.TierRestage, resultFailure, 0)
@@ -245,7 +272,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("cannot re-stage: %v", err))
 		}
 		res.outcome = outcomeFailed
-		return res
+		return nil, true
 	}
 	if !r.restageable {
 		rungs = a.rungs(false, j.floor)
@@ -265,37 +292,40 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("%s", why))
 		}
 		res.outcome = outcomeIgnored
-		return res
+		return nil, true
 	}
+	return rungs, false
+}
 
-	if r = a.awaitFresh(ctx, j, r, freshc); r == nil {
-		res.outcome = outcomeWaiting
-		return res
+// dryRun reports what the first node-side rung would do. The repairer is a
+// dry-run one (New checks): it resolves every path, asks the driver whether
+// it answers and reports its plan.
+func (a *Agent) dryRun(ctx context.Context, j *job, r *resolved, rungs []remount.Tier, res jobResult) jobResult {
+	tier := rungs[0]
+	out := a.tier(ctx, tier, r.vol)
+	if errors.Is(out.Err, remount.ErrDriverUnavailable) {
+		a.metrics.repair(tier, resultDriverUnavailable, out.Took)
+		return a.driverDown(ctx, j, r, res, out.Err)
 	}
-
-	if a.cfg.DryRun && rungs[0] != remount.TierEvict {
-		// The repairer is a dry-run one (New checks): it resolves every
-		// path, asks the driver whether it answers and reports its plan.
-		tier := rungs[0]
-		out := a.tier(ctx, rungs[0], r.vol)
-		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
-			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
-			return a.driverDown(ctx, j, r, res, out.Err)
-		}
-		a.metrics.repair(tier, resultDryRun, 0)
-		plan := planText(a.cfg.KubeletRoot, out.Actions)
-		if out.Err != nil {
-			plan += "; it would fail: " + out.Err.Error()
-		}
-		note := a.report.message("would %s (%s), then if that does not heal it: %s", tier, plan, orNothing(rungList(rungs[1:])))
-		if a.notes.once(j.key, noteDryRun, note) {
-			logger.V(2).Info("Dry run", "tiers", rungList(rungs), "actions", len(out.Actions), "err", out.Err)
-			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, note)
-		}
-		res.outcome = outcomeWaiting
-		return res
+	a.metrics.repair(tier, resultDryRun, 0)
+	plan := planText(a.cfg.KubeletRoot, out.Actions)
+	if out.Err != nil {
+		plan += "; it would fail: " + out.Err.Error()
 	}
+	note := a.report.message("would %s (%s), then if that does not heal it: %s", tier, plan, orNothing(rungList(rungs[1:])))
+	if a.notes.once(j.key, noteDryRun, note) {
+		klog.FromContext(ctx).V(2).Info("Dry run", "tiers", rungList(rungs), "actions", len(out.Actions), "err", out.Err)
+		a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, note)
+	}
+	res.outcome = outcomeWaiting
+	return res
+}
 
+// climb runs the rungs in order until one heals the volume, eviction ends
+// the run, or none is left.
+func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.Tier, in jobResult) (res jobResult) {
+	logger := klog.FromContext(ctx)
+	res = in
 	// hostHealed: this run (or the one it resumes) re-staged the host and
 	// containers still hold the dead mount; unless a later tier heals
 	// them, the run leaves a residual.
@@ -305,36 +335,17 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			res.residual = &residual{vol: j.vol, r: r}
 		}
 	}()
-	for i, rung := range rungs {
+	for i, tier := range rungs {
 		next := ""
 		if i+1 < len(rungs) {
 			next = rungs[i+1].String()
 		}
-		if rung == remount.TierEvict {
+		if tier == remount.TierEvict {
 			res.reachedEvict = true
-			start := time.Now()
-			er := a.evictPods(ctx, j.key, r.pods, r.pvc)
-			took := time.Since(start)
-			result := resultFailure
-			switch {
-			case a.cfg.DryRun:
-				result = resultDryRun
-			case er.evicted > 0:
-				result = resultSuccess
-			}
-			a.metrics.repair(remount.TierEvict, result, took)
-			switch {
-			case er.evicted > 0 || er.waiting:
-				res.outcome = outcomeWaiting
-			case er.refused == len(r.pods):
-				res.outcome = outcomeIgnored
-			default:
-				res.outcome = outcomeFailed
-			}
+			res.outcome = a.evictRung(ctx, j, r)
 			return res
 		}
-		out := a.tier(ctx, rung, r.vol)
-		tier := rung
+		out := a.tier(ctx, tier, r.vol)
 		logger.V(2).Info("Repair tier done", "tier", tier, "healed", out.Healed, "took", out.Took, "actions", len(out.Actions), "err", out.Err)
 		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
 			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
@@ -349,12 +360,12 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 			a.metrics.repair(tier, resultFailure, out.Took)
 		}
 		switch {
-		case out.Healed && rung == remount.TierRestage && r.needSwap && next != "":
+		case out.Healed && tier == remount.TierRestage && r.needSwap && next != "":
 			hostHealed = true
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonRepairEscalated, actionRepair,
 				a.report.message("re-staged on the host in %.2fs; running containers hold their own bind of the dead mount: trying %s", out.Took.Seconds(), next))
 			continue
-		case out.Healed && rung == remount.TierRestage && r.needSwap:
+		case out.Healed && tier == remount.TierRestage && r.needSwap:
 			// Nothing after the re-stage can reach the containers' own
 			// binds: say so, never "repaired".
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair,
@@ -378,6 +389,28 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	}
 	res.outcome = outcomeFailed
 	return res
+}
+
+// evictRung evicts the volume's pods, the last rung, and says how the run
+// ends.
+func (a *Agent) evictRung(ctx context.Context, j *job, r *resolved) outcome {
+	start := time.Now()
+	er := a.evictPods(ctx, j.key, r.pods, r.pvc)
+	result := resultFailure
+	switch {
+	case a.cfg.DryRun:
+		result = resultDryRun
+	case er.evicted > 0:
+		result = resultSuccess
+	}
+	a.metrics.repair(remount.TierEvict, result, time.Since(start))
+	switch {
+	case er.evicted > 0 || er.waiting:
+		return outcomeWaiting
+	case er.refused == len(r.pods):
+		return outcomeIgnored
+	}
+	return outcomeFailed
 }
 
 // tier runs one node-side rung on the repairer.
