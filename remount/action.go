@@ -14,41 +14,41 @@ type Op string
 
 // The steps the mount-side actors take.
 const (
-	// OpAbortFUSE writes 1 to a FUSE connection's fusectl abort file.
-	OpAbortFUSE Op = "abort-fuse"
-	// OpMountFusectl mounts the fuse control filesystem where it is missing.
-	OpMountFusectl Op = "mount-fusectl"
-	// OpUnmount lazily unmounts (MNT_DETACH) the top mount at a path.
-	OpUnmount Op = "unmount"
-	// OpOverMount binds a fresh mount on top of a dead one on the host.
-	OpOverMount Op = "over-mount"
-	// OpSwap replaces a dead mount inside a container's mount namespace.
-	OpSwap Op = "swap"
-	// OpStopContainer stops a container through the CRI so that kubelet
+	// opAbortFUSE writes 1 to a FUSE connection's fusectl abort file.
+	opAbortFUSE Op = "abort-fuse"
+	// opMountFusectl mounts the fuse control filesystem where it is missing.
+	opMountFusectl Op = "mount-fusectl"
+	// opUnmount lazily unmounts (MNT_DETACH) the top mount at a path.
+	opUnmount Op = "unmount"
+	// opOverMount binds a fresh mount on top of a dead one on the host.
+	opOverMount Op = "over-mount"
+	// opSwap replaces a dead mount inside a container's mount namespace.
+	opSwap Op = "swap"
+	// opStopContainer stops a container through the CRI so that kubelet
 	// starts it again.
-	OpStopContainer Op = "stop-container"
-	// OpCheckDriver asks the CSI driver for its node capabilities before
+	opStopContainer Op = "stop-container"
+	// opCheckDriver asks the CSI driver for its node capabilities before
 	// anything is unmounted.
-	OpCheckDriver Op = "check-driver"
-	// OpStage sends NodeStageVolume.
-	OpStage Op = "stage"
-	// OpPublish sends NodePublishVolume.
-	OpPublish Op = "publish"
-	// OpFindProcesses finds the processes of a pod's containers.
-	OpFindProcesses Op = "find-processes"
-	// OpHolder reports a process that still holds a dead mount (an open
+	opCheckDriver Op = "check-driver"
+	// opStage sends NodeStageVolume.
+	opStage Op = "stage"
+	// opPublish sends NodePublishVolume.
+	opPublish Op = "publish"
+	// opFindProcesses finds the processes of a pod's containers.
+	opFindProcesses Op = "find-processes"
+	// opHolder reports a process that still holds a dead mount (an open
 	// file, a working directory): it keeps failing after the repair.
-	OpHolder Op = "holder"
-	// OpWaitRunning waits for the runtime to run a stopped container again.
-	OpWaitRunning Op = "wait-running"
-	// OpVerify probes a place the tier repaired (statfs and statx with
+	opHolder Op = "holder"
+	// opWaitRunning waits for the runtime to run a stopped container again.
+	opWaitRunning Op = "wait-running"
+	// opVerify probes a place the tier repaired (statfs and statx with
 	// AT_STATX_FORCE_SYNC, with a deadline).
-	OpVerify Op = "verify"
-	// OpBind binds a subPath of the fresh volume again where kubelet keeps
+	opVerify Op = "verify"
+	// opBind binds a subPath of the fresh volume again where kubelet keeps
 	// it (volume-subpaths).
-	OpBind Op = "bind"
-	// OpSkip is a volume or pod a tier leaves alone, and why.
-	OpSkip Op = "skip"
+	opBind Op = "bind"
+	// opSkip is a volume or pod a tier leaves alone, and why.
+	opSkip Op = "skip"
 )
 
 // Action is one step a repair took, or would take in dry-run.
@@ -127,8 +127,8 @@ type Syscalls struct {
 	Fchdir func(fd int) error
 }
 
-// HostSyscalls are the real operations.
-func HostSyscalls() Syscalls {
+// hostSyscalls are the real operations.
+func hostSyscalls() Syscalls {
 	return Syscalls{
 		Unmount:      unix.Unmount,
 		Mount:        unix.Mount,
@@ -144,7 +144,7 @@ func HostSyscalls() Syscalls {
 
 // orHost fills the operations s lacks with the host's.
 func (s Syscalls) orHost() Syscalls {
-	h := HostSyscalls()
+	h := hostSyscalls()
 	if s.Unmount == nil {
 		s.Unmount = h.Unmount
 	}

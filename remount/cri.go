@@ -202,8 +202,8 @@ func (c *CRIClient) ContainerPID(ctx context.Context, id string) (int, error) {
 	return 0, fmt.Errorf("cri ContainerStatus of %s on %s: no pid in the verbose info", id, c.path)
 }
 
-// DefaultStopGrace is the grace period Restarter gives a container.
-const DefaultStopGrace = 30 * time.Second
+// defaultStopGrace is the grace period Restarter gives a container.
+const defaultStopGrace = 30 * time.Second
 
 // Restarter stops a pod's running containers through the CRI so that kubelet
 // starts them again (tier 3 of the repair ladder). A new container gets new
@@ -216,7 +216,7 @@ const DefaultStopGrace = 30 * time.Second
 type Restarter struct {
 	CRI *CRIClient
 	// Grace is the time a container has to exit after SIGTERM;
-	// DefaultStopGrace when zero.
+	// defaultStopGrace when zero.
 	Grace time.Duration
 	// DryRun lists the containers and returns the plan without stopping
 	// any.
@@ -229,22 +229,22 @@ type Restarter struct {
 // stopped (in dry-run: would stop), for the caller to wait for them to run
 // again: a container that is gone by the time it is stopped counts as
 // stopped (kubelet starts it again all the same); one whose stop failed does
-// not. A name given that no running container has is an OpSkip action.
+// not. A name given that no running container has is an opSkip action.
 func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string) ([]Container, []Action, error) {
 	logger := klog.FromContext(ctx).WithValues("podUID", podUID)
 	grace := r.Grace
 	if grace <= 0 {
-		grace = DefaultStopGrace
+		grace = defaultStopGrace
 	}
 	ctrs, err := r.CRI.PodContainers(ctx, podUID)
 	if err != nil {
-		a := Action{Op: OpStopContainer, Path: "pod " + podUID, DryRun: r.DryRun, Err: err}
+		a := Action{Op: opStopContainer, Path: "pod " + podUID, DryRun: r.DryRun, Err: err}
 		return nil, []Action{a}, err
 	}
 	var actions []Action
 	for _, name := range names {
 		if !slices.ContainsFunc(ctrs, func(c Container) bool { return c.Name == name }) {
-			actions = append(actions, Action{Op: OpSkip, Path: "pod " + podUID, Detail: "container " + name + " is not running: nothing to stop"})
+			actions = append(actions, Action{Op: opSkip, Path: "pod " + podUID, Detail: "container " + name + " is not running: nothing to stop"})
 		}
 	}
 	var todo []Container
@@ -258,7 +258,7 @@ func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string)
 	done := make([]bool, len(todo))
 	var wg sync.WaitGroup
 	for i, ct := range todo {
-		a := Action{Op: OpStopContainer, Path: ct.ID, DryRun: r.DryRun,
+		a := Action{Op: opStopContainer, Path: ct.ID, DryRun: r.DryRun,
 			Detail: fmt.Sprintf("container %s of pod %s/%s (attempt %d), grace %s", ct.Name, ct.PodNamespace, ct.PodName, ct.Attempt, grace)}
 		if r.DryRun {
 			logger.V(2).Info("Would stop container", "container", ct.Name, "containerID", ct.ID)

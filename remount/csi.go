@@ -28,21 +28,21 @@ var (
 	// or ran out of time (no connection came up, or the driver accepted it
 	// and never answered the call). Retry later.
 	ErrDriverUnavailable = errors.New("csi driver unavailable")
-	// ErrDriverNotFound marks a driver that no registration socket names and
+	// errDriverNotFound marks a driver that no registration socket names and
 	// that has no socket at the conventional path. Such an error matches
 	// ErrDriverUnavailable too: the driver may be restarting.
-	ErrDriverNotFound = errors.New("csi driver not found")
+	errDriverNotFound = errors.New("csi driver not found")
 )
 
 // Default per-call timeouts of a CSIClient.
 const (
-	DefaultStageTimeout   = 30 * time.Second
-	DefaultPublishTimeout = 15 * time.Second
-	DefaultProbeTimeout   = 5 * time.Second
-	// DefaultReconnectMaxDelay caps gRPC's reconnect backoff, so that a
+	defaultStageTimeout   = 30 * time.Second
+	defaultPublishTimeout = 15 * time.Second
+	defaultProbeTimeout   = 5 * time.Second
+	// defaultReconnectMaxDelay caps gRPC's reconnect backoff, so that a
 	// client notices a restarted driver within about a second (gRPC's own
 	// default grows to two minutes).
-	DefaultReconnectMaxDelay = time.Second
+	defaultReconnectMaxDelay = time.Second
 )
 
 // CSIOptions configures a CSIClient. Zero fields take the defaults.
@@ -59,16 +59,16 @@ type CSIOptions struct {
 
 func (o CSIOptions) withDefaults() CSIOptions {
 	if o.StageTimeout <= 0 {
-		o.StageTimeout = DefaultStageTimeout
+		o.StageTimeout = defaultStageTimeout
 	}
 	if o.PublishTimeout <= 0 {
-		o.PublishTimeout = DefaultPublishTimeout
+		o.PublishTimeout = defaultPublishTimeout
 	}
 	if o.ProbeTimeout <= 0 {
-		o.ProbeTimeout = DefaultProbeTimeout
+		o.ProbeTimeout = defaultProbeTimeout
 	}
 	if o.ReconnectMaxDelay <= 0 {
-		o.ReconnectMaxDelay = DefaultReconnectMaxDelay
+		o.ReconnectMaxDelay = defaultReconnectMaxDelay
 	}
 	return o
 }
@@ -88,10 +88,10 @@ func nodeCapabilities(caps []*csi.NodeServiceCapability) kubelet.NodeCapabilitie
 	return nc
 }
 
-// RPCError is a CSI call that reached gRPC and failed. It keeps the status
+// rpcError is a CSI call that reached gRPC and failed. It keeps the status
 // code; errors.Is(err, ErrDriverUnavailable) holds when the driver was down
 // rather than refusing the request.
-type RPCError struct {
+type rpcError struct {
 	Method   string // e.g. "NodeStageVolume"
 	Endpoint string // socket path
 	Code     codes.Code
@@ -100,20 +100,20 @@ type RPCError struct {
 	err         error
 }
 
-func (e *RPCError) Error() string {
+func (e *rpcError) Error() string {
 	return fmt.Sprintf("csi %s on %s: %v", e.Method, e.Endpoint, e.err)
 }
 
 // Unwrap returns the gRPC status error.
-func (e *RPCError) Unwrap() error { return e.err }
+func (e *rpcError) Unwrap() error { return e.err }
 
 // Is reports ErrDriverUnavailable for a driver that could not be reached.
-func (e *RPCError) Is(target error) bool {
+func (e *rpcError) Is(target error) bool {
 	return target == ErrDriverUnavailable && e.unavailable
 }
 
 // GRPCStatus lets status.Code and status.FromError see through the wrapping.
-func (e *RPCError) GRPCStatus() *status.Status {
+func (e *rpcError) GRPCStatus() *status.Status {
 	st, _ := status.FromError(e.err)
 	return st
 }
@@ -187,7 +187,7 @@ func (c *CSIClient) classify(method string, err error) error {
 	if !ok {
 		return fmt.Errorf("csi %s on %s: %w", method, c.path, err)
 	}
-	e := &RPCError{Method: method, Endpoint: c.path, Code: st.Code(), err: err}
+	e := &rpcError{Method: method, Endpoint: c.path, Code: st.Code(), err: err}
 	switch st.Code() {
 	case codes.Unavailable:
 		e.unavailable = true

@@ -20,9 +20,9 @@ import (
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
-// RegistrationTimeout bounds the connection and the GetInfo call on one
+// registrationTimeout bounds the connection and the GetInfo call on one
 // registration socket (kubelet gives GetInfo one second after connecting).
-const RegistrationTimeout = 2 * time.Second
+const registrationTimeout = 2 * time.Second
 
 // Endpoint is where a CSI driver's node service listens.
 type Endpoint struct {
@@ -63,7 +63,7 @@ type scan struct {
 // node-driver-registrar exits when told that registration failed.
 //
 // A driver named by no answer and with no conventional socket gives an
-// error matching both ErrDriverNotFound and ErrDriverUnavailable: a driver
+// error matching both errDriverNotFound and ErrDriverUnavailable: a driver
 // that is not registered counts as down, since it may be restarting. A
 // registered driver whose socket is missing gives ErrDriverUnavailable; an
 // endpoint that is not a unix socket is refused.
@@ -96,7 +96,7 @@ func FindDriver(ctx context.Context, kubeletRoot, driver string) (Endpoint, erro
 		silent = fmt.Sprintf("; %d registration sockets did not answer (%s)", len(sc.silent), strings.Join(sc.silent, ", "))
 	}
 	return Endpoint{}, fmt.Errorf("csi driver %q is not registered in %s and %s does not exist%s: %w: %w",
-		driver, registryDir(kubeletRoot), conventional, silent, ErrDriverNotFound, ErrDriverUnavailable)
+		driver, registryDir(kubeletRoot), conventional, silent, errDriverNotFound, ErrDriverUnavailable)
 }
 
 func registryDir(kubeletRoot string) string {
@@ -186,7 +186,7 @@ func registrationSockets(dir string) ([]string, error) {
 // a unix socket path.
 func getInfo(ctx context.Context, sock string) (*registration, error) {
 	logger := klog.FromContext(ctx)
-	ctx, cancel := context.WithTimeout(ctx, RegistrationTimeout)
+	ctx, cancel := context.WithTimeout(ctx, registrationTimeout)
 	defer cancel()
 	conn, err := grpc.NewClient("unix://"+sock,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),

@@ -166,8 +166,8 @@ func TestFindDriver(t *testing.T) {
 				if err == nil {
 					t.Fatalf("FindDriver() = %+v, nil; want an error", ep)
 				}
-				if got := errors.Is(err, ErrDriverNotFound); got != w.notFound {
-					t.Errorf("FindDriver() = %v; errors.Is(ErrDriverNotFound) = %v, want %v", err, got, w.notFound)
+				if got := errors.Is(err, errDriverNotFound); got != w.notFound {
+					t.Errorf("FindDriver() = %v; errors.Is(errDriverNotFound) = %v, want %v", err, got, w.notFound)
 				}
 				if got := errors.Is(err, ErrDriverUnavailable); got != w.unavailable {
 					t.Errorf("FindDriver() = %v; errors.Is(ErrDriverUnavailable) = %v, want %v", err, got, w.unavailable)
@@ -205,8 +205,8 @@ func TestFindDriverNeverNotifies(t *testing.T) {
 	if _, err := FindDriver(t.Context(), root, testDriver); err != nil {
 		t.Fatalf("FindDriver() = %v", err)
 	}
-	if _, err := FindDriver(t.Context(), root, "missing.csi.example.com"); !errors.Is(err, ErrDriverNotFound) {
-		t.Fatalf("FindDriver(missing) = %v, want ErrDriverNotFound", err)
+	if _, err := FindDriver(t.Context(), root, "missing.csi.example.com"); !errors.Is(err, errDriverNotFound) {
+		t.Fatalf("FindDriver(missing) = %v, want errDriverNotFound", err)
 	}
 	if n := reg.notified.Load() + other.notified.Load(); n != 0 {
 		t.Errorf("registration servers got %d NotifyRegistrationStatus calls, want 0 (that call is kubelet's)", n)
@@ -216,7 +216,7 @@ func TestFindDriverNeverNotifies(t *testing.T) {
 func TestFindDriverRefusesBadNames(t *testing.T) {
 	root, _, _ := kubeletDirs(t)
 	for _, name := range []string{"", ".", "..", "a/b", "../../etc"} {
-		if _, err := FindDriver(t.Context(), root, name); err == nil || errors.Is(err, ErrDriverNotFound) {
+		if _, err := FindDriver(t.Context(), root, name); err == nil || errors.Is(err, errDriverNotFound) {
 			t.Errorf("FindDriver(%q) = %v, want a bad-name error", name, err)
 		}
 	}

@@ -172,15 +172,15 @@ func TestCSIClientErrorCodes(t *testing.T) {
 			path, _ := serveDriver(t, f)
 			c := dial(t, path, shortTimeouts)
 			err := c.NodeStageVolume(t.Context(), kubelet.StageRequest(kubelet.VolumeRequest{VolumeHandle: "v", StagingPath: "/s"}))
-			var rpcErr *RPCError
+			var rpcErr *rpcError
 			if !errors.As(err, &rpcErr) {
-				t.Fatalf("NodeStageVolume() = %v, want an *RPCError", err)
+				t.Fatalf("NodeStageVolume() = %v, want an *rpcError", err)
 			}
 			if rpcErr.Code != tc.code || status.Code(err) != tc.code {
 				t.Errorf("NodeStageVolume() code = %v (status.Code %v), want %v", rpcErr.Code, status.Code(err), tc.code)
 			}
 			if rpcErr.Method != "NodeStageVolume" {
-				t.Errorf("RPCError.Method = %q, want NodeStageVolume", rpcErr.Method)
+				t.Errorf("rpcError.Method = %q, want NodeStageVolume", rpcErr.Method)
 			}
 			if got := errors.Is(err, ErrDriverUnavailable); got != tc.wantUnavailable {
 				t.Errorf("errors.Is(%v, ErrDriverUnavailable) = %v, want %v", err, got, tc.wantUnavailable)
@@ -264,9 +264,9 @@ func TestCSIClientTimeouts(t *testing.T) {
 	for name, call := range calls {
 		t.Run(name, func(t *testing.T) {
 			err := watchdog(t, call)
-			var rpcErr *RPCError
+			var rpcErr *rpcError
 			if !errors.As(err, &rpcErr) || rpcErr.Code != codes.DeadlineExceeded {
-				t.Fatalf("%s() on a blocked driver = %v, want an *RPCError with DeadlineExceeded", name, err)
+				t.Fatalf("%s() on a blocked driver = %v, want an *rpcError with DeadlineExceeded", name, err)
 			}
 			if !errors.Is(err, ErrDriverUnavailable) {
 				t.Errorf("%s() = %v does not match ErrDriverUnavailable; a driver that accepts and never answers is down", name, err)

@@ -453,15 +453,15 @@ func testRepairs(t *testing.T, d *driverLab) {
 		// Restage reaches the HostToContainer sidecar by over-mounting
 		// the dead publish target it is a slave of.
 		n := ops(re.Actions)
-		if n[OpOverMount] != 1 || n[OpStage] != 1 || n[OpPublish] != 2 {
+		if n[opOverMount] != 1 || n[opStage] != 1 || n[opPublish] != 2 {
 			t.Errorf("Restage actions %v: want one stage, one publish per pod and one over-mount", n)
 		}
 		wantFile(t, rv.pods[0].ctrs["sidecar"].Path("/data/data.txt"), "data of "+prefix)
 		if !ls.Healed || ls.Err != nil {
 			t.Fatalf("LiveSwap: healed %t, err %v", ls.Healed, ls.Err)
 		}
-		if n := ops(ls.Actions); n[OpSwap] != 3 {
-			t.Errorf("LiveSwap swapped %d mounts, want 3 (app's /data and /data-sub, reader's /data)", n[OpSwap])
+		if n := ops(ls.Actions); n[opSwap] != 3 {
+			t.Errorf("LiveSwap swapped %d mounts, want 3 (app's /data and /data-sub, reader's /data)", n[opSwap])
 		}
 		wantViews(t, views)
 		if got := rv.pids(); !slices.Equal(got, pids) {
@@ -483,7 +483,7 @@ func testRepairs(t *testing.T, d *driverLab) {
 		}
 		for _, o := range []Outcome{re, ls} {
 			for op, n := range ops(o.Actions) {
-				if op != OpVerify && op != OpFindProcesses {
+				if op != opVerify && op != opFindProcesses {
 					t.Errorf("%s of a healthy volume took %d %s actions", o.Tier, n, op)
 				}
 			}
@@ -503,7 +503,7 @@ func testRepairs(t *testing.T, d *driverLab) {
 			if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
 				t.Errorf("%s with the driver down: healed %t, err %v; want ErrDriverUnavailable", o.Tier, o.Healed, o.Err)
 			}
-			if n := ops(o.Actions); n[OpUnmount]+n[OpAbortFUSE]+n[OpStage]+n[OpPublish]+n[OpSwap]+n[OpStopContainer] != 0 {
+			if n := ops(o.Actions); n[opUnmount]+n[opAbortFUSE]+n[opStage]+n[opPublish]+n[opSwap]+n[opStopContainer] != 0 {
 				t.Errorf("%s with the driver down acted: %v", o.Tier, n)
 			}
 		}
@@ -530,14 +530,14 @@ func testRepairs(t *testing.T, d *driverLab) {
 				t.Errorf("dry-run %s: healed %t, err %v; want a plan without errors", o.Tier, o.Healed, o.Err)
 			}
 			n := ops(o.Actions)
-			if n[OpUnmount] == 0 || n[OpStage] != 1 || n[OpPublish] != 2 || n[OpOverMount] != 1 {
+			if n[opUnmount] == 0 || n[opStage] != 1 || n[opPublish] != 2 || n[opOverMount] != 1 {
 				t.Errorf("dry-run %s plan %v: want unmounts, a stage, two publishes, an over-mount", o.Tier, n)
 			}
-			if o.Tier == TierLiveSwap && n[OpSwap] == 0 {
+			if o.Tier == TierLiveSwap && n[opSwap] == 0 {
 				t.Errorf("dry-run liveswap plans no swap")
 			}
 			for _, a := range o.Actions {
-				if a.Op != OpCheckDriver && a.Op != OpFindProcesses && !a.DryRun {
+				if a.Op != opCheckDriver && a.Op != opFindProcesses && !a.DryRun {
 					t.Errorf("dry-run action %v not marked dry-run", a)
 				}
 			}
@@ -580,7 +580,7 @@ func testRepairs(t *testing.T, d *driverLab) {
 		if !re.Healed || !ls.Healed {
 			t.Fatalf("repair of a hung volume: restage %v, liveswap %v", re.Err, ls.Err)
 		}
-		if ops(re.Actions)[OpAbortFUSE] != 1 {
+		if ops(re.Actions)[opAbortFUSE] != 1 {
 			t.Errorf("Restage of a hung volume: want one FUSE abort")
 		}
 		wantViews(t, views)
@@ -602,8 +602,8 @@ func testRepairs(t *testing.T, d *driverLab) {
 		v.Pods = append(slices.Clone(rv.vol.Pods), PodVolume{Publish: bad})
 		re, ls := repair(t, r, &v)
 		for _, o := range []Outcome{re, ls} {
-			if o.Healed || !errors.Is(o.Err, ErrUnsafePath) || !strings.Contains(o.Err.Error(), target) {
-				t.Errorf("%s with a planted symlink: healed %t, err %v; want ErrUnsafePath naming %s", o.Tier, o.Healed, o.Err, target)
+			if o.Healed || !errors.Is(o.Err, errUnsafePath) || !strings.Contains(o.Err.Error(), target) {
+				t.Errorf("%s with a planted symlink: healed %t, err %v; want errUnsafePath naming %s", o.Tier, o.Healed, o.Err, target)
 			}
 		}
 		// The other pods are repaired all the same; outside is untouched.

@@ -14,18 +14,18 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// HoldKind says how a process holds a mount.
-type HoldKind string
+// holdKind says how a process holds a mount.
+type holdKind string
 
 const (
-	// HoldCwd is a working directory on the mount.
-	HoldCwd HoldKind = "cwd"
-	// HoldRoot is a root directory (chroot) on the mount.
-	HoldRoot HoldKind = "root"
-	// HoldFD is an open file descriptor on the mount.
-	HoldFD HoldKind = "fd"
-	// HoldMap is a memory mapping of a file of the filesystem.
-	HoldMap HoldKind = "mmap"
+	// holdCwd is a working directory on the mount.
+	holdCwd holdKind = "cwd"
+	// holdRoot is a root directory (chroot) on the mount.
+	holdRoot holdKind = "root"
+	// holdFD is an open file descriptor on the mount.
+	holdFD holdKind = "fd"
+	// holdMap is a memory mapping of a file of the filesystem.
+	holdMap holdKind = "mmap"
 )
 
 // Holder is a process that still uses a dead filesystem: it keeps the
@@ -34,12 +34,12 @@ const (
 type Holder struct {
 	Pid  int
 	Comm string
-	Kind HoldKind
+	Kind holdKind
 	// Dev is the device number of the filesystem held.
 	Dev probe.Dev
-	// FD is the descriptor number of a HoldFD.
+	// FD is the descriptor number of a holdFD.
 	FD int
-	// MountID is the mount held (HoldCwd, HoldRoot, HoldFD).
+	// MountID is the mount held (holdCwd, holdRoot, holdFD).
 	MountID int
 	// Path is the link's target as /proc shows it, or the mapped file.
 	Path string
@@ -47,7 +47,7 @@ type Holder struct {
 
 func (h Holder) String() string {
 	s := fmt.Sprintf("pid %d (%s) %s", h.Pid, h.Comm, h.Kind)
-	if h.Kind == HoldFD {
+	if h.Kind == holdFD {
 		s += " " + strconv.Itoa(h.FD)
 	}
 	return s + " " + h.Path
@@ -119,7 +119,7 @@ func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.D
 		ids, ok := byNS[ns]
 		if !ok {
 			ids = make(map[int]probe.Dev)
-			if mounts, err := ProcessMounts(procDir, pid, devs...); err == nil {
+			if mounts, err := processMounts(procDir, pid, devs...); err == nil {
 				for _, m := range mounts {
 					ids[m.ID] = m.Dev
 				}
@@ -159,7 +159,7 @@ func readComm(proc string) string {
 // linkHolders checks the cwd and root links.
 func linkHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 	var out []Holder
-	for _, k := range []HoldKind{HoldCwd, HoldRoot} {
+	for _, k := range []holdKind{holdCwd, holdRoot} {
 		link := filepath.Join(proc, string(k))
 		fd, err := unix.Open(link, unix.O_PATH|unix.O_CLOEXEC, 0)
 		if err != nil {
@@ -201,7 +201,7 @@ func fdHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 			continue
 		}
 		target, _ := os.Readlink(filepath.Join(proc, "fd", e.Name()))
-		out = append(out, Holder{Kind: HoldFD, Dev: dev, FD: n, MountID: id, Path: target})
+		out = append(out, Holder{Kind: holdFD, Dev: dev, FD: n, MountID: id, Path: target})
 	}
 	return out
 }
@@ -240,7 +240,7 @@ func parseMaps(data []byte, devs devSet) []Holder {
 			continue
 		}
 		seen[k] = true
-		out = append(out, Holder{Kind: HoldMap, Dev: dev, Path: k.path})
+		out = append(out, Holder{Kind: holdMap, Dev: dev, Path: k.path})
 	}
 	return out
 }

@@ -137,9 +137,9 @@ func podUID(pv *PodVolume) types.UID {
 	return ""
 }
 
-// ErrBlockVolume marks a raw block volume: remount does not re-stage or
+// errBlockVolume marks a raw block volume: remount does not re-stage or
 // swap block devices; the agent leaves such volumes to eviction.
-var ErrBlockVolume = errors.New("raw block volume: not repaired in place, left to eviction")
+var errBlockVolume = errors.New("raw block volume: not repaired in place, left to eviction")
 
 // repairHost brings the volume back on the host, idempotently: staging
 // mount and publish targets healthy, dead subPath binds gone. With nothing
@@ -153,8 +153,8 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 	case v == nil:
 		return h, errors.New("repair: no volume given")
 	case v.Stage.Block:
-		h.add(Action{Op: OpSkip, Path: v.Stage.StagingPath, Detail: "raw block volume", Err: ErrBlockVolume})
-		return h, fmt.Errorf("volume %q of %s: %w", v.VolumeHandle, v.Driver, ErrBlockVolume)
+		h.add(Action{Op: opSkip, Path: v.Stage.StagingPath, Detail: "raw block volume", Err: errBlockVolume})
+		return h, fmt.Errorf("volume %q of %s: %w", v.VolumeHandle, v.Driver, errBlockVolume)
 	case v.Driver == "":
 		return h, fmt.Errorf("volume %q: no CSI driver named: the agent resolves it from the PV", v.VolumeHandle)
 	case v.Stage.StageUnstage && v.Stage.StagingPath == "":
@@ -172,7 +172,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 	// Every path is checked before anything is changed.
 	if h.staging != "" {
 		if err := r.checkPlace(h.staging); err != nil {
-			h.add(Action{Op: OpSkip, Path: h.staging, Detail: "staging path refused: the volume is left as it is", Err: err})
+			h.add(Action{Op: opSkip, Path: h.staging, Detail: "staging path refused: the volume is left as it is", Err: err})
 			return h, fmt.Errorf("volume %q of %s: %w", v.VolumeHandle, v.Driver, err)
 		}
 	}
@@ -186,7 +186,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 			p.refused = fmt.Errorf("pod %s: %w", p.uid, err)
 		}
 		if p.refused != nil {
-			h.add(Action{Op: OpSkip, Path: pv.Publish.TargetPath, Detail: "pod left alone", Err: p.refused})
+			h.add(Action{Op: opSkip, Path: pv.Publish.TargetPath, Detail: "pod left alone", Err: p.refused})
 			h.logger.Error(p.refused, "Pod left alone", "podUID", p.uid)
 		}
 	}
@@ -288,11 +288,11 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 }
 
 // checkPlace proves that path, or its closest existing ancestor, lies below
-// the kubelet root without a symlink (OpenSafe).
+// the kubelet root without a symlink (openSafe).
 func (r *Repairer) checkPlace(path string) error {
 	p := filepath.Clean(path)
 	for {
-		sp, err := OpenSafe(r.root, p)
+		sp, err := openSafe(r.root, p)
 		if err == nil {
 			sp.Close()
 			return nil
@@ -314,7 +314,7 @@ func (r *Repairer) checkPlace(path string) error {
 func (h *hostRun) checkDriver(ctx context.Context) error {
 	start := time.Now()
 	c, caps, err := h.r.checkDriver(ctx, h.v.Driver)
-	a := Action{Op: OpCheckDriver, Path: h.v.Driver, Took: time.Since(start)}
+	a := Action{Op: opCheckDriver, Path: h.v.Driver, Took: time.Since(start)}
 	if err != nil {
 		a.Err = fmt.Errorf("csi driver %s: %w", h.v.Driver, err)
 		a.Detail = "driver does not answer: nothing unmounted"
@@ -353,7 +353,7 @@ func (h *hostRun) planKeep(ctx context.Context) {
 			h.logger.V(2).Info("Reading container mount tables failed", "podUID", p.uid, "err", err)
 		}
 		for _, m := range mounts {
-			if m.Covered || propagationOf(m.Optional) == PropagationNone {
+			if m.Covered || propagationOf(m.Optional) == propagationNone {
 				continue
 			}
 			if sub, ok := relRoot(p.deadRoot, m.Root); !ok || sub != "" {
@@ -392,7 +392,7 @@ func (h *hostRun) abortHung(ctx context.Context) {
 // fuseWaiting reads the number of requests waiting on a FUSE connection
 // from fusectl (0 when it cannot be read).
 func (r *Repairer) fuseWaiting(dev probe.Dev) int {
-	b, err := os.ReadFile(filepath.Join(r.fusectlDir, strconv.FormatUint(uint64(FusectlConn(dev)), 10), "waiting"))
+	b, err := os.ReadFile(filepath.Join(r.fusectlDir, strconv.FormatUint(uint64(fusectlConn(dev)), 10), "waiting"))
 	if err != nil {
 		return 0
 	}
@@ -449,7 +449,7 @@ func (t *hostTable) unmountDead(ctx context.Context, u *Unmounter, path string, 
 	var out []Action
 	for i, m := range t.deadTop(path, dead) {
 		if i > 0 && u.DryRun {
-			out = append(out, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
+			out = append(out, Action{Op: opUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
 			continue
 		}
 		acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}})
@@ -465,7 +465,7 @@ func (h *hostRun) stageVolume(ctx context.Context) error {
 	if !h.stage {
 		return nil
 	}
-	a := Action{Op: OpStage, Path: h.staging, DryRun: h.r.cfg.DryRun, Detail: "NodeStageVolume of " + h.v.VolumeHandle}
+	a := Action{Op: opStage, Path: h.staging, DryRun: h.r.cfg.DryRun, Detail: "NodeStageVolume of " + h.v.VolumeHandle}
 	if h.r.cfg.DryRun {
 		h.add(a)
 		return nil
@@ -487,7 +487,7 @@ func (h *hostRun) stageVolume(ctx context.Context) error {
 // publishPod sends NodePublishVolume for the pod's publish target, which
 // holds no dead mount any more.
 func (h *hostRun) publishPod(ctx context.Context, p *podPlan) error {
-	a := Action{Op: OpPublish, Path: p.target, DryRun: h.r.cfg.DryRun, Detail: "NodePublishVolume of " + h.v.VolumeHandle}
+	a := Action{Op: opPublish, Path: p.target, DryRun: h.r.cfg.DryRun, Detail: "NodePublishVolume of " + h.v.VolumeHandle}
 	if h.r.cfg.DryRun {
 		h.add(a)
 		return nil
@@ -509,7 +509,7 @@ func (h *hostRun) publishPod(ctx context.Context, p *podPlan) error {
 // volume without taking the dead publish target away: the driver publishes
 // the volume at a directory beside the target (its own NodePublishVolume,
 // read-only and mount flags included), the fresh mount is bound over the
-// dead one (OverMounter; it propagates into the containers), and the
+// dead one (overMounter; it propagates into the containers), and the
 // directory beside is lazily unmounted and removed. The bind keeps the
 // fresh filesystem alive; NodeUnpublishVolume is not used on the directory
 // beside because a driver that runs one FUSE daemon per publish would stop
@@ -519,9 +519,9 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 	temp := filepath.Join(dir, freshPublishName)
 	desc := fmt.Sprintf("NodePublishVolume of %s beside the dead publish target, to bind over it", h.v.VolumeHandle)
 	if h.r.cfg.DryRun {
-		h.add(Action{Op: OpPublish, Path: temp, DryRun: true, Detail: desc},
-			Action{Op: OpOverMount, Path: p.target, DryRun: true, Detail: fmt.Sprintf("bind the fresh mount at %s over dead mount %d (containers with propagation receive it)", temp, p.keep.ID)},
-			Action{Op: OpUnmount, Path: temp, DryRun: true, Detail: "the fresh mount beside, once bound over"})
+		h.add(Action{Op: opPublish, Path: temp, DryRun: true, Detail: desc},
+			Action{Op: opOverMount, Path: p.target, DryRun: true, Detail: fmt.Sprintf("bind the fresh mount at %s over dead mount %d (containers with propagation receive it)", temp, p.keep.ID)},
+			Action{Op: opUnmount, Path: temp, DryRun: true, Detail: "the fresh mount beside, once bound over"})
 		return nil
 	}
 	fail := func(op Op, path string, err error) error {
@@ -532,23 +532,23 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 	}
 	// The top may have changed: another pod's over-mount propagates to
 	// this pod's publish target too (both are peers of the staging mount).
-	cur, err := OpenSafe(h.r.root, p.target)
+	cur, err := openSafe(h.r.root, p.target)
 	if err != nil {
-		return fail(OpOverMount, p.target, err)
+		return fail(opOverMount, p.target, err)
 	}
 	topID := cur.MountID
 	cur.Close()
 	if topID != p.keep.ID {
-		h.add(Action{Op: OpOverMount, Path: p.target, Detail: fmt.Sprintf("mount %d is on top now, not dead mount %d: received by propagation, nothing to publish", topID, p.keep.ID)})
+		h.add(Action{Op: opOverMount, Path: p.target, Detail: fmt.Sprintf("mount %d is on top now, not dead mount %d: received by propagation, nothing to publish", topID, p.keep.ID)})
 		return nil
 	}
-	parent, err := OpenSafe(h.r.root, dir)
+	parent, err := openSafe(h.r.root, dir)
 	if err != nil {
-		return fail(OpPublish, temp, err)
+		return fail(opPublish, temp, err)
 	}
 	defer parent.Close()
 	if err := unix.Mkdirat(parent.FD(), freshPublishName, 0o750); err != nil && !errors.Is(err, unix.EEXIST) {
-		return fail(OpPublish, temp, fmt.Errorf("create directory: %w", err))
+		return fail(opPublish, temp, fmt.Errorf("create directory: %w", err))
 	}
 	u := h.r.unmounter()
 	cleanup := func() {
@@ -562,7 +562,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 		}
 	}
 	// A mount left there by an interrupted run goes first.
-	if sp, err := OpenSafe(h.r.root, temp); err == nil {
+	if sp, err := openSafe(h.r.root, temp); err == nil {
 		if sp.IsMountPoint() {
 			acts, _ := u.Unmount(ctx, []string{temp})
 			h.add(acts...)
@@ -574,7 +574,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 	req.TargetPath = temp
 	start := time.Now()
 	err = h.client.NodePublishVolume(ctx, req)
-	a := Action{Op: OpPublish, Path: temp, Detail: desc, Took: time.Since(start)}
+	a := Action{Op: opPublish, Path: temp, Detail: desc, Took: time.Since(start)}
 	if err != nil {
 		a.Err = fmt.Errorf("pod %s: publish volume %q at %s: %w", p.uid, h.v.VolumeHandle, temp, err)
 		h.add(a)
@@ -582,7 +582,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 		return a.Err
 	}
 	h.add(a)
-	om := &OverMounter{Root: h.r.root, Sys: h.r.cfg.Sys}
+	om := &overMounter{Root: h.r.root, Sys: h.r.cfg.Sys}
 	acts, err := om.OverMount(ctx, temp, &probe.Mount{Path: p.target, ID: p.keep.ID})
 	h.add(acts...)
 	cleanup()
@@ -597,7 +597,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 // target, as kubelet binds them when a container starts: the subdirectory
 // (or file) is opened below the publish target without following any
 // symlink (it is the user's data: a symlink must not bind a host path),
-// the target under volume-subpaths must pass OpenSafe and hold no mount.
+// the target under volume-subpaths must pass openSafe and hold no mount.
 // kubelet reuses the bind when a container starts again; a running
 // container keeps its own (LiveSwap replaces that).
 func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
@@ -606,7 +606,7 @@ func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 		if !ok || sub == "" {
 			continue
 		}
-		a := Action{Op: OpBind, Path: b.path, DryRun: h.r.cfg.DryRun, Detail: "bind " + filepath.Join(p.target, sub) + " again, as kubelet binds a subPath"}
+		a := Action{Op: opBind, Path: b.path, DryRun: h.r.cfg.DryRun, Detail: "bind " + filepath.Join(p.target, sub) + " again, as kubelet binds a subPath"}
 		if h.r.cfg.DryRun {
 			h.add(a)
 			continue
@@ -623,7 +623,7 @@ func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 }
 
 func (r *Repairer) bindSubPath(publish, sub, target string) error {
-	src, err := OpenSafe(r.root, publish)
+	src, err := openSafe(r.root, publish)
 	if err != nil {
 		return err
 	}
@@ -636,7 +636,7 @@ func (r *Repairer) bindSubPath(publish, sub, target string) error {
 		return resolveErr(publish, filepath.Join(publish, sub), filepath.Join(publish, sub), err)
 	}
 	defer unix.Close(fd)
-	dst, err := OpenSafe(r.root, target)
+	dst, err := openSafe(r.root, target)
 	if err != nil {
 		return err
 	}

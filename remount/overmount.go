@@ -11,7 +11,7 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// OverMounter puts a fresh mount on top of a dead one on the host, for
+// overMounter puts a fresh mount on top of a dead one on the host, for
 // containers that receive host mounts (mountPropagation HostToContainer or
 // Bidirectional).
 //
@@ -36,7 +36,7 @@ import (
 //     restart.
 //   - The dead mount stays underneath (mounts stack); processes with files
 //     or a working directory on it keep failing.
-type OverMounter struct {
+type overMounter struct {
 	// Root is the kubelet root; probe.DefaultKubeletRoot when empty.
 	Root string
 	// DryRun resolves and checks both paths and returns the plan without
@@ -51,14 +51,14 @@ type OverMounter struct {
 // below the kubelet root) recursively on top of dead, which must still be on
 // top at its path: with dead.ID set, the mount on top there must have that
 // ID, or the action fails with ErrMountChanged. Both paths must pass
-// OpenSafe.
-func (o *OverMounter) OverMount(ctx context.Context, source string, dead *probe.Mount) ([]Action, error) {
+// openSafe.
+func (o *overMounter) OverMount(ctx context.Context, source string, dead *probe.Mount) ([]Action, error) {
 	root := o.Root
 	if root == "" {
 		root = probe.DefaultKubeletRoot
 	}
 	logger := klog.FromContext(ctx).WithValues("source", source, "target", dead.Path)
-	a := Action{Op: OpOverMount, Path: dead.Path, DryRun: o.DryRun}
+	a := Action{Op: opOverMount, Path: dead.Path, DryRun: o.DryRun}
 	fail := func(err error) ([]Action, error) {
 		a.Err = fmt.Errorf("over-mount %s on %s: %w", source, dead.Path, err)
 		if !errors.Is(err, ErrMountChanged) {
@@ -69,7 +69,7 @@ func (o *OverMounter) OverMount(ctx context.Context, source string, dead *probe.
 	if err := ctx.Err(); err != nil {
 		return fail(err)
 	}
-	src, err := OpenSafe(root, source)
+	src, err := openSafe(root, source)
 	if err != nil {
 		return fail(err)
 	}
@@ -77,7 +77,7 @@ func (o *OverMounter) OverMount(ctx context.Context, source string, dead *probe.
 	if !src.IsMountPoint() {
 		return fail(fmt.Errorf("source %s is not a mount point", source))
 	}
-	dst, err := OpenSafe(root, dead.Path)
+	dst, err := openSafe(root, dead.Path)
 	if err != nil {
 		return fail(err)
 	}

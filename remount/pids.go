@@ -31,7 +31,7 @@ import (
 //     only, needs no runtime socket, works with any runtime, finds every
 //     container of the pod at once and keeps working while the runtime is
 //     busy or restarting; the sandbox (pause) process is in the pod cgroup
-//     too, and PlanSwap skips it because its namespace lacks the volume.
+//     too, and planSwap skips it because its namespace lacks the volume.
 //  2. The runtime's verbose ContainerStatus (CRIClient.ContainerPID), for
 //     every container when a CRI endpoint is set (the runtime's process of
 //     a container is the one whose mount namespace a swap enters, over what
@@ -221,7 +221,7 @@ func podOfSegment(seg string) (string, bool) {
 // when procDir is empty): the cgroupfs driver names the pod's cgroup
 // "pod<uid>", the systemd driver "...-pod<uid with _ for ->.slice". Paths
 // outside the reader's cgroup namespace show with ".." segments and still
-// match. The sandbox (pause) process is included; PlanSwap skips it because
+// match. The sandbox (pause) process is included; planSwap skips it because
 // its namespace lacks the volume.
 func PodPIDs(procDir, podUID string) ([]int, error) {
 	if procDir == "" {
@@ -312,7 +312,7 @@ func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 	found := map[types.UID]*podProcs{}
 	snap, err := r.procs.get(r.procDir)
 	if err != nil {
-		actions = append(actions, Action{Op: OpFindProcesses, Path: r.procDir, Err: err})
+		actions = append(actions, Action{Op: opFindProcesses, Path: r.procDir, Err: err})
 	} else {
 		found = snap.podProcs(uids)
 	}
@@ -321,7 +321,7 @@ func (r *Repairer) findProcs(ctx context.Context, pods []*podPlan) []Action {
 		if pp == nil {
 			pp = &podProcs{byContainer: map[string]int{}}
 		}
-		a := Action{Op: OpFindProcesses, Path: "pod " + string(p.uid)}
+		a := Action{Op: opFindProcesses, Path: "pod " + string(p.uid)}
 		var missing []string
 		for _, c := range p.pv.Containers {
 			if _, ok := pp.byContainer[c.ContainerID]; !ok && c.ContainerID != "" && !slices.Contains(missing, c.ContainerID) {

@@ -16,8 +16,8 @@ import (
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
-// ProcessMount is a mount as one process sees it in /proc/<pid>/mountinfo.
-type ProcessMount struct {
+// processMount is a mount as one process sees it in /proc/<pid>/mountinfo.
+type processMount struct {
 	Pid      int
 	ID       int
 	ParentID int
@@ -36,10 +36,10 @@ type ProcessMount struct {
 	Covered bool
 }
 
-// ProcessMounts lists the mounts of the devices devs in the mount namespace
+// processMounts lists the mounts of the devices devs in the mount namespace
 // of process pid, read once from <procDir>/<pid>/mountinfo: matched by
 // device number, never by path, since the container's paths are its own.
-func ProcessMounts(procDir string, pid int, devs ...probe.Dev) ([]ProcessMount, error) {
+func processMounts(procDir string, pid int, devs ...probe.Dev) ([]processMount, error) {
 	p := filepath.Join(procDir, strconv.Itoa(pid), "mountinfo")
 	data, err := os.ReadFile(p)
 	if err != nil {
@@ -56,15 +56,15 @@ func ProcessMounts(procDir string, pid int, devs ...probe.Dev) ([]ProcessMount, 
 	return mountsOf(infos, pid, want), nil
 }
 
-func mountsOf(infos []*mountinfo.Info, pid int, devs devSet) []ProcessMount {
+func mountsOf(infos []*mountinfo.Info, pid int, devs devSet) []processMount {
 	covered := probe.CoveredIDs(infos)
-	var out []ProcessMount
+	var out []processMount
 	for _, in := range infos {
 		dev := probe.Dev{Major: uint32(in.Major), Minor: uint32(in.Minor)}
 		if !devs[dev] {
 			continue
 		}
-		out = append(out, ProcessMount{
+		out = append(out, processMount{
 			Pid: pid, ID: in.ID, ParentID: in.Parent, Dev: dev, Root: in.Root, Path: in.Mountpoint,
 			Options: in.Options, Optional: in.Optional, FSType: in.FSType, Covered: covered[in.ID],
 		})
@@ -75,13 +75,13 @@ func mountsOf(infos []*mountinfo.Info, pid int, devs devSet) []ProcessMount {
 // namespaceMounts lists the mounts of the devices devs in the mount
 // namespaces of pids, each namespace read once (through the first of pids
 // in it), leaving out our own namespace and processes that have exited.
-func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMount, error) {
+func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]processMount, error) {
 	ours, err := os.Readlink(filepath.Join(procDir, "thread-self", "ns", "mnt"))
 	if err != nil {
 		return nil, fmt.Errorf("own mount namespace: %w", err)
 	}
 	seen := map[string]bool{ours: true}
-	var out []ProcessMount
+	var out []processMount
 	var errs []error
 	for _, pid := range pids {
 		ns, err := os.Readlink(filepath.Join(procDir, strconv.Itoa(pid), "ns", "mnt"))
@@ -96,7 +96,7 @@ func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMou
 			continue
 		}
 		seen[ns] = true
-		ms, err := ProcessMounts(procDir, pid, devs...)
+		ms, err := processMounts(procDir, pid, devs...)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue
 		}
@@ -109,7 +109,7 @@ func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMou
 	return out, errors.Join(errs...)
 }
 
-// PlanSwap finds, in the containers of processes pids, every uncovered mount
+// planSwap finds, in the containers of processes pids, every uncovered mount
 // of the dead volume and returns the swaps that replace them with clones of
 // source, the fresh publish target on the host. dead are the dead backend's
 // device numbers and deadRoot the mountinfo root of its publish target
@@ -119,12 +119,12 @@ func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]ProcessMou
 // container's own mount. A subPath root that reads deleted is planned from
 // its name all the same (see liveRoot). Each mount namespace is read once,
 // through one of its processes, and our own namespace (the host's) never.
-func PlanSwap(procDir string, pids []int, dead []probe.Dev, deadRoot, source string) ([]SwapTarget, error) {
+func planSwap(procDir string, pids []int, dead []probe.Dev, deadRoot, source string) ([]swapTarget, error) {
 	if procDir == "" {
 		procDir = "/proc"
 	}
 	mounts, err := namespaceMounts(procDir, pids, dead)
-	var out []SwapTarget
+	var out []swapTarget
 	for _, m := range mounts {
 		if m.Covered {
 			continue
@@ -133,7 +133,7 @@ func PlanSwap(procDir string, pids []int, dead []probe.Dev, deadRoot, source str
 		if !ok {
 			continue
 		}
-		out = append(out, SwapTarget{
+		out = append(out, swapTarget{
 			Pid: m.Pid, ContainerPath: m.Path, Source: source, SubDir: sub,
 			ReadOnly:    hasOption(m.Options, "ro"),
 			Propagation: propagationOf(m.Optional),

@@ -20,8 +20,8 @@ import (
 
 // Defaults of a Repairer's Config.
 const (
-	DefaultParallel       = 4
-	DefaultRestartTimeout = 2 * time.Minute
+	defaultParallel       = 4
+	defaultRestartTimeout = 2 * time.Minute
 	// restartPoll is how often Restart asks the runtime whether a stopped
 	// container runs again.
 	restartPoll = 200 * time.Millisecond
@@ -41,7 +41,7 @@ type Config struct {
 	// ProcDir is where procfs is mounted; "/proc" when empty.
 	ProcDir string
 	// FusectlDir is where the fuse control filesystem is (or gets)
-	// mounted; DefaultFusectlDir when empty.
+	// mounted; defaultFusectlDir when empty.
 	FusectlDir string
 	// CRIEndpoint is the container runtime's CRI socket
 	// (unix:///run/containerd/containerd.sock). Optional: without it the
@@ -51,16 +51,16 @@ type Config struct {
 	CRI         CRIOptions
 	CSI         CSIOptions
 	// Parallel bounds the volumes repaired at once, across all calls;
-	// DefaultParallel when zero.
+	// defaultParallel when zero.
 	Parallel int
 	// Probe configures verification: Timeout is the deadline of each probe
 	// (probe.DefaultConfig's when zero).
 	Probe probe.Config
 	// RestartTimeout bounds Restart's wait for the runtime to run a stopped
-	// container again; DefaultRestartTimeout when zero.
+	// container again; defaultRestartTimeout when zero.
 	RestartTimeout time.Duration
 	// StopGrace is the time a stopped container has to exit after
-	// SIGTERM; DefaultStopGrace when zero.
+	// SIGTERM; defaultStopGrace when zero.
 	StopGrace time.Duration
 
 	// Seams for tests; nil fields take the real thing.
@@ -111,19 +111,19 @@ func New(cfg Config) (*Repairer, error) {
 		cfg.ProcDir = "/proc"
 	}
 	if cfg.FusectlDir == "" {
-		cfg.FusectlDir = DefaultFusectlDir
+		cfg.FusectlDir = defaultFusectlDir
 	}
 	if cfg.Parallel <= 0 {
-		cfg.Parallel = DefaultParallel
+		cfg.Parallel = defaultParallel
 	}
 	if cfg.Probe.Timeout <= 0 {
 		cfg.Probe.Timeout = probe.DefaultConfig().Timeout
 	}
 	if cfg.RestartTimeout <= 0 {
-		cfg.RestartTimeout = DefaultRestartTimeout
+		cfg.RestartTimeout = defaultRestartTimeout
 	}
 	if cfg.StopGrace <= 0 {
-		cfg.StopGrace = DefaultStopGrace
+		cfg.StopGrace = defaultStopGrace
 	}
 	if cfg.FindDriver == nil {
 		cfg.FindDriver = FindDriver
@@ -288,7 +288,7 @@ func (r *Repairer) run(ctx context.Context, tier Tier, v *Volume, body func(cont
 }
 
 // Restage is tier 1: it brings the volume back on the host. It reads the
-// mount table, checks every path (OpenSafe) and asks the driver whether it
+// mount table, checks every path (openSafe) and asks the driver whether it
 // answers (NodeGetCapabilities) before it changes anything; then it aborts
 // a hung FUSE connection, lazily unmounts the dead subPath binds, publish
 // targets and staging mount (deepest first), and sends NodeStageVolume and
@@ -327,7 +327,7 @@ func (r *Repairer) conclude(ctx context.Context, o *Outcome, places []place, err
 // has dead mounts, then replaces the dead mount inside each running
 // container that still shows it (private mounts, subPaths, and containers
 // the host repair did not reach) with a clone of the pod's fresh publish
-// target or of its subPath directory (Swapper, read-only kept), and reports
+// target or of its subPath directory (swapper, read-only kept), and reports
 // the processes that still hold the dead mount. Healed means the host
 // places and each container's view (/proc/<pid>/root/<mountPath>) answer a
 // probe and no container shows the dead mount any more.
@@ -346,7 +346,7 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 			}
 		}
 		o.Actions = append(o.Actions, r.findProcs(ctx, look)...)
-		sw := &Swapper{Root: r.root, ProcDir: r.procDir, DryRun: r.cfg.DryRun, Sys: r.cfg.Sys}
+		sw := &swapper{Root: r.root, ProcDir: r.procDir, DryRun: r.cfg.DryRun, Sys: r.cfg.Sys}
 		places := h.places()
 		errs := []error{h.refusedErr()}
 		devs := h.dead.list()
@@ -370,7 +370,7 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 			// Only the containers' own mount namespaces: never one that a
 			// process of the pod made (unshare), where a swapped mount
 			// would not be locked.
-			targets, err := PlanSwap(r.procDir, ctrs, devs, p.deadRoot, p.target)
+			targets, err := planSwap(r.procDir, ctrs, devs, p.deadRoot, p.target)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("pod %s: %w", p.uid, err))
 			}
@@ -399,7 +399,7 @@ func (r *Repairer) LiveSwap(ctx context.Context, v *Volume) Outcome {
 			if p.refused != nil || p.procs == nil || len(p.procs.pids) == 0 {
 				continue
 			}
-			left, _ := PlanSwap(r.procDir, p.procs.containerPIDs(), devs, p.deadRoot, p.target)
+			left, _ := planSwap(r.procDir, p.procs.containerPIDs(), devs, p.deadRoot, p.target)
 			for _, t := range left {
 				errs = append(errs, fmt.Errorf("pod %s: %s still shows dead mount %d", p.uid, t.label(), t.MountID))
 			}
@@ -423,10 +423,10 @@ func (r *Repairer) holders(ctx context.Context, p *podPlan, devs []probe.Dev, de
 	hs, err := findHolders(ctx, r.procDir, p.procs.pids, devs, detached)
 	var out []Action
 	if err != nil {
-		out = append(out, Action{Op: OpHolder, Path: "pod " + string(p.uid), Err: err})
+		out = append(out, Action{Op: opHolder, Path: "pod " + string(p.uid), Err: err})
 	}
 	for _, h := range hs {
-		out = append(out, Action{Op: OpHolder, Path: fmt.Sprintf("pid %d", h.Pid),
+		out = append(out, Action{Op: opHolder, Path: fmt.Sprintf("pid %d", h.Pid),
 			Detail: h.String() + ": still on the dead filesystem " + h.Dev.String() + ", its calls there keep failing"})
 	}
 	return out
@@ -508,7 +508,7 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 					continue
 				}
 				now := byPod[uid][i]
-				a := Action{Op: OpWaitRunning, Path: now.ID, Took: time.Since(start),
+				a := Action{Op: opWaitRunning, Path: now.ID, Took: time.Since(start),
 					Detail: fmt.Sprintf("container %s of pod %s runs again (attempt %d, was %d)", name, uid, now.Attempt, w.before.Attempt)}
 				pid, err := cri.ContainerPID(ctx, now.ID)
 				if err != nil {
@@ -529,7 +529,7 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 			if time.Now().After(deadline) {
 				for _, w := range waits {
 					err := fmt.Errorf("container %s of pod %s is not running again after %s: the restart cannot be verified", w.before.Name, w.p.uid, r.cfg.RestartTimeout)
-					o.Actions = append(o.Actions, Action{Op: OpWaitRunning, Path: w.before.ID, Err: err, Took: time.Since(start)})
+					o.Actions = append(o.Actions, Action{Op: opWaitRunning, Path: w.before.ID, Err: err, Took: time.Since(start)})
 				}
 				break
 			}

@@ -213,8 +213,8 @@ func TestRestageDriverDownChangesNothing(t *testing.T) {
 	before := mountTables(t, os.Getpid())
 	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
 		o := tier(context.Background(), v)
-		if !errors.Is(o.Err, ErrDriverUnavailable) || !errors.Is(o.Err, ErrDriverNotFound) || o.Healed {
-			t.Errorf("%s with no driver: healed %t, err %v; want ErrDriverUnavailable and ErrDriverNotFound", o.Tier, o.Healed, o.Err)
+		if !errors.Is(o.Err, ErrDriverUnavailable) || !errors.Is(o.Err, errDriverNotFound) || o.Healed {
+			t.Errorf("%s with no driver: healed %t, err %v; want ErrDriverUnavailable and errDriverNotFound", o.Tier, o.Healed, o.Err)
 		}
 	}
 	if n := changes.Load(); n != 0 {
@@ -240,8 +240,8 @@ func TestBlockVolumeLeftToEviction(t *testing.T) {
 	for _, tier := range []func(context.Context, *Volume) Outcome{r.Restage, r.LiveSwap, r.Restart} {
 		wg.Go(func() {
 			o := tier(context.Background(), v)
-			if !errors.Is(o.Err, ErrBlockVolume) || o.Healed {
-				t.Errorf("%s of a block volume: healed %t, err %v; want ErrBlockVolume", o.Tier, o.Healed, o.Err)
+			if !errors.Is(o.Err, errBlockVolume) || o.Healed {
+				t.Errorf("%s of a block volume: healed %t, err %v; want errBlockVolume", o.Tier, o.Healed, o.Err)
 			}
 		})
 	}

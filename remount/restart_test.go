@@ -213,7 +213,7 @@ func testRestartTier(t *testing.T, d *driverLab) {
 			t.Fatalf("Restart: healed %t, err %v", o.Healed, o.Err)
 		}
 		n := ops(o.Actions)
-		if n[OpStopContainer] != 1 || n[OpWaitRunning] != 1 {
+		if n[opStopContainer] != 1 || n[opWaitRunning] != 1 {
 			t.Errorf("Restart actions %v: want one stop and one wait", n)
 		}
 		if got := rv.pods[0].ctrs["app"].Pid(); got == old {
@@ -237,7 +237,7 @@ func testRestartTier(t *testing.T, d *driverLab) {
 		o := r.Restart(context.Background(), rv.vol)
 		logOutcome(t, "restart, stop fails", o)
 		n := ops(o.Actions)
-		if o.Healed || status.Code(o.Err) != codes.Internal || n[OpStopContainer] != 1 || n[OpWaitRunning] != 0 {
+		if o.Healed || status.Code(o.Err) != codes.Internal || n[opStopContainer] != 1 || n[opWaitRunning] != 0 {
 			t.Errorf("Restart with a failing stop: healed %t, err %v, actions %v; want the stop's error and no wait", o.Healed, o.Err, n)
 		}
 	})
@@ -294,7 +294,7 @@ func TestUnmountTerminatingPod(t *testing.T) {
 				t.Fatalf("Unmount: healed %t, err %v", o.Healed, o.Err)
 			}
 			n := ops(o.Actions)
-			if n[OpUnmount] != 2 || (fault == "hung") != (n[OpAbortFUSE] == 1) {
+			if n[opUnmount] != 2 || (fault == "hung") != (n[opAbortFUSE] == 1) {
 				t.Errorf("Unmount actions %v: want two unmounts, and an abort when hung", n)
 			}
 			for _, p := range []string{v.target, v.subPath} {
@@ -306,7 +306,7 @@ func TestUnmountTerminatingPod(t *testing.T) {
 				t.Errorf("staging mount %d became %d: Unmount must leave it to kubelet", stagingID, id)
 			}
 			again := r.Unmount(context.Background(), vol)
-			if !again.Healed || ops(again.Actions)[OpUnmount] != 0 {
+			if !again.Healed || ops(again.Actions)[opUnmount] != 0 {
 				t.Errorf("second Unmount: healed %t, actions %v; want nothing to do", again.Healed, again.Actions)
 			}
 		})
@@ -339,7 +339,7 @@ func testLiveSwapThroughCRI(t *testing.T, d *driverLab) {
 	if !o.Healed || o.Err != nil {
 		t.Fatalf("LiveSwap through the runtime: healed %t, err %v", o.Healed, o.Err)
 	}
-	i := slices.IndexFunc(o.Actions, func(a Action) bool { return a.Op == OpFindProcesses })
+	i := slices.IndexFunc(o.Actions, func(a Action) bool { return a.Op == opFindProcesses })
 	if i < 0 || !strings.Contains(o.Actions[i].Detail, "from the runtime") {
 		t.Errorf("find-processes action %v: want processes from the runtime", o.Actions)
 	}
@@ -379,7 +379,7 @@ func TestRestarterStopsNamedContainers(t *testing.T) {
 	if want := []string{"ctr-app", "ctr-side"}; !slices.Equal(ids, want) {
 		t.Errorf("stopped = %v, want %v", ids, want)
 	}
-	if n := ops(acts); n[OpStopContainer] != 2 || n[OpSkip] != 1 {
+	if n := ops(acts); n[opStopContainer] != 2 || n[opSkip] != 1 {
 		t.Errorf("actions = %v, want 2 stops and 1 skip", acts)
 	}
 	rt.mu.Lock()

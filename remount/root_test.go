@@ -353,16 +353,16 @@ func TestRefusePlantedSymlink(t *testing.T) {
 	ctx := context.Background()
 
 	for _, p := range []string{target, last} {
-		if _, err := OpenSafe(root, p); !errors.Is(err, ErrUnsafePath) || !strings.Contains(err.Error(), p) {
-			t.Errorf("OpenSafe(%s) = %v, want ErrUnsafePath naming the path", p, err)
+		if _, err := openSafe(root, p); !errors.Is(err, errUnsafePath) || !strings.Contains(err.Error(), p) {
+			t.Errorf("openSafe(%s) = %v, want errUnsafePath naming the path", p, err)
 		}
 		acts, err := (&Unmounter{Root: root}).Unmount(ctx, []string{p})
-		if !errors.Is(err, ErrUnsafePath) || len(acts) != 1 || !strings.Contains(acts[0].Err.Error(), p) {
+		if !errors.Is(err, errUnsafePath) || len(acts) != 1 || !strings.Contains(acts[0].Err.Error(), p) {
 			t.Errorf("Unmount(%s) = %v, %v; want one refused action naming it", p, acts, err)
 		}
-		acts, err = (&OverMounter{Root: root}).OverMount(ctx, fresh, &probe.Mount{Path: p})
-		if !errors.Is(err, ErrUnsafePath) {
-			t.Errorf("OverMount onto %s = %v, %v; want ErrUnsafePath", p, acts, err)
+		acts, err = (&overMounter{Root: root}).OverMount(ctx, fresh, &probe.Mount{Path: p})
+		if !errors.Is(err, errUnsafePath) {
+			t.Errorf("OverMount onto %s = %v, %v; want errUnsafePath", p, acts, err)
 		}
 	}
 	if after := outsideMounts(t, outside); !slices.Equal(after, before) {
@@ -394,7 +394,7 @@ func TestOverMountDeadAndHung(t *testing.T) {
 
 			done := make(chan error, 1)
 			go func() {
-				_, err := (&OverMounter{Root: root}).OverMount(context.Background(), fresh, &probe.Mount{Path: v.staging, ID: deadID})
+				_, err := (&overMounter{Root: root}).OverMount(context.Background(), fresh, &probe.Mount{Path: v.staging, ID: deadID})
 				done <- err
 			}()
 			select {
@@ -448,12 +448,12 @@ func TestSwapIntoContainers(t *testing.T) {
 	}
 
 	pids := []int{private.Pid(), slave.Pid(), os.Getpid()}
-	targets, err := PlanSwap("", pids, []probe.Dev{v.dev()}, "/", v.target)
+	targets, err := planSwap("", pids, []probe.Dev{v.dev()}, "/", v.target)
 	if err != nil {
-		t.Fatalf("PlanSwap = %v", err)
+		t.Fatalf("planSwap = %v", err)
 	}
 	if len(targets) != 6 {
-		t.Fatalf("PlanSwap = %d targets, want 3 per container: %+v", len(targets), targets)
+		t.Fatalf("planSwap = %d targets, want 3 per container: %+v", len(targets), targets)
 	}
 	for _, tg := range targets {
 		if tg.ContainerPath == "/ro" && !tg.ReadOnly {
@@ -466,7 +466,7 @@ func TestSwapIntoContainers(t *testing.T) {
 
 	// Dry-run first: nothing changes.
 	before := mountTables(t, private.Pid(), slave.Pid())
-	acts, err := (&Swapper{Root: root, DryRun: true}).Swap(context.Background(), targets)
+	acts, err := (&swapper{Root: root, DryRun: true}).Swap(context.Background(), targets)
 	if err != nil {
 		t.Fatalf("dry-run Swap = %v", err)
 	}
@@ -479,7 +479,7 @@ func TestSwapIntoContainers(t *testing.T) {
 		t.Errorf("dry-run Swap changed the containers' mount tables")
 	}
 
-	acts, err = (&Swapper{Root: root}).Swap(context.Background(), targets)
+	acts, err = (&swapper{Root: root}).Swap(context.Background(), targets)
 	if err != nil {
 		t.Fatalf("Swap = %v (%v)", err, acts)
 	}
@@ -495,18 +495,18 @@ func TestSwapIntoContainers(t *testing.T) {
 		}
 	}
 	// The slave container's swapped volume still receives host mounts.
-	ms, err := ProcessMounts("/proc", slave.Pid(), probe.Dev{Major: 0, Minor: devOf(t, fresh).Minor})
+	ms, err := processMounts("/proc", slave.Pid(), probe.Dev{Major: 0, Minor: devOf(t, fresh).Minor})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, m := range ms {
-		if m.Path == "/data" && propagationOf(m.Optional) != PropagationHostToContainer {
+		if m.Path == "/data" && propagationOf(m.Optional) != propagationHostToContainer {
 			t.Errorf("slave container's swapped /data has propagation %q, want a slave", m.Optional)
 		}
 	}
 	// Nothing dead is left in view.
-	if left, _ := PlanSwap("", pids, []probe.Dev{v.dev()}, "/", v.target); len(left) != 0 {
-		t.Errorf("after Swap, PlanSwap still finds %v", left)
+	if left, _ := planSwap("", pids, []probe.Dev{v.dev()}, "/", v.target); len(left) != 0 {
+		t.Errorf("after Swap, planSwap still finds %v", left)
 	}
 }
 
@@ -562,8 +562,8 @@ func TestFindHoldersOfDeadMount(t *testing.T) {
 			if h.Pid != cmd.Process.Pid {
 				continue
 			}
-			cwd = cwd || h.Kind == HoldCwd
-			fd = fd || (h.Kind == HoldFD && h.FD == 3)
+			cwd = cwd || h.Kind == holdCwd
+			fd = fd || (h.Kind == holdFD && h.FD == 3)
 		}
 		if !cwd || !fd {
 			t.Errorf("FindHolders %s = %v; want pid %d by cwd and by fd 3", when, hs, cmd.Process.Pid)
@@ -587,14 +587,14 @@ func TestFindHoldersOfDeadMount(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := map[HoldKind]int{}
+	n := map[holdKind]int{}
 	for _, h := range hs {
 		n[h.Kind]++
 		if h.Dev != v.dev() {
 			t.Errorf("holder %v on %s, want %s", h, h.Dev, v.dev())
 		}
 	}
-	if n[HoldCwd] != 1 || n[HoldFD] != 1 {
+	if n[holdCwd] != 1 || n[holdFD] != 1 {
 		t.Errorf("holders over two dead filesystems = %v; want the cwd and fd 3 once each", hs)
 	}
 }
@@ -621,7 +621,7 @@ func TestDryRunChangesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	acts = append(acts, a...)
-	if a, err = (&OverMounter{Root: root, DryRun: true}).OverMount(ctx, fresh, &probe.Mount{Path: v.staging, ID: topID(t, root, v.staging)}); err != nil {
+	if a, err = (&overMounter{Root: root, DryRun: true}).OverMount(ctx, fresh, &probe.Mount{Path: v.staging, ID: topID(t, root, v.staging)}); err != nil {
 		t.Fatal(err)
 	}
 	acts = append(acts, a...)
@@ -665,7 +665,7 @@ func TestSwapNeverLeavesMainThreadInContainer(t *testing.T) {
 	onMain := 0
 	for range 300 {
 		var inside string
-		if err := inMountNamespace(HostSyscalls(), nsfd, func() {
+		if err := inMountNamespace(hostSyscalls(), nsfd, func() {
 			inside, _ = os.Readlink("/proc/thread-self/ns/mnt")
 			if unix.Gettid() == unix.Getpid() {
 				onMain++
@@ -699,9 +699,9 @@ func TestPropagationFacts(t *testing.T) {
 	slave := lab.StartContainer(t, "slave", lab.PropagationSlave, binds, lab.WithChroot())
 	private := lab.StartContainer(t, "private", lab.PropagationPrivate, binds, lab.WithChroot())
 	v.fs.Kill()
-	mountAt := func(c *lab.Container, path string) *ProcessMount {
+	mountAt := func(c *lab.Container, path string) *processMount {
 		t.Helper()
-		ms, err := ProcessMounts("/proc", c.Pid(), v.dev())
+		ms, err := processMounts("/proc", c.Pid(), v.dev())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -712,7 +712,7 @@ func TestPropagationFacts(t *testing.T) {
 		}
 		return nil
 	}
-	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != PropagationHostToContainer {
+	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != propagationHostToContainer {
 		t.Fatalf("slave container's /data = %+v, want a slave of the volume's peer group", m)
 	}
 
@@ -736,7 +736,7 @@ func TestPropagationFacts(t *testing.T) {
 			t.Errorf("statfs %s after a fresh publish on the host = %v, want ENOTCONN (not received)", c.Path("/data"), err)
 		}
 	}
-	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != PropagationHostToContainer {
+	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != propagationHostToContainer {
 		t.Errorf("slave's /data = %+v, want still a slave while the host subPath bind is in the group", m)
 	}
 
@@ -744,7 +744,7 @@ func TestPropagationFacts(t *testing.T) {
 	if _, err := (&Unmounter{Root: root}).Unmount(context.Background(), []string{v.subPath}); err != nil {
 		t.Fatal(err)
 	}
-	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != PropagationNone {
+	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != propagationNone {
 		t.Errorf("slave's /data after the last host member went = %+v, want a private mount", m)
 	}
 }

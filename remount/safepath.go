@@ -21,7 +21,7 @@ import (
 // Every host path remount acts on must lie strictly below the kubelet root
 // and resolve without a symlink, and resolving it must never call into the
 // filesystem mounted there, which may be dead (ENOTCONN) or hung (the call
-// never returns). OpenSafe proves both with file descriptors and no stat:
+// never returns). openSafe proves both with file descriptors and no stat:
 //
 //  1. kubelet.Under: the cleaned path lies below the root, by path segments.
 //  2. The parent directory is opened O_PATH with openat2 relative to an
@@ -53,20 +53,20 @@ import (
 // descriptor ("/proc/self/fd/N"), never through the path string again, so
 // nothing can be swapped between the check and the act.
 
-// ErrUnsafePath marks a path refused because it is not strictly below the
+// errUnsafePath marks a path refused because it is not strictly below the
 // kubelet root or because resolving it meets a symlink.
-var ErrUnsafePath = errors.New("unsafe path")
+var errUnsafePath = errors.New("unsafe path")
 
-// UnsafePathError is a path refused by OpenSafe. errors.Is(err,
-// ErrUnsafePath) holds for it.
-type UnsafePathError struct {
+// unsafePathError is a path refused by openSafe. errors.Is(err,
+// errUnsafePath) holds for it.
+type unsafePathError struct {
 	Path   string
 	Root   string
 	Reason string
 	Err    error
 }
 
-func (e *UnsafePathError) Error() string {
+func (e *unsafePathError) Error() string {
 	msg := fmt.Sprintf("refuse path %s: %s (kubelet root %s)", e.Path, e.Reason, e.Root)
 	if e.Err != nil {
 		msg += ": " + e.Err.Error()
@@ -75,16 +75,16 @@ func (e *UnsafePathError) Error() string {
 }
 
 // Unwrap returns the resolution error.
-func (e *UnsafePathError) Unwrap() error { return e.Err }
+func (e *unsafePathError) Unwrap() error { return e.Err }
 
-// Is makes errors.Is(err, ErrUnsafePath) hold.
-func (e *UnsafePathError) Is(target error) bool { return target == ErrUnsafePath }
+// Is makes errors.Is(err, errUnsafePath) hold.
+func (e *unsafePathError) Is(target error) bool { return target == errUnsafePath }
 
 const resolveSafe = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
 
-// SafePath is a host path proven to lie below the kubelet root without a
+// safePath is a host path proven to lie below the kubelet root without a
 // symlink, held open by O_PATH descriptors of its parent and of itself.
-type SafePath struct {
+type safePath struct {
 	// Path is the clean absolute path.
 	Path string
 	// ParentMountID is the mount of the parent directory.
@@ -97,16 +97,16 @@ type SafePath struct {
 	fd     int
 }
 
-// OpenSafe resolves path below the kubelet root root (see the comment on
+// openSafe resolves path below the kubelet root root (see the comment on
 // safe paths above). A path outside root or with a symlink anywhere gives an
-// *UnsafePathError; a missing path an error for which errors.Is(err,
+// *unsafePathError; a missing path an error for which errors.Is(err,
 // fs.ErrNotExist) holds. It never calls into the filesystem mounted at path.
-// Close the SafePath when done.
-func OpenSafe(root, path string) (*SafePath, error) {
+// Close the safePath when done.
+func openSafe(root, path string) (*safePath, error) {
 	root = filepath.Clean(root)
 	clean := filepath.Clean(path)
 	if !filepath.IsAbs(path) || !kubelet.Under(root, clean) {
-		return nil, &UnsafePathError{Path: path, Root: root, Reason: "not strictly below the kubelet root"}
+		return nil, &unsafePathError{Path: path, Root: root, Reason: "not strictly below the kubelet root"}
 	}
 	rel := strings.TrimPrefix(clean, root+"/")
 	rootFD, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -129,7 +129,7 @@ func OpenSafe(root, path string) (*SafePath, error) {
 		unix.Close(parent)
 		return nil, resolveErr(root, clean, clean, err)
 	}
-	p := &SafePath{Path: clean, parent: parent, fd: fd}
+	p := &safePath{Path: clean, parent: parent, fd: fd}
 	if p.ParentMountID, err = fdMountID(parent); err == nil {
 		p.MountID, err = fdMountID(fd)
 	}
@@ -143,9 +143,9 @@ func OpenSafe(root, path string) (*SafePath, error) {
 func resolveErr(root, path, at string, err error) error {
 	switch {
 	case errors.Is(err, unix.ELOOP):
-		return &UnsafePathError{Path: path, Root: root, Reason: "a symlink in " + at, Err: err}
+		return &unsafePathError{Path: path, Root: root, Reason: "a symlink in " + at, Err: err}
 	case errors.Is(err, unix.EXDEV):
-		return &UnsafePathError{Path: path, Root: root, Reason: "resolving leaves the kubelet root", Err: err}
+		return &unsafePathError{Path: path, Root: root, Reason: "resolving leaves the kubelet root", Err: err}
 	case errors.Is(err, unix.ENOENT):
 		return fmt.Errorf("resolve %s: %w", at, fs.ErrNotExist)
 	}
@@ -167,18 +167,18 @@ func openat2(dirfd int, path string, flags int, resolve uint64) (int, error) {
 }
 
 // IsMountPoint reports whether a mount sits on Path.
-func (p *SafePath) IsMountPoint() bool { return p.MountID != p.ParentMountID }
+func (p *safePath) IsMountPoint() bool { return p.MountID != p.ParentMountID }
 
-// FDPath is a path string that resolves to exactly what OpenSafe opened:
+// FDPath is a path string that resolves to exactly what openSafe opened:
 // the magic link of its descriptor. Mount calls given it act on the top
 // mount there, whatever happens to the path string meanwhile.
-func (p *SafePath) FDPath() string { return "/proc/self/fd/" + strconv.Itoa(p.fd) }
+func (p *safePath) FDPath() string { return "/proc/self/fd/" + strconv.Itoa(p.fd) }
 
 // FD is the O_PATH descriptor of Path, valid until Close.
-func (p *SafePath) FD() int { return p.fd }
+func (p *safePath) FD() int { return p.fd }
 
 // Close releases the descriptors.
-func (p *SafePath) Close() error {
+func (p *safePath) Close() error {
 	if p == nil {
 		return nil
 	}

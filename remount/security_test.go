@@ -144,7 +144,7 @@ func TestLiveSwapReadOnlyStaysReadOnly(t *testing.T) {
 	}
 	wantViews(t, rv.views(prefix))
 	for _, a := range ls.Actions {
-		if a.Op == OpSwap && strings.Contains(a.Path, fmt.Sprintf("pid %d:", before.pid)) {
+		if a.Op == opSwap && strings.Contains(a.Path, fmt.Sprintf("pid %d:", before.pid)) {
 			t.Errorf("swapped into the nested namespace of pid %d: %v", before.pid, a)
 		}
 	}
@@ -184,9 +184,9 @@ func TestSwapRefusesForeignNamespaceOwner(t *testing.T) {
 			}
 		}
 	}
-	ro := []SwapTarget{{ContainerPath: "/data", ReadOnly: true}}
-	rw := []SwapTarget{{ContainerPath: "/data"}}
-	check := func(pid int, ts []SwapTarget) error {
+	ro := []swapTarget{{ContainerPath: "/data", ReadOnly: true}}
+	rw := []swapTarget{{ContainerPath: "/data"}}
+	check := func(pid int, ts []swapTarget) error {
 		nsfd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/mnt", pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			t.Fatal(err)
@@ -197,13 +197,13 @@ func TestSwapRefusesForeignNamespaceOwner(t *testing.T) {
 	// A mount namespace made first, then a user namespace: the process's
 	// user namespace does not own its mount namespace.
 	pid := start("unshare", "-m", "--", "unshare", "-U", "sleep", "60")
-	if err := check(pid, rw); !errors.Is(err, ErrForeignNamespace) {
-		t.Errorf("mount namespace not owned by the process's user namespace: %v, want ErrForeignNamespace", err)
+	if err := check(pid, rw); !errors.Is(err, errForeignNamespace) {
+		t.Errorf("mount namespace not owned by the process's user namespace: %v, want errForeignNamespace", err)
 	}
 	// A user-namespaced container: read-only refused, read-write allowed.
 	pid = start("unshare", "-Urm", "sleep", "60")
-	if err := check(pid, ro); !errors.Is(err, ErrForeignNamespace) {
-		t.Errorf("read-only target in a user-namespaced container: %v, want ErrForeignNamespace", err)
+	if err := check(pid, ro); !errors.Is(err, errForeignNamespace) {
+		t.Errorf("read-only target in a user-namespaced container: %v, want errForeignNamespace", err)
 	}
 	if err := check(pid, rw); err != nil {
 		t.Errorf("read-write target in a user-namespaced container: %v", err)
@@ -336,7 +336,7 @@ func TestBlockedDriverIsDown(t *testing.T) {
 		if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
 			t.Errorf("%s with a blocked driver: healed %t, err %v; want ErrDriverUnavailable", o.Tier, o.Healed, o.Err)
 		}
-		if n := ops(o.Actions); n[OpUnmount]+n[OpAbortFUSE]+n[OpStage]+n[OpPublish]+n[OpSwap]+n[OpStopContainer] != 0 {
+		if n := ops(o.Actions); n[opUnmount]+n[opAbortFUSE]+n[opStage]+n[opPublish]+n[opSwap]+n[opStopContainer] != 0 {
 			t.Errorf("%s with a blocked driver acted: %v", o.Tier, n)
 		}
 	}
@@ -356,7 +356,7 @@ var errKilled = errors.New("killed")
 // fallback) and the agent killed after n mount changes (move_mount,
 // umount2): later changes fail and nothing is cleaned up.
 func killAfter(n int) Syscalls {
-	h := HostSyscalls()
+	h := hostSyscalls()
 	var mu sync.Mutex
 	left := n
 	change := func() bool {

@@ -24,9 +24,9 @@ import (
 // A running container sees a volume through its own bind mount, made by the
 // runtime when the container started, in the container's mount namespace.
 // Re-staging and re-publishing on the host never reach it when its mounts
-// are private (the default) and never reach a subPath. Swapper replaces the
+// are private (the default) and never reach a subPath. swapper replaces the
 // dead mount inside the container's namespace with a clone of the fresh one.
-// What the lab shows on Linux 6.18, and how Swapper uses it:
+// What the lab shows on Linux 6.18, and how swapper uses it:
 //
 //   - open_tree(OPEN_TREE_CLONE|AT_RECURSIVE) must run in the host mount
 //     namespace: it only clones a mount of the caller's namespace (EINVAL
@@ -49,7 +49,7 @@ import (
 //     O_PATH descriptor of /proc/<pid>/root — the process's own root, which
 //     works for runtimes that pivot_root and for those that chroot — with
 //     RESOLVE_IN_ROOT|RESOLVE_NO_SYMLINKS, the parent first, then the last
-//     name with O_PATH (no call into the dead filesystem, see OpenSafe).
+//     name with O_PATH (no call into the dead filesystem, see openSafe).
 //     These descriptors point at mounts of the container's namespace; after
 //     setns, move_mount accepts the parent descriptor as its target
 //     directory and umount2 takes the last name relative to the thread's
@@ -58,7 +58,7 @@ import (
 //     mount; umount2(MNT_DETACH) of the top then reveals it: the container
 //     never sees the bare directory below. Where the kernel refuses to mount
 //     beneath (EINVAL: a shared parent that would propagate, a locked mount,
-//     an older kernel), Swapper mounts the clone on top of the dead mount
+//     an older kernel), swapper mounts the clone on top of the dead mount
 //     (move_mount to the descriptor of the checked mount) and leaves the
 //     dead one covered. It never detaches before the move: an agent killed
 //     between the two would leave the container writing into its own root
@@ -89,7 +89,7 @@ import (
 //
 // Finding the processes: the Repairer takes a pod's processes from a
 // snapshot of /proc/*/cgroup that the repairs of the moment share (see
-// pids.go; PodPIDs is the same scan for one pod), and PlanSwap reads the
+// pids.go; PodPIDs is the same scan for one pod), and planSwap reads the
 // mountinfo of each container's own process (the runtime's, or the one its
 // cgroup names) and matches the dead mount by device number and mountinfo
 // root, one process per mount namespace. This needs no runtime
@@ -103,12 +103,12 @@ import (
 type Propagation int
 
 const (
-	// PropagationNone is mountPropagation None: a private mount.
-	PropagationNone Propagation = iota
-	// PropagationHostToContainer is a slave of the host's mount.
-	PropagationHostToContainer
-	// PropagationBidirectional is a peer of the host's mount.
-	PropagationBidirectional
+	// propagationNone is mountPropagation None: a private mount.
+	propagationNone Propagation = iota
+	// propagationHostToContainer is a slave of the host's mount.
+	propagationHostToContainer
+	// propagationBidirectional is a peer of the host's mount.
+	propagationBidirectional
 )
 
 var propagationNames = [...]string{"None", "HostToContainer", "Bidirectional"}
@@ -122,9 +122,9 @@ func (p Propagation) String() string {
 
 func (p Propagation) flag() uint64 {
 	switch p {
-	case PropagationHostToContainer:
+	case propagationHostToContainer:
 		return unix.MS_SLAVE
-	case PropagationBidirectional:
+	case propagationBidirectional:
 		return unix.MS_SHARED
 	}
 	return unix.MS_PRIVATE
@@ -137,19 +137,19 @@ func propagationOf(optional string) Propagation {
 	for _, f := range strings.Fields(optional) {
 		switch {
 		case strings.HasPrefix(f, "shared:"):
-			return PropagationBidirectional
+			return propagationBidirectional
 		case strings.HasPrefix(f, "master:"):
 			master = true
 		}
 	}
 	if master {
-		return PropagationHostToContainer
+		return propagationHostToContainer
 	}
-	return PropagationNone
+	return propagationNone
 }
 
-// SwapTarget is one dead mount in one container to replace.
-type SwapTarget struct {
+// swapTarget is one dead mount in one container to replace.
+type swapTarget struct {
 	// Pid is a process of the container; its mount namespace and root are
 	// used.
 	Pid int
@@ -175,11 +175,11 @@ type SwapTarget struct {
 	Dev probe.Dev
 }
 
-func (t SwapTarget) label() string { return fmt.Sprintf("pid %d:%s", t.Pid, t.ContainerPath) }
+func (t swapTarget) label() string { return fmt.Sprintf("pid %d:%s", t.Pid, t.ContainerPath) }
 
-// Swapper replaces dead mounts inside running containers' mount namespaces
+// swapper replaces dead mounts inside running containers' mount namespaces
 // with clones of fresh mounts on the host.
-type Swapper struct {
+type swapper struct {
 	// Root is the kubelet root; probe.DefaultKubeletRoot when empty.
 	Root string
 	// ProcDir is where procfs is mounted; "/proc" when empty.
@@ -192,14 +192,14 @@ type Swapper struct {
 	Sys Syscalls
 }
 
-func (s *Swapper) root() string {
+func (s *swapper) root() string {
 	if s.Root == "" {
 		return probe.DefaultKubeletRoot
 	}
 	return s.Root
 }
 
-func (s *Swapper) procDir() string {
+func (s *swapper) procDir() string {
 	if s.ProcDir == "" {
 		return "/proc"
 	}
@@ -213,8 +213,8 @@ func (s *Swapper) procDir() string {
 // rather than looked up through the dead one. A target that fails is an
 // action with an error; the others go on. The error joins the actions'
 // errors.
-func (s *Swapper) Swap(ctx context.Context, targets []SwapTarget) ([]Action, error) {
-	byPid := make(map[int][]SwapTarget)
+func (s *swapper) Swap(ctx context.Context, targets []swapTarget) ([]Action, error) {
+	byPid := make(map[int][]swapTarget)
 	var pids []int
 	for _, t := range targets {
 		if _, ok := byPid[t.Pid]; !ok {
@@ -225,12 +225,12 @@ func (s *Swapper) Swap(ctx context.Context, targets []SwapTarget) ([]Action, err
 	var actions []Action
 	for _, pid := range pids {
 		ts := byPid[pid]
-		slices.SortStableFunc(ts, func(a, b SwapTarget) int {
+		slices.SortStableFunc(ts, func(a, b swapTarget) int {
 			return depth(a.ContainerPath) - depth(b.ContainerPath)
 		})
 		if err := ctx.Err(); err != nil {
 			for _, t := range ts {
-				actions = append(actions, Action{Op: OpSwap, Path: t.label(), DryRun: s.DryRun,
+				actions = append(actions, Action{Op: opSwap, Path: t.label(), DryRun: s.DryRun,
 					Err: fmt.Errorf("swap %s: %w", t.label(), err)})
 			}
 			continue
@@ -243,19 +243,19 @@ func (s *Swapper) Swap(ctx context.Context, targets []SwapTarget) ([]Action, err
 // swap is one target on its way: its actions entry, the clone of its source
 // and the container descriptors.
 type swap struct {
-	t      SwapTarget
+	t      swapTarget
 	a      *Action
 	tree   int // detached clone; -1 in dry-run
 	nested bool
 	src    string
 }
 
-func (s *Swapper) swapPid(ctx context.Context, pid int, ts []SwapTarget) []Action {
+func (s *swapper) swapPid(ctx context.Context, pid int, ts []swapTarget) []Action {
 	logger := klog.FromContext(ctx).WithValues("pid", pid)
 	sys := s.Sys.orHost()
 	actions := make([]Action, len(ts))
 	for i, t := range ts {
-		actions[i] = Action{Op: OpSwap, Path: t.label(), DryRun: s.DryRun}
+		actions[i] = Action{Op: opSwap, Path: t.label(), DryRun: s.DryRun}
 	}
 	failAll := func(err error) []Action {
 		for i := range actions {
@@ -379,7 +379,7 @@ func checkOtherNamespace(procDir string, pid int) error {
 // namespace our user namespace owns, that is only the host's root. The
 // descriptor nsfd is the namespace entered afterwards, so a process that
 // changes namespace in between changes nothing.
-func checkNamespaceOwner(procDir string, pid, nsfd int, ts []SwapTarget) error {
+func checkNamespaceOwner(procDir string, pid, nsfd int, ts []swapTarget) error {
 	owner, err := unix.IoctlRetInt(nsfd, unix.NS_GET_USERNS)
 	if err != nil {
 		return fmt.Errorf("owner of the mount namespace of pid %d: %w", pid, err)
@@ -398,7 +398,7 @@ func checkNamespaceOwner(procDir string, pid, nsfd int, ts []SwapTarget) error {
 	same := func(a, b *unix.Stat_t) bool { return a.Dev == b.Dev && a.Ino == b.Ino }
 	if !same(&ownerSt, &theirs) {
 		return fmt.Errorf("the mount namespace of pid %d is owned by user namespace %d, not by its own %d: %w",
-			pid, ownerSt.Ino, theirs.Ino, ErrForeignNamespace)
+			pid, ownerSt.Ino, theirs.Ino, errForeignNamespace)
 	}
 	if same(&ownerSt, &ours) {
 		return nil
@@ -406,21 +406,21 @@ func checkNamespaceOwner(procDir string, pid, nsfd int, ts []SwapTarget) error {
 	for _, t := range ts {
 		if t.ReadOnly {
 			return fmt.Errorf("pid %d: %s is read-only and its mount namespace has its own user namespace, "+
-				"where a swapped mount could be made writable: %w", pid, t.ContainerPath, ErrForeignNamespace)
+				"where a swapped mount could be made writable: %w", pid, t.ContainerPath, errForeignNamespace)
 		}
 	}
 	return nil
 }
 
-// ErrForeignNamespace marks a swap refused for the owner of the container's
+// errForeignNamespace marks a swap refused for the owner of the container's
 // mount namespace: a restart repairs the container instead.
-var ErrForeignNamespace = errors.New("mount namespace not swappable")
+var errForeignNamespace = errors.New("mount namespace not swappable")
 
 // cloneSource resolves the target's source below the kubelet root and, unless
 // in dry-run, clones it into a detached tree with the target's read-only
 // flag and propagation.
-func (s *Swapper) cloneSource(sys Syscalls, t SwapTarget) (tree int, desc string, err error) {
-	src, err := OpenSafe(s.root(), t.Source)
+func (s *swapper) cloneSource(sys Syscalls, t swapTarget) (tree int, desc string, err error) {
+	src, err := openSafe(s.root(), t.Source)
 	if err != nil {
 		return -1, "", err
 	}
@@ -432,7 +432,7 @@ func (s *Swapper) cloneSource(sys Syscalls, t SwapTarget) (tree int, desc string
 	if t.SubDir != "" {
 		sub := filepath.Clean(t.SubDir)
 		if filepath.IsAbs(sub) || sub == ".." || strings.HasPrefix(sub, "../") {
-			return -1, "", &UnsafePathError{Path: t.SubDir, Root: t.Source, Reason: "subPath leaves the volume"}
+			return -1, "", &unsafePathError{Path: t.SubDir, Root: t.Source, Reason: "subPath leaves the volume"}
 		}
 		desc = filepath.Join(t.Source, sub)
 		// In dry-run the source may still be the dead mount (the host is
@@ -527,7 +527,7 @@ func resolveContainer(rootfd int, path string) (*containerTarget, error) {
 
 func containerResolveErr(path string, err error) error {
 	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
-		return &UnsafePathError{Path: path, Root: "the container root", Reason: "a symlink in the container path", Err: err}
+		return &unsafePathError{Path: path, Root: "the container root", Reason: "a symlink in the container path", Err: err}
 	}
 	return fmt.Errorf("resolve container path %s: %w", path, err)
 }
@@ -558,7 +558,7 @@ func (w *swap) detail(c *containerTarget, how string) string {
 // planInNamespace is the dry-run: resolve and check from the host, change
 // nothing. A path inside a parent that would be swapped first is not
 // resolved: the walk would go through the dead mount.
-func (s *Swapper) planInNamespace(rootfd int, w *swap) {
+func (s *swapper) planInNamespace(rootfd int, w *swap) {
 	if w.nested {
 		w.a.Detail = fmt.Sprintf("bind a clone of %s (%s%s) inside the swapped parent", w.src, w.t.Propagation, roText(w.t.ReadOnly))
 		return
@@ -578,7 +578,7 @@ func (s *Swapper) planInNamespace(rootfd int, w *swap) {
 
 // swapInNamespace runs on the thread that entered the container's mount
 // namespace.
-func (s *Swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
+func (s *swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 	fail := func(err error) { w.a.Err = fmt.Errorf("swap %s: %w", w.a.Path, err) }
 	c, err := resolveContainer(rootfd, w.t.ContainerPath)
 	if err != nil {

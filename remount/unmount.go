@@ -18,8 +18,8 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// DefaultFusectlDir is where the fuse control filesystem is mounted.
-const DefaultFusectlDir = "/sys/fs/fuse/connections"
+// defaultFusectlDir is where the fuse control filesystem is mounted.
+const defaultFusectlDir = "/sys/fs/fuse/connections"
 
 // fusectlMagic is the f_type statfs reports for the fuse control filesystem.
 const fusectlMagic = 0x65735543
@@ -28,7 +28,7 @@ const fusectlMagic = 0x65735543
 // their FUSE connections first when asked. It never stats a mount point and
 // never runs umount(8) or mount-utils (both stat the target first and hang on
 // a hung FUSE daemon): unmounting is umount2(MNT_DETACH) on the descriptor
-// of a safe path (see OpenSafe), which returns at once even on a hung mount.
+// of a safe path (see openSafe), which returns at once even on a hung mount.
 type Unmounter struct {
 	// Root is the kubelet root; probe.DefaultKubeletRoot when empty.
 	Root string
@@ -36,7 +36,7 @@ type Unmounter struct {
 	// unmounting, mounting or aborting anything.
 	DryRun bool
 	// FusectlDir is where the fuse control filesystem is mounted, or gets
-	// mounted when it is missing; DefaultFusectlDir when empty.
+	// mounted when it is missing; defaultFusectlDir when empty.
 	FusectlDir string
 	// Sys are the operations that change mounts; zero fields take the
 	// host's.
@@ -62,7 +62,7 @@ func (u *Unmounter) root() string {
 
 func (u *Unmounter) fusectlDir() string {
 	if u.FusectlDir == "" {
-		return DefaultFusectlDir
+		return defaultFusectlDir
 	}
 	return u.FusectlDir
 }
@@ -70,8 +70,8 @@ func (u *Unmounter) fusectlDir() string {
 // Unmount lazily unmounts the top mount at each path, deepest paths first
 // (a subPath bind before the publish target before the staging mount), each
 // path once. A path that is not a mount point, or is gone, counts as done: a
-// second call does nothing. Each path must pass OpenSafe; a refused path is
-// an action whose error satisfies errors.Is(err, ErrUnsafePath), and the
+// second call does nothing. Each path must pass openSafe; a refused path is
+// an action whose error satisfies errors.Is(err, errUnsafePath), and the
 // other paths are still unmounted. The error joins the actions' errors.
 //
 // Unmount removes whatever mount is on top at the path. When the caller read
@@ -111,7 +111,7 @@ func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount) ([
 // device with the same root (mountinfo's fourth field). On each path the
 // mounts of our stack are unmounted from the top down while the one on top
 // is one the table named, each checked by its ID in our namespace when the
-// path is opened (OpenSafe: below the kubelet root, no symlink); a mount on
+// path is opened (openSafe: below the kubelet root, no symlink); a mount on
 // top here that the table does not name stops that path with
 // ErrMountChanged, and nothing below it is touched. A path with no mount
 // here counts as not mounted.
@@ -145,7 +145,7 @@ func (u *Unmounter) UnmountFromTable(ctx context.Context, mounts []*probe.Mount)
 	var actions []Action
 	for _, path := range paths {
 		if err := ctx.Err(); err != nil {
-			actions = append(actions, Action{Op: OpUnmount, Path: path, DryRun: u.DryRun,
+			actions = append(actions, Action{Op: opUnmount, Path: path, DryRun: u.DryRun,
 				Err: fmt.Errorf("unmount %s: %w", path, err)})
 			continue
 		}
@@ -176,13 +176,13 @@ func (u *Unmounter) unmountNamed(ctx context.Context, sys Syscalls, path string,
 		err := fmt.Errorf("unmount %s: mount %d (device %s, root %s) is on top there in our mount namespace, not a mount the table named: %w",
 			path, top.ID, top.Dev, top.Root, ErrMountChanged)
 		klog.FromContext(ctx).V(2).Info("Left a mount the table does not name alone", "path", path, "mountID", top.ID, "dev", top.Dev.String())
-		return []Action{{Op: OpUnmount, Path: path, DryRun: u.DryRun, Err: err}}
+		return []Action{{Op: opUnmount, Path: path, DryRun: u.DryRun, Err: err}}
 	}
 	var out []Action
 	for i := len(stack) - 1; i >= 0 && named[keyOf(stack[i])]; i-- {
 		m := stack[i]
 		if u.DryRun && i < len(stack)-1 {
-			out = append(out, Action{Op: OpUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
+			out = append(out, Action{Op: opUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
 			continue
 		}
 		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: m.ID})
@@ -224,7 +224,7 @@ func (u *Unmounter) unmountAll(ctx context.Context, targets []unmountTarget) ([]
 	var actions []Action
 	for _, t := range targets {
 		if err := ctx.Err(); err != nil {
-			actions = append(actions, Action{Op: OpUnmount, Path: t.path, DryRun: u.DryRun,
+			actions = append(actions, Action{Op: opUnmount, Path: t.path, DryRun: u.DryRun,
 				Err: fmt.Errorf("unmount %s: %w", t.path, err)})
 			continue
 		}
@@ -244,7 +244,7 @@ const notMounted = "not mounted"
 func Unmounted(actions []Action) int {
 	n := 0
 	for _, a := range actions {
-		if a.Op == OpUnmount && a.Err == nil && strings.HasPrefix(a.Detail, "mount ") && !strings.HasSuffix(a.Detail, notMounted) {
+		if a.Op == opUnmount && a.Err == nil && strings.HasPrefix(a.Detail, "mount ") && !strings.HasSuffix(a.Detail, notMounted) {
 			n++
 		}
 	}
@@ -253,8 +253,8 @@ func Unmounted(actions []Action) int {
 
 func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarget) Action {
 	logger := klog.FromContext(ctx).WithValues("path", t.path)
-	a := Action{Op: OpUnmount, Path: t.path, DryRun: u.DryRun}
-	sp, err := OpenSafe(u.root(), t.path)
+	a := Action{Op: opUnmount, Path: t.path, DryRun: u.DryRun}
+	sp, err := openSafe(u.root(), t.path)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		a.Detail = "path gone: " + notMounted
@@ -301,11 +301,11 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 	return a
 }
 
-// FusectlConn is the name of a FUSE connection's directory under the
+// fusectlConn is the name of a FUSE connection's directory under the
 // fuse control filesystem: the kernel's dev_t of the superblock printed in
 // decimal, MKDEV(major, minor) = major<<20 | minor. For fuse mounts (major 0)
 // it is the minor; fuseblk mounts carry their block device's number.
-func FusectlConn(dev probe.Dev) uint32 { return dev.Major<<20 | dev.Minor }
+func fusectlConn(dev probe.Dev) uint32 { return dev.Major<<20 | dev.Minor }
 
 // AbortFUSE aborts the FUSE connection of the filesystem with device number
 // dev: it writes 1 to <FusectlDir>/<conn>/abort, mounting the fuse control
@@ -316,7 +316,7 @@ func FusectlConn(dev probe.Dev) uint32 { return dev.Major<<20 | dev.Minor }
 // Connection numbers are device numbers, which the kernel hands out again
 // once a filesystem is gone: the connection is pinned and checked first.
 // at is the mount of dev the caller found (in its mount table) on top at
-// its path; AbortFUSE opens that path (OpenSafe: below the kubelet root, no
+// its path; AbortFUSE opens that path (openSafe: below the kubelet root, no
 // symlink, no call into the filesystem) and holds the descriptor, which
 // keeps the filesystem, its device number and its connection alive, until
 // the abort is written. Right before writing it re-reads the pinned mount's
@@ -330,19 +330,19 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 	dir := u.fusectlDir()
 	var actions []Action
 	if err := ctx.Err(); err != nil {
-		actions = append(actions, Action{Op: OpAbortFUSE, Path: dir, DryRun: u.DryRun,
+		actions = append(actions, Action{Op: opAbortFUSE, Path: dir, DryRun: u.DryRun,
 			Err: fmt.Errorf("abort fuse connection of %s: %w", dev, err)})
 		return actions, actionsErr(actions)
 	}
 
 	mounted, err := isFusectl(dir)
 	if err != nil {
-		actions = append(actions, Action{Op: OpMountFusectl, Path: dir, DryRun: u.DryRun,
+		actions = append(actions, Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun,
 			Err: fmt.Errorf("check fusectl at %s: %w", dir, err)})
 		return actions, actionsErr(actions)
 	}
 	if !mounted {
-		a := Action{Op: OpMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted"}
+		a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted"}
 		if !u.DryRun {
 			start := time.Now()
 			err := sys.Mount("none", dir, "fusectl", 0, "")
@@ -357,10 +357,10 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		actions = append(actions, a)
 	}
 
-	conn := FusectlConn(dev)
+	conn := fusectlConn(dev)
 	connDir := filepath.Join(dir, strconv.FormatUint(uint64(conn), 10))
 	p := filepath.Join(connDir, "abort")
-	a := Action{Op: OpAbortFUSE, Path: p, DryRun: u.DryRun, Detail: fmt.Sprintf("fuse connection %d of device %s", conn, dev)}
+	a := Action{Op: opAbortFUSE, Path: p, DryRun: u.DryRun, Detail: fmt.Sprintf("fuse connection %d of device %s", conn, dev)}
 	if at == nil {
 		a.Err = fmt.Errorf("abort fuse connection %d: no mount of device %s to pin it by", conn, dev)
 		return append(actions, a), actionsErr(append(actions, a))
@@ -370,7 +370,7 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		logger.V(2).Info("Would abort FUSE connection", "conn", conn)
 		return append(actions, a), nil
 	}
-	pin, err := OpenSafe(u.root(), at.Path)
+	pin, err := openSafe(u.root(), at.Path)
 	if err != nil {
 		a.Err = fmt.Errorf("abort fuse connection %d: pin mount %d at %s: %w", conn, at.ID, at.Path, err)
 		return append(actions, a), actionsErr(append(actions, a))
@@ -410,7 +410,7 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 // device dev (statx with AT_STATX_DONT_SYNC: no request to the daemon) and
 // still listed with dev in our mount table, and returns the requests
 // waiting on the connection (fusectl <conn>/waiting).
-func (u *Unmounter) recheckConn(pin *SafePath, dev probe.Dev, connDir string) (int, error) {
+func (u *Unmounter) recheckConn(pin *safePath, dev probe.Dev, connDir string) (int, error) {
 	var stx unix.Statx_t
 	if err := unix.Statx(pin.FD(), "", unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, 0, &stx); err != nil {
 		return 0, fmt.Errorf("device of pinned mount %d at %s: %w", pin.MountID, pin.Path, err)

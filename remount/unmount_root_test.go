@@ -101,7 +101,7 @@ func TestUnmountFromTable(t *testing.T) {
 
 // TestUnmountFromTableSymlink: after the table was read, the path it names
 // was swapped for a symlink to a mount outside the kubelet root. The
-// unmount is refused (ErrUnsafePath) and the mount outside stays.
+// unmount is refused (errUnsafePath) and the mount outside stays.
 func TestUnmountFromTableSymlink(t *testing.T) {
 	lab.RequireRoot(t)
 	ctx := context.Background()
@@ -143,8 +143,8 @@ func TestUnmountFromTableSymlink(t *testing.T) {
 
 	u := &Unmounter{Root: k.Root()}
 	acts, err := u.UnmountFromTable(ctx, named)
-	if !errors.Is(err, ErrUnsafePath) || Unmounted(acts) != 0 {
-		t.Errorf("UnmountFromTable through a symlink out of the root = %d unmounted, %v; want none and ErrUnsafePath", Unmounted(acts), err)
+	if !errors.Is(err, errUnsafePath) || Unmounted(acts) != 0 {
+		t.Errorf("UnmountFromTable through a symlink out of the root = %d unmounted, %v; want none and errUnsafePath", Unmounted(acts), err)
 	}
 	var st unix.Statfs_t
 	if err := unix.Statfs(outside, &st); err != nil || st.Type != unix.TMPFS_MAGIC {

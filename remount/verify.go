@@ -114,7 +114,7 @@ func (r *Repairer) verify(ctx context.Context, places []place) ([]Action, error)
 			} else {
 				st, err = r.check(ctx, pl.path)
 			}
-			a := Action{Op: OpVerify, Path: pl.label, Took: time.Since(start), Detail: st.String()}
+			a := Action{Op: opVerify, Path: pl.label, Took: time.Since(start), Detail: st.String()}
 			if err != nil {
 				a.Err = fmt.Errorf("verify %s: %s: %w", pl.label, st, err)
 			}
