@@ -8,8 +8,8 @@
 //     credentials, NewNodeClient; the Node authorizer and NodeRestriction
 //     confine it to this node's objects): a pod informer scoped to this
 //     node (field selector spec.nodeName), GETs of the PersistentVolumes,
-//     PersistentVolumeClaims, CSIDrivers and VolumeAttachments a repair needs (kept in a small
-//     bounded cache so that a re-stage still works while the API server is
+//     PersistentVolumeClaims, CSIDrivers and VolumeAttachments a repair
+//     needs (kept in a small bounded cache so that a re-stage still works while the API server is
 //     unreachable), Secrets fetched for one repair and dropped after it,
 //     evictions through the Eviction API, and events.k8s.io events;
 //   - the loop: the inventory refreshed when the mount table changes
@@ -17,7 +17,8 @@
 //     probe interval, strikes and per-volume backoff, a re-stage attempt as
 //     soon as a CSI driver's socket appears again (inotify on the kubelet's
 //     plugins_registry and plugins/<driver> directories);
-//   - the repair ladder (re-stage, live swap, container restart, eviction)
+//   - the repair ladder (remount.Tier: re-stage, live swap, container
+//     restart, eviction)
 //     with node budgets, owner rules and the opt-out annotation
 //     mountmedic.io/repair: "false" on a pod or its PVC;
 //   - the metrics registry and the /metrics, /healthz and /readyz endpoints.
@@ -26,18 +27,6 @@
 // repairer interface; agent never touches a mount itself. probe and remount
 // must not import agent.
 //
-// # When the API server is unreachable
-//
-// Detection, metrics and the health endpoints go on: the pod informer keeps
-// its last state and the mount table is local. A repair reads the PV, PVC,
-// CSIDriver and VolumeAttachment from the cache when the API server does not
-// answer (entries are fresh for the cache TTL and served stale only while the
-// API server cannot be reached). Secrets are never cached: a re-stage that
-// needs a node-stage or node-publish secret waits, with backoff, until the
-// API server answers again; a volume whose PV names no secret is re-staged
-// from the cache. Evictions and deletions wait. Events are buffered by the
-// broadcaster and dropped when its buffer is full.
-//
-// The agent is stateless across restarts: the mount table and the API server
-// are the truth, so a repair cut short by a restart is recomputed from them.
+// How it behaves while the API server is unreachable, and across restarts:
+// docs/agent.md.
 package agent
