@@ -33,6 +33,8 @@ type s3Volume struct {
 	pvc    *corev1.PersistentVolumeClaim
 	pod    *corev1.Pod
 	target string
+	// staging is the volume's staging path.
+	staging string
 	// private sees the volume at /data and its "sub" directory at /sub
 	// through a subPath bind, with private propagation; slave sees it at
 	// /data with HostToContainer propagation.
@@ -170,7 +172,7 @@ func (d *driverEnv) newOwnedVolume(name string, o podOptions) *s3Volume {
 	writeFile(t, filepath.Join(target, "data.txt"), "data of "+name)
 	writeFile(t, filepath.Join(target, "sub", "g.txt"), "sub of "+name)
 	sub := d.kubelet.SubPath(string(pod.UID), pvObj.Name, "app", 1, filepath.Join(target, "sub"))
-	s := &s3Volume{pvc: v.pvc, pod: pod, target: target}
+	s := &s3Volume{pvc: v.pvc, pod: pod, target: target, staging: staging}
 	s.private = lab.StartContainer(t, "app-"+name, lab.PropagationPrivate, map[string]string{"/data": target, "/sub": sub},
 		lab.WithChroot(), lab.WithPodCgroup(string(pod.UID), ids["app"]))
 	s.slave = lab.StartContainer(t, "watcher-"+name, lab.PropagationSlave, map[string]string{"/data": target},
@@ -259,6 +261,48 @@ func TestAgentHealsRealDriverRestart(t *testing.T) {
 		return v == 0, nil
 	})
 	t.Logf("%s %q; event seen %.2fs after the plugin's restart returned", ev.Reason, ev.Note, healed.Sub(back).Seconds())
+}
+
+// TestAgentRestagesStagingGoneUnderLiveBinds: a FUSE daemon whose hung
+// connection was aborted and replaced can wake up and exit through its
+// unmount of its mountpoint path, which by then holds the fresh staging
+// mount (rclone does; issue 14 item 5). The pod reads on through its own
+// binds while the staging directory is bare, and the next pod would be
+// published from the node's disk. The agent stages the volume again and
+// touches nothing the pod uses: its publish target stays the same mount,
+// its containers run on.
+func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("unstaged")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	privatePid, slavePid := s.private.Pid(), s.slave.Pid()
+	targetID := mountID(t, s.target)
+
+	if err := unix.Unmount(s.staging, unix.MNT_DETACH); err != nil {
+		t.Fatalf("unmount the staging mount by its path: %v", err)
+	}
+	if err := s.reads("unstaged"); err != nil {
+		t.Fatalf("the pod's binds stopped reading with the staging mount gone: %v", err)
+	}
+	ev := d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by restage")
+	if got, err := os.ReadFile(filepath.Join(s.staging, "data.txt")); err != nil || string(got) != "data of unstaged" {
+		t.Errorf("staging path after the repair: read %q, %v; want the volume's data.txt", got, err)
+	}
+	if id := mountID(t, s.target); id != targetID {
+		t.Errorf("publish target is mount %d after the repair, was %d: the live target must be left alone", id, targetID)
+	}
+	if err := s.reads("unstaged"); err != nil {
+		t.Errorf("after the repair: %v", err)
+	}
+	if s.private.Pid() != privatePid || s.slave.Pid() != slavePid {
+		t.Error("a container was restarted for a staging mount its pod did not need")
+	}
+	t.Logf("%s %q", ev.Reason, ev.Note)
 }
 
 // TestAgentDryRunShowsTheRepairPlan runs a dry-run agent with a dry-run

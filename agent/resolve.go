@@ -404,7 +404,9 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 			r.vol.Stage = vr
 		}
 		cms, own := containerMounts(pv.pod, pv.vol.Name)
-		if len(own) > 0 {
+		// A pod with no dead mount (its volume lost only its staging
+		// mount) has containers that see a live volume: nothing to swap.
+		if len(own) > 0 && len(pv.use.dead) > 0 {
 			r.needSwap = true
 			if r.ownBinds == nil {
 				r.ownBinds = make(map[string][]string)

@@ -197,7 +197,35 @@ func groupBroken(rep *probe.Report) map[string]*brokenVolume {
 			u.dead = append(u.dead, m)
 		}
 	}
+	addLiveUsers(rep, out)
 	return out
+}
+
+// addLiveUsers gives a CSI volume whose only broken mount is its staging
+// mount, gone from under live publish targets (probe says Missing), the
+// pods of those targets: the re-stage needs a pod to build the volume's
+// request from. They get no dead mount, so the re-stage stages the volume
+// and leaves their mounts alone.
+func addLiveUsers(rep *probe.Report, vols map[string]*brokenVolume) {
+	for _, v := range vols {
+		if !v.csi || len(v.pods) > 0 || !slices.ContainsFunc(v.mounts, func(m *probe.Mount) bool {
+			return m.Target.Kind == kubelet.KindStaging
+		}) {
+			continue
+		}
+		for _, r := range rep.Mounts {
+			m := r.Mount
+			if m.Target.Kind != kubelet.KindPublish || r.State.Broken() {
+				continue
+			}
+			if k, _, _ := csiKey(m); k != v.key {
+				continue
+			}
+			if v.pods[m.Target.PodUID] == nil {
+				v.pods[m.Target.PodUID] = &podUse{uid: m.Target.PodUID, specName: m.Target.Volume}
+			}
+		}
+	}
 }
 
 // volumeDrivers lists the CSI drivers with mounts in the inventory.

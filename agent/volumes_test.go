@@ -8,6 +8,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/probe"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // reportWith assesses a captured table and marks every mount on the backend
@@ -129,5 +131,39 @@ func TestGroupBrokenTableOnlyFaults(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A staging mount gone from under live publish targets: the volume's pods
+// are those targets', with no dead mount (the re-stage leaves their mounts
+// alone); another volume's pods are not added.
+func TestGroupBrokenStagingGoneUnderLiveBinds(t *testing.T) {
+	const driver = "s3.csi.example.com"
+	publish := func(uid, handle string) probe.Result {
+		return probe.Result{State: probe.Healthy, Mount: &probe.Mount{
+			Path: "/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi/pv-" + handle + "/mount", Driver: driver, VolumeHandle: handle,
+			Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: uid, Plugin: kubelet.CSIPluginDir, Volume: "pv-" + handle}}}
+	}
+	staging := &probe.Mount{Path: kubelet.StagingPath("/var/lib/kubelet", driver, "a"), Driver: driver, VolumeHandle: "a",
+		Target: kubelet.Target{Kind: kubelet.KindStaging, Plugin: kubelet.CSIPluginDir, Driver: driver, HandleHash: kubelet.HandleHash("a")}}
+	rep := &probe.Report{Mounts: []probe.Result{
+		publish("pod-1", "a"), publish("pod-2", "a"), publish("pod-3", "b"),
+		{Mount: staging, State: probe.Missing},
+	}}
+	got := groupBroken(rep)
+	if len(got) != 1 {
+		t.Fatalf("groupBroken: %d volumes, want 1", len(got))
+	}
+	v := got["csi/"+driver+"/"+kubelet.HandleHash("a")]
+	if v == nil || v.state != probe.Missing || !v.csi {
+		t.Fatalf("groupBroken = %v, want volume a Missing", got)
+	}
+	if want := []string{"pod-1", "pod-2"}; !slices.Equal(v.podUIDs(), want) {
+		t.Errorf("pods = %v, want %v (the live targets of volume a)", v.podUIDs(), want)
+	}
+	for uid, u := range v.pods {
+		if len(u.dead) != 0 || u.specName != "pv-a" {
+			t.Errorf("pod %s: %d dead mounts, spec %q; want none and pv-a", uid, len(u.dead), u.specName)
+		}
 	}
 }

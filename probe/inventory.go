@@ -140,7 +140,9 @@ type Inventory struct {
 	Backends []*Backend `json:"-"`
 	// Unmounted are CSI publish targets that kubelet set up (vol_data.json
 	// is there) but that are not mount points: a pod writing there writes to
-	// the node's disk. Only live inventories look for them.
+	// the node's disk; and staging mounts gone from under live publish
+	// targets of their volume, from which the next pod would be published.
+	// Only live inventories look for them.
 	Unmounted []*Mount `json:"unmounted,omitempty"`
 }
 
@@ -537,6 +539,45 @@ func findUnmounted(root string, inv *Inventory) []*Mount {
 			out = append(out, &Mount{Path: p, Driver: vd.DriverName, VolumeHandle: vd.VolumeHandle,
 				Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: uid, Plugin: kubelet.CSIPluginDir, Volume: v}})
 		}
+	}
+	return append(out, stagingUnmounted(root, inv, mounted)...)
+}
+
+// stagingUnmounted lists the staging mounts that are gone while publish
+// targets of their volume are still mounted: kubelet staged the volume
+// (vol_data.json beside globalmount) and publishes from it, but globalmount
+// is no longer a mount point. A stale FUSE daemon that wakes up and unmounts
+// its mountpoint path by name does this to a staging mount re-staged under
+// it; the pods keep reading through their binds, and the next pod published
+// there would get the bare directory on the node's disk.
+func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*Mount {
+	var out []*Mount
+	seen := make(map[string]bool)
+	for _, m := range inv.Mounts {
+		if m.Target.Kind != kubelet.KindPublish || m.Driver == "" || m.VolumeHandle == "" {
+			continue
+		}
+		if kubelet.CheckPathName("csi driver name", m.Driver) != nil {
+			continue
+		}
+		p := kubelet.StagingPath(root, m.Driver, m.VolumeHandle)
+		if mounted[p] || seen[p] {
+			continue
+		}
+		seen[p] = true
+		rel := strings.TrimPrefix(filepath.Dir(p), root+"/")
+		vd, err := loadVolData(root, rel)
+		if err != nil || vd.VolumeHandle != m.VolumeHandle {
+			continue
+		}
+		f, err := OpenBeneath(root, filepath.Join(rel, kubelet.GlobalMountDir), unix.O_PATH|unix.O_DIRECTORY)
+		if err != nil {
+			continue
+		}
+		f.Close()
+		out = append(out, &Mount{Path: p, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
+			Target: kubelet.Target{Kind: kubelet.KindStaging, Plugin: kubelet.CSIPluginDir,
+				Driver: m.Driver, HandleHash: kubelet.HandleHash(m.VolumeHandle)}})
 	}
 	return out
 }

@@ -15,6 +15,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // Result is the health of one backend or one mount.
@@ -423,8 +425,11 @@ func derive(inv *Inventory, of func(*Backend) Result) []Result {
 		out = append(out, r)
 	}
 	for _, m := range inv.Unmounted {
-		out = append(out, Result{Mount: m, State: Missing,
-			Err: errors.New("kubelet set this volume up but it is not a mount point")})
+		err := errors.New("kubelet set this volume up but it is not a mount point")
+		if m.Target.Kind == kubelet.KindStaging {
+			err = errors.New("the staging mount is gone while pods still use the volume: a pod published now would get the node's disk")
+		}
+		out = append(out, Result{Mount: m, State: Missing, Err: err})
 	}
 	return out
 }

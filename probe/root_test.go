@@ -12,6 +12,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 func TestMain(m *testing.M) { lab.Main(m) }
@@ -82,6 +84,9 @@ func TestProbeRealFaults(t *testing.T) {
 
 	// Missing: kubelet set the volume up, the mount went away.
 	missing := stageFaultFS(t, k, "missing", "pod-missing")
+	// Staging gone: the staging mount alone was unmounted by path (a stale
+	// FUSE daemon's exit) while the pod reads on through its binds.
+	unstaged := stageFaultFS(t, k, "unstaged", "pod-unstaged")
 	// Deleted: the subPath directory was removed under the bind.
 	delStaging := k.StagingPath(labDriver, "deleted")
 	lab.StartFaultFS(t, delStaging)
@@ -112,6 +117,9 @@ func TestProbeRealFaults(t *testing.T) {
 			t.Fatalf("unmount %s: %v", p, err)
 		}
 	}
+	if err := unix.Unmount(unstaged.staging, unix.MNT_DETACH); err != nil {
+		t.Fatalf("unmount %s: %v", unstaged.staging, err)
+	}
 	if err := os.Remove(filepath.Join(delStaging, "gone")); err != nil {
 		t.Fatal(err)
 	}
@@ -127,8 +135,9 @@ func TestProbeRealFaults(t *testing.T) {
 		hung.staging: Hung, hung.publish: Hung, hung.subPt: Hung,
 		eio.staging: IOError, eio.publish: IOError, eio.subPt: IOError,
 		shutStaging: Shutdown, shutPub: Shutdown,
-		missing.publish: Missing,
-		delSub:          Deleted,
+		missing.publish:  Missing,
+		delSub:           Deleted,
+		unstaged.staging: Missing, unstaged.publish: Healthy, unstaged.subPt: Healthy,
 	}
 	for path, st := range want {
 		r, ok := got[path]
@@ -139,6 +148,12 @@ func TestProbeRealFaults(t *testing.T) {
 		if r.State != st {
 			t.Errorf("%s: state %v (err %v), want %v", strings.TrimPrefix(path, root), r.State, r.Err, st)
 		}
+	}
+	if r := got[unstaged.staging]; r.Mount.Target.Kind != kubelet.KindStaging || r.Mount.VolumeHandle != "unstaged" || r.Mount.Driver != labDriver {
+		t.Errorf("staging gone under live binds: %+v, want a staging mount of %s/unstaged", r.Mount, labDriver)
+	}
+	if _, ok := got[missing.staging]; ok {
+		t.Errorf("%s: a staging mount gone with every publish target of its volume is kubelet's teardown, not a fault", missing.staging)
 	}
 	if r := got[dead.publish]; !errors.Is(r.Err, unix.ENOTCONN) {
 		t.Errorf("dead publish err = %v, want ENOTCONN", r.Err)
