@@ -5,6 +5,7 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -93,6 +94,27 @@ func (s *S3) PutObject(bucket, key string, data []byte) error {
 	return nil
 }
 
+// HasObject reports whether key exists in bucket.
+func (s *S3) HasObject(bucket, key string) (bool, error) {
+	err := s.do(http.MethodHead, "/"+bucket+"/"+strings.TrimPrefix(key, "/"), nil)
+	var se *statusError
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.As(err, &se) && se.code == http.StatusNotFound:
+		return false, nil
+	}
+	return false, fmt.Errorf("head object %s/%s: %w", bucket, key, err)
+}
+
+// statusError is an S3 answer other than 2xx.
+type statusError struct {
+	code int
+	msg  string
+}
+
+func (e *statusError) Error() string { return e.msg }
+
 // do sends a request signed with AWS signature version 4.
 func (s *S3) do(method, path string, body []byte) error {
 	req, err := http.NewRequest(method, s.Endpoint+path, bytes.NewReader(body))
@@ -107,7 +129,7 @@ func (s *S3) do(method, path string, body []byte) error {
 	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("%s %s answered %s: %s", method, path, resp.Status, bytes.TrimSpace(msg))
+		return &statusError{code: resp.StatusCode, msg: fmt.Sprintf("%s %s answered %s: %s", method, path, resp.Status, bytes.TrimSpace(msg))}
 	}
 	return nil
 }

@@ -30,6 +30,18 @@ type env struct {
 	agent *e2e.Agent
 	figs  *e2e.Figures
 	runs  int
+	// scenario is the scenario running (its figures' row), mounter its
+	// workload's FUSE daemon ("" for s3fs).
+	scenario string
+	mounter  string
+}
+
+// mounterName is the FUSE daemon of the running scenario's workload.
+func (e *env) mounterName() string {
+	if e.mounter == "" {
+		return "s3fs"
+	}
+	return e.mounter
 }
 
 // TestE2E brings up the node once, proves it (the harness), deploys the
@@ -61,6 +73,7 @@ func TestE2E(t *testing.T) {
 	}
 	for _, s := range scenarios {
 		t.Run(s.name, func(t *testing.T) {
+			e.scenario, e.mounter = s.name, s.mounter
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 			defer cancel()
 			if err := e.agent.Deploy(ctx, s.args...); err != nil {
@@ -105,7 +118,7 @@ func (e *env) harness(t *testing.T) {
 func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
 	t.Helper()
 	start := time.Now()
-	w, err := e.n.DeployWorkload(ctx, ns)
+	w, err := e.n.DeployWorkloadWith(ctx, ns, e2e.WorkloadOptions{Mounter: e.mounter})
 	if err != nil {
 		t.Fatal(err)
 	}

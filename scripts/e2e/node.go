@@ -106,7 +106,7 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	lab.RequireRoot(t)
 	kubelet := lab.RequireTool(t, "kubelet")
 	lab.RequireTool(t, "kubectl")
-	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "runc", "ctr", "s3fs"} {
+	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "runc", "ctr", "s3fs", "rclone"} {
 		lab.RequireBinary(t, b)
 	}
 	busybox := "/bin/busybox"

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -29,7 +30,10 @@ import (
 type scenario struct {
 	name string
 	args []string
-	run  func(t *testing.T, e *env, ns string)
+	// mounter is the FUSE daemon of the workload's volume: s3fs when
+	// empty, or rclone (k8s-csi-s3's mounter attribute).
+	mounter string
+	run     func(t *testing.T, e *env, ns string)
 }
 
 var scenarios = []scenario{
@@ -39,6 +43,11 @@ var scenarios = []scenario{
 	{name: "evict", args: []string{"--tiers=restage,evict,unmount", "--max-evictions=100"}, run: evictScenario},
 	{name: "hung", run: hungScenario},
 	{name: "driver-down", run: driverDownScenario},
+	// The same on a second FUSE daemon, rclone; its hung daemon, woken up
+	// after the repair, unmounts the re-staged staging mount by its path.
+	{name: "live-rclone", mounter: "rclone", run: liveScenario},
+	{name: "hung-rclone", mounter: "rclone", run: hungScenario},
+	{name: "driver-down-rclone", mounter: "rclone", run: driverDownScenario},
 	{name: "dry-run", args: []string{"--dry-run"}, run: dryRunScenario},
 	// The naive way runs while the agent only watches (dry run).
 	{name: "naive", args: []string{"--dry-run"}, run: naiveScenario},
@@ -158,8 +167,8 @@ func liveScenario(t *testing.T, e *env, ns string) {
 	swaps := e.metric(t, ctx, "mountmedic_repairs_total", `tier="liveswap"`, `result="success"`)
 
 	o := e.crash(t, ctx, w, pod, pluginDown)
-	e.detected(t, ctx, "live", ns, o)
-	e.healed(t, ctx, "live", w, pod, o)
+	e.detected(t, ctx, e.scenario, ns, o)
+	e.healed(t, ctx, e.scenario, w, pod, o)
 
 	after := samePod(t, ctx, w, pod)
 	if got, want := restarts(after), restarts(pod); got != want {
@@ -288,32 +297,127 @@ func hungScenario(t *testing.T, e *env, ns string) {
 	defer cancel()
 	w := e.workload(t, ctx, ns)
 	pod := w.pod(t, ctx)
-	pid, err := s3fsOf(w.Handle)
+	pid, err := daemonOf(e.mounterName(), w.Handle)
 	if err != nil {
 		t.Fatal(err)
 	}
 	o := outage{start: time.Now()}
 	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
-		t.Fatalf("stop s3fs (pid %d): %v", pid, err)
+		t.Fatalf("stop %s (pid %d): %v", e.mounterName(), pid, err)
 	}
 	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
-	e.detected(t, ctx, "hung", ns, o)
+	e.detected(t, ctx, e.scenario, ns, o)
 	// The container's read blocks in the hung daemon; only the abort ends it
 	// (ECONNABORTED): the "bad" line proves the agent aborted the connection.
 	if o.bad, err = w.WaitLogTime(ctx, pod, "bad", o.start); err != nil {
 		t.Fatal(err)
 	}
-	e.figs.Duration("hung", "hang -> aborted", o.bad.Sub(o.start))
-	e.healed(t, ctx, "hung", w, pod, o)
+	e.figs.Duration(e.scenario, "hang -> aborted", o.bad.Sub(o.start))
+	e.healed(t, ctx, e.scenario, w, pod, o)
 	if after := samePod(t, ctx, w, pod); restarts(after) != restarts(pod) {
 		t.Errorf("container restarts = %d, want %d (live tier)", restarts(after), restarts(pod))
 	}
+	if e.mounter == "rclone" {
+		e.wakeStaleDaemon(t, ctx, w, pod, pid)
+	}
 }
 
-// s3fsOf finds the s3fs daemon serving the volume with handle: the one
-// whose mount point argument is the volume's staging path (s3fs rewrites its
-// "bucket:/prefix" argument in place, so that one cannot be matched).
-func s3fsOf(handle string) (int, error) {
+// wakeStaleDaemon lets the hung daemon of the aborted connection go on
+// (SIGCONT). rclone then exits and unmounts its mountpoint by path, which
+// holds the re-staged mount by now: the agent must stage the volume again,
+// and a pod started afterwards must read the volume through FUSE, not the
+// node's bare staging directory.
+func (e *env) wakeStaleDaemon(t *testing.T, ctx context.Context, w *wl, pod *corev1.Pod, pid int) {
+	t.Helper()
+	staging := e2e.StagingPath(w.Handle)
+	woken := time.Now()
+	if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+		t.Fatalf("continue %s (pid %d): %v", e.mounterName(), pid, err)
+	}
+	gone, err := waitProcessGone(ctx, pid)
+	if err != nil {
+		t.Logf("the stale daemon (pid %d) did not exit: %v", pid, err)
+	} else {
+		t.Logf("the stale daemon exited %s after SIGCONT", gone.Sub(woken).Round(time.Millisecond))
+	}
+	// Whether rclone's exit takes the re-staged mount with it depends on
+	// how far it gets before it exits: either the staging mount was never
+	// lost, or the agent stages the volume again. Either way it must be a
+	// FUSE mount, and stay one over a few probe intervals.
+	steady := 0
+	if err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 2*time.Minute, true, func(context.Context) (bool, error) {
+		if fs, err := fstypeAt(staging); err == nil && strings.HasPrefix(fs, "fuse") {
+			steady++
+		} else {
+			steady = 0
+		}
+		return steady >= 12, nil
+	}); err != nil {
+		fs, ferr := fstypeAt(staging)
+		t.Fatalf("staging path %s after the stale daemon woke: file system %q, %v; want a FUSE mount\nagent log:\n%s", staging, fs, ferr, e.agent.LogTail(30))
+	}
+	// A repair of it is over by now: its event is there or there is none.
+	ectx, ecancel := context.WithTimeout(ctx, 2*time.Second)
+	defer ecancel()
+	if at, ev, err := e.agent.WaitEvent(ectx, w.Namespace, "VolumeRepaired", woken); err == nil {
+		e.figs.Duration(e.scenario, "stale daemon woken -> staging restored", at.Sub(woken))
+		t.Logf("the stale daemon unmounted the staging mount; the agent: %s", ev.Note)
+	} else {
+		t.Logf("the stale daemon left the staging mount in place")
+	}
+	// A new pod is published from the staging mount.
+	if err := e.c.Client.CoreV1().Pods(w.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	next, err := w.WaitRunning(ctx, string(pod.UID))
+	if err != nil {
+		t.Fatalf("no new pod running after the old one was deleted: %v\n%s", err, w.Describe(ctx))
+	}
+	target := filepath.Join(e2e.KubeletRoot, "pods", string(next.UID), "volumes", "kubernetes.io~csi", w.PV, "mount")
+	if fs, err := fstypeAt(target); err != nil || !strings.HasPrefix(fs, "fuse") {
+		t.Errorf("the new pod's volume %s: file system %q, %v; want FUSE (published from the node's disk?)", target, fs, err)
+	}
+	if _, err := w.WaitLogTime(ctx, next, "ok", woken); err != nil {
+		t.Errorf("the new pod does not read its files: %v", err)
+	}
+}
+
+// fstypeAt is the file system type of the mount on top at path, from our
+// mount table.
+func fstypeAt(path string) (string, error) {
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		return "", err
+	}
+	if len(infos) == 0 {
+		return "", fmt.Errorf("%s is not a mount point", path)
+	}
+	return infos[len(infos)-1].FSType, nil
+}
+
+// waitProcessGone waits until pid has exited (or is a zombie).
+func waitProcessGone(ctx context.Context, pid int) (time.Time, error) {
+	for {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return time.Now(), nil
+		}
+		if f := strings.Fields(string(b)); len(f) > 2 && f[2] == "Z" {
+			return time.Now(), nil
+		}
+		select {
+		case <-ctx.Done():
+			return time.Time{}, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// daemonOf finds the FUSE daemon (s3fs or rclone) serving the volume with
+// handle: the one whose mount point argument is the volume's staging path
+// (s3fs rewrites its "bucket:/prefix" argument in place, so that one cannot
+// be matched).
+func daemonOf(name, handle string) (int, error) {
 	staging := e2e.StagingPath(handle)
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
@@ -331,7 +435,7 @@ func s3fsOf(handle string) (int, error) {
 			continue
 		}
 		args := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
-		if filepath.Base(args[0]) != "s3fs" {
+		if filepath.Base(args[0]) != name {
 			continue
 		}
 		seen = append(seen, strings.Join(args, " "))
@@ -340,7 +444,7 @@ func s3fsOf(handle string) (int, error) {
 		}
 	}
 	if len(found) != 1 {
-		return 0, fmt.Errorf("s3fs processes mounting %s: %v, want exactly one (s3fs processes: %q)", staging, found, seen)
+		return 0, fmt.Errorf("%s processes mounting %s: %v, want exactly one (%s processes: %q)", name, staging, found, name, seen)
 	}
 	return found[0], nil
 }
@@ -358,19 +462,19 @@ func driverDownScenario(t *testing.T, e *env, ns string) {
 	attempts := e.metric(t, ctx, "mountmedic_repairs_total")
 
 	o := e.crash(t, ctx, w, pod, 0)
-	e.detected(t, ctx, "driver-down", ns, o)
+	e.detected(t, ctx, e.scenario, ns, o)
 	at, ev, err := e.agent.WaitEvent(ctx, ns, "DriverDown", o.start)
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.figs.Duration("driver-down", "fault -> DriverDown event", at.Sub(o.start))
+	e.figs.Duration(e.scenario, "fault -> DriverDown event", at.Sub(o.start))
 	t.Logf("driver down: %s", ev.Note)
 	time.Sleep(time.Until(o.start.Add(down)))
 	if got := e.metric(t, ctx, "mountmedic_evictions_total"); got != evictions {
 		t.Errorf("mountmedic_evictions_total went from %v to %v while the driver was down, want no eviction", evictions, got)
 	}
 	tries := e.metric(t, ctx, "mountmedic_repairs_total") - attempts
-	e.figs.Value("driver-down", fmt.Sprintf("repair attempts in %s down", down), "", tries)
+	e.figs.Value(e.scenario, fmt.Sprintf("repair attempts in %s down", down), "", tries)
 	evs, err := e.agent.Events(ctx, ns)
 	if err != nil {
 		t.Fatal(err)
@@ -385,7 +489,7 @@ func driverDownScenario(t *testing.T, e *env, ns string) {
 	}
 
 	o.back = e.bringBack(t)
-	e.healed(t, ctx, "driver-down", w, pod, o)
+	e.healed(t, ctx, e.scenario, w, pod, o)
 	if after := samePod(t, ctx, w, pod); restarts(after) != restarts(pod) {
 		t.Errorf("container restarts = %d, want %d (live tier once the driver is back)", restarts(after), restarts(pod))
 	}

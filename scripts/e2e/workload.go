@@ -94,6 +94,24 @@ type WorkloadOptions struct {
 	Affinity *corev1.Affinity
 	// NoWait returns once the objects exist, without waiting for the pod.
 	NoWait bool
+	// Mounter is the volume's FUSE daemon (k8s-csi-s3's mounter attribute):
+	// s3fs when empty, or rclone.
+	Mounter string
+}
+
+// volumeAttributes are the PV's CSI attributes for mounter. Debian's rclone
+// 1.60 needs --s3-provider=Other against a loopback S3 server, or it tries
+// virtual-host addressing. rclone uploads a written file once nobody has
+// used it for --vfs-write-back (5 s by default); the workload reads its
+// files every second, so without 0s they would never reach S3.
+func volumeAttributes(mounter string) map[string]string {
+	switch mounter {
+	case "", "s3fs":
+		return map[string]string{"mounter": "s3fs"}
+	case "rclone":
+		return map[string]string{"mounter": "rclone", "options": "--s3-provider=Other --vfs-write-back=0s"}
+	}
+	return map[string]string{"mounter": mounter}
 }
 
 // DeployWorkload creates the workload of namespace ns and waits until its
@@ -142,7 +160,7 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
 				Driver:               csilab.DriverName,
 				VolumeHandle:         w.Handle,
-				VolumeAttributes:     map[string]string{"mounter": "s3fs"},
+				VolumeAttributes:     volumeAttributes(opts.Mounter),
 				NodeStageSecretRef:   ref,
 				NodePublishSecretRef: ref,
 			}},
@@ -211,7 +229,28 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 	if err := w.WaitLog(ctx, pod, "ok", time.Time{}); err != nil {
 		return nil, err
 	}
+	if opts.Mounter == "rclone" {
+		// rclone (--vfs-cache-mode=writes) uploads a written file some
+		// seconds after its close: a daemon killed before that loses it,
+		// which no repair can bring back. The faults come after the upload.
+		if err := n.waitObjects(ctx, ns+"/whole.txt", ns+"/sub/sub.txt"); err != nil {
+			return nil, err
+		}
+	}
 	return w, nil
+}
+
+// waitObjects waits until every key is in the lab bucket.
+func (n *Node) waitObjects(ctx context.Context, keys ...string) error {
+	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
+		for _, k := range keys {
+			ok, err := n.S3.HasObject(csilab.Bucket, k)
+			if err != nil || !ok {
+				return false, err
+			}
+		}
+		return true, nil
+	})
 }
 
 // Pods lists the workload's pods that are not being deleted.
