@@ -93,9 +93,9 @@ func TestAgentDryRunReportsAndChangesNothing(t *testing.T) {
 	cfg.DryRun = true
 	a := e.startAgent(cfg, agent.Deps{})
 
-	e.waitEvent(pod.UID, agent.ReasonVolumeBroken, "Disconnected", "[dry-run]")
-	e.waitEvent(v.pvc.UID, agent.ReasonVolumeBroken, "Disconnected")
-	e.waitEvent(pod.UID, agent.ReasonEvicting, "[dry-run] would evict")
+	e.waitEvent(pod.UID, string(agent.ReasonVolumeBroken), "Disconnected", "[dry-run]")
+	e.waitEvent(v.pvc.UID, string(agent.ReasonVolumeBroken), "Disconnected")
+	e.waitEvent(pod.UID, string(agent.ReasonEvicting), "[dry-run] would evict")
 	e.waitFor("the dry-run eviction in the metrics", func() (bool, error) {
 		n, _ := a.metric(`mountmedic_evictions_total{result="dry_run"}`)
 		return n >= 1, nil
@@ -137,8 +137,8 @@ func TestAgentDryRunDriverDown(t *testing.T) {
 	cfg.DryRun = true
 	e.startAgent(cfg, agent.Deps{Repairer: rep})
 
-	e.waitEvent(pod.UID, agent.ReasonVolumeBroken, "Disconnected", "[dry-run]")
-	e.waitEvent(pod.UID, agent.ReasonDriverDown, "[dry-run]", labDriver)
+	e.waitEvent(pod.UID, string(agent.ReasonVolumeBroken), "Disconnected", "[dry-run]")
+	e.waitEvent(pod.UID, string(agent.ReasonDriverDown), "[dry-run]", labDriver)
 	if after := mountID(t, pub); after != before {
 		t.Errorf("publish target mount %d became %d in a dry run", before, after)
 	}
@@ -184,7 +184,7 @@ func TestAgentEvictionWaitsForPodDisruptionBudget(t *testing.T) {
 	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{})
 
-	e.waitEvent(pod.UID, agent.ReasonEvictionBlocked, "PodDisruptionBudget")
+	e.waitEvent(pod.UID, string(agent.ReasonEvictionBlocked), "PodDisruptionBudget")
 	if n, _ := a.metric(`mountmedic_evictions_total{result="blocked_by_pdb"}`); n < 1 {
 		t.Errorf("mountmedic_evictions_total{blocked_by_pdb} = %v, want at least 1", n)
 	}
@@ -202,7 +202,7 @@ func TestAgentEvictionWaitsForPodDisruptionBudget(t *testing.T) {
 	if _, err := e.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Update(ctx, pdb, metav1.UpdateOptions{}); err != nil {
 		t.Fatalf("relax PDB: %v", err)
 	}
-	e.waitEvent(pod.UID, agent.ReasonEvicting, "evicted the pod")
+	e.waitEvent(pod.UID, string(agent.ReasonEvicting), "evicted the pod")
 	e.waitFor("the pod to be terminating", func() (bool, error) {
 		p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
 		return err == nil && p.DeletionTimestamp != nil, err
@@ -222,7 +222,7 @@ func TestAgentNeverEvictsUnownedPod(t *testing.T) {
 	cfg.Tiers = remount.NewTierSet(remount.TierEvict, remount.TierDelete)
 	a := e.startAgent(cfg, agent.Deps{})
 
-	e.waitEvent(pod.UID, agent.ReasonNotRepaired, "no controller owner")
+	e.waitEvent(pod.UID, string(agent.ReasonNotRepaired), "no controller owner")
 	e.waitFor("the refusal in the metrics", func() (bool, error) {
 		n, _ := a.metric(`mountmedic_evictions_total{result="no_controller"}`)
 		return n >= 1, nil
@@ -251,7 +251,7 @@ func TestAgentHonoursClaimOptOut(t *testing.T) {
 	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{})
 
-	e.waitEvent(pod.UID, agent.ReasonNotRepaired, agent.OptOutAnnotation)
+	e.waitEvent(pod.UID, string(agent.ReasonNotRepaired), agent.OptOutAnnotation)
 	time.Sleep(time.Second)
 	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 0 {
 		t.Errorf("evicted %v pods of an opted-out claim, want 0", n)
@@ -417,8 +417,8 @@ func TestAgentFreesTerminatingPods(t *testing.T) {
 	cfg.ForceDeleteAfter = time.Second
 	e.startAgent(cfg, agent.Deps{Repairer: rep})
 
-	e.waitEvent(ownedPod.UID, agent.ReasonVolumeRepaired, "lazily unmounted")
-	e.waitEvent(lonePod.UID, agent.ReasonVolumeRepaired, "lazily unmounted")
+	e.waitEvent(ownedPod.UID, string(agent.ReasonVolumeRepaired), "lazily unmounted")
+	e.waitEvent(lonePod.UID, string(agent.ReasonVolumeRepaired), "lazily unmounted")
 	for _, pub := range []string{ownedPub, lonePub} {
 		if id := mountID(t, pub); id != 0 {
 			t.Errorf("%s is still mount %d after the unmount tier", pub, id)
@@ -428,7 +428,7 @@ func TestAgentFreesTerminatingPods(t *testing.T) {
 		_, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, ownedPod.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err), nil
 	})
-	e.waitEvent(lonePod.UID, agent.ReasonNotRepaired, "no controller owner")
+	e.waitEvent(lonePod.UID, string(agent.ReasonNotRepaired), "no controller owner")
 	if _, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, lonePod.Name, metav1.GetOptions{}); err != nil {
 		t.Errorf("the pod without an owner was force-deleted: %v", err)
 	}
@@ -446,7 +446,7 @@ func TestAgentLeavesFencedPodsAlone(t *testing.T) {
 	cfg := e.config()
 	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{Fenced: func(uid string) bool { return uid == string(pod.UID) }})
-	e.waitEvent(pod.UID, agent.ReasonNotRepaired, "fenced")
+	e.waitEvent(pod.UID, string(agent.ReasonNotRepaired), "fenced")
 	time.Sleep(time.Second)
 	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 0 {
 		t.Errorf("evicted %v fenced pods, want 0", n)

@@ -67,12 +67,12 @@ func TestAgentWaitsForBlockedDriver(t *testing.T) {
 	t.Cleanup(srv.Stop)
 
 	a := d.startAgent(d.config(), agent.Deps{Repairer: rep})
-	d.waitEvent(s.pod.UID, agent.ReasonDriverDown, csilab.DriverName)
+	d.waitEvent(s.pod.UID, string(agent.ReasonDriverDown), csilab.DriverName)
 	// Long enough for several runs at the test's backoff (0.2 s to 2 s).
 	time.Sleep(5 * time.Second)
 	for _, ev := range d.eventsOf(s.pod.UID) {
 		switch ev.Reason {
-		case agent.ReasonRepairEscalated, agent.ReasonVolumeRepaired:
+		case string(agent.ReasonRepairEscalated), string(agent.ReasonVolumeRepaired):
 			t.Errorf("event %s %q while the driver blocks", ev.Reason, ev.Note)
 		}
 	}

@@ -237,16 +237,16 @@ func TestAgentHealsRealDriverRestart(t *testing.T) {
 	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
 		t.Fatalf("read in the container after the plugin died: %v, want ENOTCONN", err)
 	}
-	d.waitEvent(s.pod.UID, agent.ReasonDriverDown, csilab.DriverName)
-	d.waitEvent(s.pvc.UID, agent.ReasonDriverDown, csilab.DriverName)
+	d.waitEvent(s.pod.UID, string(agent.ReasonDriverDown), csilab.DriverName)
+	d.waitEvent(s.pvc.UID, string(agent.ReasonDriverDown), csilab.DriverName)
 
 	back := time.Now()
 	if err := d.drv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	ev := d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by")
+	ev := d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
 	healed := time.Now()
-	d.waitEvent(s.pvc.UID, agent.ReasonVolumeRepaired, "repaired by")
+	d.waitEvent(s.pvc.UID, string(agent.ReasonVolumeRepaired), "repaired by")
 	if err := s.reads("heal"); err != nil {
 		t.Errorf("after the repair: %v", err)
 	}
@@ -289,7 +289,7 @@ func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
 	if err := s.reads("unstaged"); err != nil {
 		t.Fatalf("the pod's binds stopped reading with the staging mount gone: %v", err)
 	}
-	ev := d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by restage")
+	ev := d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by restage")
 	if got, err := os.ReadFile(filepath.Join(s.staging, "data.txt")); err != nil || string(got) != "data of unstaged" {
 		t.Errorf("staging path after the repair: read %q, %v; want the volume's data.txt", got, err)
 	}
@@ -325,7 +325,7 @@ func TestAgentDryRunShowsTheRepairPlan(t *testing.T) {
 	cfg.DryRun = true
 	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
 
-	ev := d.waitEvent(s.pod.UID, agent.ReasonNotRepaired, "[dry-run] would restage", "unmount")
+	ev := d.waitEvent(s.pod.UID, string(agent.ReasonNotRepaired), "[dry-run] would restage", "unmount")
 	t.Logf("dry-run plan: %s", ev.Note)
 	time.Sleep(time.Second)
 	if after := mountID(t, s.target); after != before {
@@ -401,7 +401,7 @@ func TestAgentRollsForwardAfterCrashMidRepair(t *testing.T) {
 	}
 	t.Cleanup(func() { rep.Close() })
 	d.startAgent(d.config(), agent.Deps{Repairer: rep})
-	d.waitEvent(s.pod.UID, agent.ReasonVolumeRepaired, "repaired by")
+	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
 	if err := s.reads("midway"); err != nil {
 		t.Errorf("after the new agent's repair: %v", err)
 	}
@@ -442,8 +442,8 @@ func TestAgentEvictsWhenOnlyTheHostHealed(t *testing.T) {
 	if err := d.drv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	d.waitEvent(s.pod.UID, agent.ReasonRepairEscalated, "re-staged on the host")
-	d.waitEvent(s.pod.UID, agent.ReasonEvictionBlocked, "PodDisruptionBudget")
+	d.waitEvent(s.pod.UID, string(agent.ReasonRepairEscalated), "re-staged on the host")
+	d.waitEvent(s.pod.UID, string(agent.ReasonEvictionBlocked), "PodDisruptionBudget")
 	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); err == nil {
 		t.Fatal("the private container reads its volume: the scenario needs it still dead")
 	}
@@ -456,7 +456,7 @@ func TestAgentEvictsWhenOnlyTheHostHealed(t *testing.T) {
 	if _, err := d.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Update(ctx, pdb, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	d.waitEvent(s.pod.UID, agent.ReasonEvicting, "evicted the pod")
+	d.waitEvent(s.pod.UID, string(agent.ReasonEvicting), "evicted the pod")
 }
 
 // TestAgentSaysWhenNoTierReachesTheContainers runs the re-stage alone: the
@@ -477,9 +477,9 @@ func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
 	if err := d.drv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	d.waitEvent(s.pod.UID, agent.ReasonNotRepaired, "no further tier")
+	d.waitEvent(s.pod.UID, string(agent.ReasonNotRepaired), "no further tier")
 	for _, ev := range d.eventsOf(s.pod.UID) {
-		if ev.Reason == agent.ReasonVolumeRepaired {
+		if ev.Reason == string(agent.ReasonVolumeRepaired) {
 			t.Errorf("VolumeRepaired reported while the container still sees the dead mount: %s", ev.Note)
 		}
 	}

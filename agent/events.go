@@ -13,15 +13,19 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 )
 
+// Reason is the reason of an event the agent sends: one of the Reason
+// constants, which alerts, docs and `mountmedic status` match by name.
+type Reason string
+
 // Event reasons.
 const (
-	ReasonVolumeBroken    = "VolumeBroken"
-	ReasonVolumeRepaired  = "VolumeRepaired"
-	ReasonRepairEscalated = "RepairEscalated"
-	ReasonEvicting        = "Evicting"
-	ReasonEvictionBlocked = "EvictionBlocked"
-	ReasonNotRepaired     = "NotRepaired"
-	ReasonDriverDown      = "DriverDown"
+	ReasonVolumeBroken    Reason = "VolumeBroken"
+	ReasonVolumeRepaired  Reason = "VolumeRepaired"
+	ReasonRepairEscalated Reason = "RepairEscalated"
+	ReasonEvicting        Reason = "Evicting"
+	ReasonEvictionBlocked Reason = "EvictionBlocked"
+	ReasonNotRepaired     Reason = "NotRepaired"
+	ReasonDriverDown      Reason = "DriverDown"
 )
 
 // Event actions (events.k8s.io "action": what the agent did or tried).
@@ -63,7 +67,7 @@ func (r reporter) message(format string, args ...any) string {
 
 // volume sends one event on each pod (related: the PVC) and one on the PVC
 // (related: the first pod).
-func (r reporter) volume(pods []*corev1.Pod, pvc *corev1.PersistentVolumeClaim, eventtype, reason, action, note string) {
+func (r reporter) volume(pods []*corev1.Pod, pvc *corev1.PersistentVolumeClaim, eventtype string, reason Reason, action, note string) {
 	if r.rec == nil {
 		return
 	}
@@ -72,13 +76,13 @@ func (r reporter) volume(pods []*corev1.Pod, pvc *corev1.PersistentVolumeClaim, 
 		if pvc != nil {
 			related = pvc
 		}
-		r.rec.Eventf(pod, related, eventtype, reason, action, "%s", note)
+		r.rec.Eventf(pod, related, eventtype, string(reason), action, "%s", note)
 	}
 	r.claim(pvc, pods, eventtype, reason, action, note)
 }
 
 // claim sends an event on the PVC only (related: the first pod).
-func (r reporter) claim(pvc *corev1.PersistentVolumeClaim, pods []*corev1.Pod, eventtype, reason, action, note string) {
+func (r reporter) claim(pvc *corev1.PersistentVolumeClaim, pods []*corev1.Pod, eventtype string, reason Reason, action, note string) {
 	if r.rec == nil || pvc == nil {
 		return
 	}
@@ -86,11 +90,11 @@ func (r reporter) claim(pvc *corev1.PersistentVolumeClaim, pods []*corev1.Pod, e
 	if len(pods) > 0 {
 		related = pods[0]
 	}
-	r.rec.Eventf(pvc, related, eventtype, reason, action, "%s", note)
+	r.rec.Eventf(pvc, related, eventtype, string(reason), action, "%s", note)
 }
 
 // pod sends an event on one pod (related: the PVC) and on the PVC.
-func (r reporter) pod(pod *corev1.Pod, pvc *corev1.PersistentVolumeClaim, eventtype, reason, action, note string) {
+func (r reporter) pod(pod *corev1.Pod, pvc *corev1.PersistentVolumeClaim, eventtype string, reason Reason, action, note string) {
 	r.volume([]*corev1.Pod{pod}, pvc, eventtype, reason, action, note)
 }
 
@@ -150,9 +154,9 @@ func (l *limitedRecorder) Eventf(regarding, related runtime.Object, eventtype, r
 	now := l.now()
 	l.tokens = min(eventBurst, l.tokens+float64(now.Sub(l.last))/float64(eventRefill))
 	l.last = now
-	pass := reason == ReasonEvicting || l.tokens >= 1
+	pass := Reason(reason) == ReasonEvicting || l.tokens >= 1
 	if pass {
-		if reason != ReasonEvicting {
+		if Reason(reason) != ReasonEvicting {
 			l.tokens--
 		}
 		l.sent++

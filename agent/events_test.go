@@ -54,7 +54,7 @@ func TestEventBudget(t *testing.T) {
 		t.Fatalf("%d events sent for 1000 broken volumes at once, want the burst of %d", len(rec.events), eventBurst)
 	}
 	r.pod(ps[0], nil, corev1.EventTypeNormal, ReasonEvicting, actionEvict, "evicted")
-	if got := rec.events[len(rec.events)-1]; got.reason != ReasonEvicting {
+	if got := rec.events[len(rec.events)-1]; Reason(got.reason) != ReasonEvicting {
 		t.Errorf("an eviction past the budget was held, want it sent (last event %v)", got)
 	}
 	for _, p := range ps[:10] {
@@ -70,7 +70,7 @@ func TestEventBudget(t *testing.T) {
 		if s.regarding != "node-1" {
 			t.Errorf("summary regards %q, want the node", s.regarding)
 		}
-		switch s.reason {
+		switch Reason(s.reason) {
 		case ReasonVolumeBroken:
 			if !strings.HasPrefix(s.note, "975 VolumeBroken events") || !strings.Contains(s.note, "apps/p25, ") || !strings.Contains(s.note, "and 965 more") {
 				t.Errorf("VolumeBroken summary = %q, want the count, the first pods held and how many more", s.note)

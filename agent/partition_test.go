@@ -72,6 +72,6 @@ func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
 		}
 		return p.DeletionTimestamp != nil, nil
 	})
-	e.waitEvent(pod.UID, agent.ReasonVolumeBroken, "Disconnected")
-	e.waitEvent(pod.UID, agent.ReasonEvicting, "evicted the pod")
+	e.waitEvent(pod.UID, string(agent.ReasonVolumeBroken), "Disconnected")
+	e.waitEvent(pod.UID, string(agent.ReasonEvicting), "evicted the pod")
 }

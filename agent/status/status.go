@@ -98,7 +98,7 @@ type View struct {
 }
 
 // repairOutcome maps the agent's event reasons to an outcome word.
-var repairOutcome = map[string]string{
+var repairOutcome = map[agent.Reason]string{
 	agent.ReasonVolumeRepaired:  "repaired",
 	agent.ReasonNotRepaired:     "not repaired",
 	agent.ReasonRepairEscalated: "escalated",
@@ -273,7 +273,7 @@ func readRepairs(ctx context.Context, cs kubernetes.Interface, opts Options, row
 		}
 		for i := range l.Items {
 			e := &l.Items[i]
-			outcome, ok := repairOutcome[e.Reason]
+			outcome, ok := repairOutcome[agent.Reason(e.Reason)]
 			if !ok {
 				continue
 			}

@@ -51,7 +51,7 @@ func TestStatusOnRealAPIServer(t *testing.T) {
 		}
 	}
 	cond := func(st corev1.ConditionStatus, msg string, heartbeat time.Time) *corev1.NodeCondition {
-		return &corev1.NodeCondition{Type: agent.ConditionType, Status: st, Reason: agent.ReasonMountsBroken, Message: msg,
+		return &corev1.NodeCondition{Type: agent.ConditionType, Status: st, Reason: string(agent.ReasonMountsBroken), Message: msg,
 			LastHeartbeatTime: metav1.NewTime(heartbeat), LastTransitionTime: metav1.NewTime(now.Add(-time.Hour))}
 	}
 	mkNode("node-healthy", cond(corev1.ConditionFalse, "12 pod volume mounts healthy", now), false)
@@ -89,8 +89,8 @@ func TestStatusOnRealAPIServer(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	event("e1", agent.ReasonNotRepaired, "restage failed", now.Add(-10*time.Minute))
-	event("e2", agent.ReasonVolumeRepaired, "re-staged\x1b[31m and swapped", now.Add(-time.Minute))
+	event("e1", string(agent.ReasonNotRepaired), "restage failed", now.Add(-10*time.Minute))
+	event("e2", string(agent.ReasonVolumeRepaired), "re-staged\x1b[31m and swapped", now.Add(-time.Minute))
 
 	var out, errOut bytes.Buffer
 	if code := execute(ctx, []string{"status", "--kubeconfig", c.Kubeconfig}, &out, &errOut); code != 0 {
@@ -125,7 +125,7 @@ func TestStatusOnRealAPIServer(t *testing.T) {
 		t.Errorf("--broken nodes = %v, want node-broken, node-stale, node-dead", keys(got))
 	}
 	b := got["node-broken"]
-	if b.Volumes.State != "broken" || b.Volumes.Broken != 3 || len(b.Volumes.Counts) != 2 || b.LastRepair == nil || b.LastRepair.Reason != agent.ReasonVolumeRepaired || b.Failover.State != "fenced" {
+	if b.Volumes.State != "broken" || b.Volumes.Broken != 3 || len(b.Volumes.Counts) != 2 || b.LastRepair == nil || b.LastRepair.Reason != string(agent.ReasonVolumeRepaired) || b.Failover.State != "fenced" {
 		t.Errorf("node-broken = %+v", b)
 	}
 	if d := got["node-dead"]; d.Failover.State != "failed-over" || d.Volumes.State != "unknown" {
