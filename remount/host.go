@@ -372,12 +372,26 @@ func (h *hostRun) planKeep(ctx context.Context) {
 // volume is hung (the caller's probe said so, or requests wait on the
 // connection): blocked callers then get ECONNABORTED instead of hanging on
 // the mount once it is detached. A connection is aborted only while our
-// mount table still holds a mount on it: connection numbers are reused once
-// a connection ends.
+// mount table holds a mount of it on top at one of this volume's own paths
+// (staging path, publish targets, dead subPath binds): connection numbers
+// are reused once a connection ends.
 func (h *hostRun) abortHung(ctx context.Context) {
 	u := h.r.unmounter()
+	var own []string
+	if h.staging != "" {
+		own = append(own, h.staging)
+	}
+	for _, p := range h.pods {
+		if p.refused != nil {
+			continue
+		}
+		own = append(own, p.target)
+		for _, sp := range p.subPaths {
+			own = append(own, sp.path)
+		}
+	}
 	for _, dev := range h.dead.list() {
-		at := h.table.fuseMount(dev)
+		at := h.table.fuseMountOn(dev, own)
 		if at == nil {
 			continue
 		}

@@ -566,19 +566,21 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		u := r.unmounter()
-		if v.Hung {
-			for _, dev := range dead.list() {
-				if at := table.fuseMount(dev); at != nil {
-					acts, _ := u.AbortFUSE(ctx, dev, at)
-					o.Actions = append(o.Actions, acts...)
-				}
-			}
-		}
 		var paths []string
 		for _, p := range v.Pods {
 			for _, m := range p.Dead {
 				if m != nil && m.Path != "" && !slices.Contains(paths, filepath.Clean(m.Path)) {
 					paths = append(paths, filepath.Clean(m.Path))
+				}
+			}
+		}
+		if v.Hung {
+			// Only a connection mounted at these pods' own dead paths:
+			// the device number may be another volume's by now.
+			for _, dev := range dead.list() {
+				if at := table.fuseMountOn(dev, paths); at != nil {
+					acts, _ := u.AbortFUSE(ctx, dev, at)
+					o.Actions = append(o.Actions, acts...)
 				}
 			}
 		}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/lab"
@@ -746,5 +747,81 @@ func TestPropagationFacts(t *testing.T) {
 	}
 	if m := mountAt(slave, "/data"); m == nil || propagationOf(m.Optional) != propagationNone {
 		t.Errorf("slave's /data after the last host member went = %+v, want a private mount", m)
+	}
+}
+
+// TestAbortReachesOnlyTheVolumesOwnConnection: a repair works from the
+// agent's snapshot of the volume, and the kernel hands a dead filesystem's
+// device number (its FUSE connection's number) to the next FUSE mount as
+// soon as the old one ends. Found in the e2e run: a stale repair of a hung
+// volume, whose pod was being torn down, aborted the connection of the
+// next volume on the node while its first pod wrote, and that pod never
+// read its volume. Here the snapshot's dead device is another volume's
+// filesystem, hung with a request waiting, mounted only at that volume's
+// staging path: neither the re-stage's abort nor the Unmount tier's may
+// touch it.
+func TestAbortReachesOnlyTheVolumesOwnConnection(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	mine := newLabVolume(t, k, labHandle, labVolume) // re-staged: healthy
+	other := k.StagingPath(labDriver, "other-volume")
+	ofs := lab.StartFaultFS(t, other)
+	reused := probe.Dev{Major: 0, Minor: ofs.Conn()}
+	ofs.Hang()
+	t.Cleanup(ofs.Release)
+	blocked := make(chan error, 1)
+	go func() {
+		var st unix.Statfs_t
+		blocked <- unix.Statfs(other, &st)
+	}()
+	select {
+	case err := <-blocked:
+		t.Fatalf("statfs of the hung mount returned %v, want it blocked", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+
+	r, err := New(Config{KubeletRoot: k.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	vr := kubelet.VolumeRequest{Driver: labDriver, VolumeHandle: labHandle, StageUnstage: true,
+		StagingPath: mine.staging, TargetPath: mine.target, PodUID: labPod}
+	v := &Volume{Driver: labDriver, VolumeHandle: labHandle, Stage: vr, Hung: true,
+		Backend: &probe.Backend{Dev: reused, Kind: probe.BackendFUSE},
+		Pods: []PodVolume{{Publish: vr, Dead: []*probe.Mount{
+			{Path: mine.target, Dev: reused, Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: labPod}},
+			{Path: mine.subPath, Dev: reused, Target: kubelet.Target{Kind: kubelet.KindSubPath, PodUID: labPod}},
+		}}}}
+
+	// The Unmount tier (a terminating pod of the volume).
+	o := r.Unmount(context.Background(), v)
+	if n := ops(o.Actions)[opAbortFUSE]; n != 0 {
+		t.Errorf("Unmount of volume %s wrote %d FUSE aborts for device %s, mounted only at another volume's staging path %s (%v)", labHandle, n, reused, other, o.Actions)
+	}
+	// The host repair's abort (the re-stage tier).
+	h := &hostRun{r: r, v: v, logger: klog.Background(), staging: mine.staging, dead: deadDevs(v)}
+	if h.table, err = readHostTable(r.procDir, r.root); err != nil {
+		t.Fatal(err)
+	}
+	h.pods = []*podPlan{{pv: &v.Pods[0], uid: labPod, target: mine.target, subPaths: []subPathBind{{path: mine.subPath}}}}
+	h.abortHung(context.Background())
+	if n := ops(h.actions)[opAbortFUSE]; n != 0 {
+		t.Errorf("the re-stage of volume %s wrote %d FUSE aborts for device %s, mounted only at another volume's staging path %s (%v)", labHandle, n, reused, other, h.actions)
+	}
+
+	select {
+	case err := <-blocked:
+		t.Fatalf("the other volume's blocked statfs returned %v before its daemon answered: its connection was aborted", err)
+	default:
+	}
+	ofs.Release()
+	select {
+	case err := <-blocked:
+		if err != nil {
+			t.Errorf("the other volume's statfs = %v once its daemon answered, want nil", err)
+		}
+	case <-time.After(failBound):
+		t.Fatalf("the other volume's statfs still blocked %s after its daemon was released", failBound)
 	}
 }

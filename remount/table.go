@@ -71,15 +71,22 @@ func (t *hostTable) fuse(dev probe.Dev) bool {
 	return b != nil && len(b.Mounts) > 0 && isFUSEType(b.FSType)
 }
 
-// fuseMount returns a mount of the FUSE filesystem dev that is on top at
-// its path, by which AbortFUSE pins the connection; nil when there is none.
-func (t *hostTable) fuseMount(dev probe.Dev) *probe.Mount {
+// fuseMountOn returns the mount of the FUSE filesystem dev that is on top
+// at one of paths (the volume's own places), by which AbortFUSE pins the
+// connection; nil when there is none. dev comes from the caller's snapshot
+// of the volume, and the kernel hands a device number out again as soon as
+// its filesystem ends: by now dev may be another volume's filesystem,
+// mounted at that volume's paths, whose busy connection an abort would cut
+// (found in the e2e run: a hung volume's stale repair aborted the next
+// volume's connection while its first pod wrote). Only a mount at the
+// repaired volume's own paths is taken.
+func (t *hostTable) fuseMountOn(dev probe.Dev, paths []string) *probe.Mount {
 	if !t.fuse(dev) {
 		return nil
 	}
-	for _, m := range t.byDev[dev].Mounts {
-		if t.top(m.Path) == m {
-			return m
+	for _, p := range paths {
+		if top := t.top(p); top != nil && top.Dev == dev {
+			return top
 		}
 	}
 	return nil
