@@ -377,15 +377,12 @@ func (r *recorder) snapshot() map[string]int {
 	return out
 }
 
-// countingClient is a client with the agent's credentials that counts its
-// requests; with clientDefaults, under client-go's default rate limits
-// (5 requests a second, bursts of 10), as the command's client is.
-func (e *env) countingClient(clientDefaults ...bool) (kubernetes.Interface, *recorder) {
+// countingClient is a client with the agent's credentials and rate limits
+// (agent.NodeRESTConfig's, as the command's client has them) that counts
+// its requests.
+func (e *env) countingClient() (kubernetes.Interface, *recorder) {
 	e.t.Helper()
 	cfg := rest.CopyConfig(e.agentConfig)
-	if len(clientDefaults) > 0 && clientDefaults[0] {
-		cfg.QPS, cfg.Burst = 0, 0
-	}
 	rec := &recorder{count: make(map[string]int)}
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { rec.next = rt; return rec })
 	client, err := kubernetes.NewForConfig(cfg)

@@ -91,6 +91,10 @@ type Config struct {
 	CRISocket string
 	// APITimeout bounds each API call the agent makes.
 	APITimeout time.Duration
+	// APIQPS and APIBurst are the client-side rate limit of the agent's
+	// node identity (kubelet's own defaults; see DefaultAPIQPS).
+	APIQPS   float32
+	APIBurst int
 	// CacheSize and CacheTTL size the PV/PVC/CSIDriver/VolumeAttachment
 	// cache.
 	CacheSize int
@@ -121,6 +125,8 @@ func DefaultConfig() Config {
 		MetricsAddr:          ":9809",
 		CRISocket:            "unix:///run/containerd/containerd.sock",
 		APITimeout:           10 * time.Second,
+		APIQPS:               DefaultAPIQPS,
+		APIBurst:             DefaultAPIBurst,
 		CacheSize:            256,
 		CacheTTL:             5 * time.Minute,
 		Version:              "dev",
@@ -159,6 +165,12 @@ func (c Config) Validate() error {
 	positive("eviction-window", c.EvictionWindow)
 	positive("api-timeout", c.APITimeout)
 	positive("cache-ttl", c.CacheTTL)
+	if c.APIQPS <= 0 {
+		bad("--kube-api-qps %g: must be positive (kubelet's default is %d)", c.APIQPS, DefaultAPIQPS)
+	}
+	if c.APIBurst < 1 {
+		bad("--kube-api-burst %d: must be at least 1 (kubelet's default is %d)", c.APIBurst, DefaultAPIBurst)
+	}
 	if c.ForceDeleteAfter < 0 {
 		bad("--force-delete-after %s: must not be negative", c.ForceDeleteAfter)
 	}

@@ -54,8 +54,9 @@ var ErrNotNodeIdentity = errors.New("not this node's identity")
 // NodeUser is the user name of node's identity.
 func NodeUser(node string) string { return "system:node:" + node }
 
-// NewNodeClient makes the client the agent acts with: node's own identity
-// from the kubeconfig file at path (--node-kubeconfig, the kubelet's). When
+// NewNodeClient makes the client the agent acts with: the identity of node
+// cfg.NodeName from the kubeconfig file cfg.NodeKubeconfig (the kubelet's),
+// rate-limited by cfg.APIQPS and cfg.APIBurst (zero: the defaults). When
 // the kubeconfig names a client certificate, it must be node's
 // (system:node:<node> in system:nodes); credentials that carry no
 // certificate (a token, an exec plugin) are judged by CheckNodeIdentity
@@ -65,18 +66,37 @@ func NodeUser(node string) string { return "system:node:" + node }
 // client-go then reads them again at each new connection (at most once a
 // second) and, every five minutes, closes its connections when they
 // changed, so kubelet's certificate rotation reaches the agent.
-func NewNodeClient(path, node, version string) (kubernetes.Interface, error) {
-	rc, err := NodeRESTConfig(path, node)
+func NewNodeClient(cfg Config) (kubernetes.Interface, error) {
+	rc, err := NodeRESTConfig(cfg.NodeKubeconfig, cfg.NodeName)
 	if err != nil {
 		return nil, err
 	}
-	rc.UserAgent = "mountmedic/" + version
+	rc.UserAgent = "mountmedic/" + cfg.Version
+	if cfg.APIQPS > 0 {
+		rc.QPS = cfg.APIQPS
+	}
+	if cfg.APIBurst > 0 {
+		rc.Burst = cfg.APIBurst
+	}
 	c, err := kubernetes.NewForConfig(rc)
 	if err != nil {
-		return nil, fmt.Errorf("--node-kubeconfig %s: kubernetes client: %w", path, err)
+		return nil, fmt.Errorf("--node-kubeconfig %s: kubernetes client: %w", cfg.NodeKubeconfig, err)
 	}
 	return c, nil
 }
+
+// The agent's client-side rate limit on its node's identity: kubelet's own
+// defaults (kubeAPIQPS 50, kubeAPIBurst 100). A storage outage that breaks
+// every volume of a node sends two reads per volume (its claim and PV, which
+// the node identity may only GET by name), and client-go's default of 5 a
+// second made a thousand broken volumes wait 400 s for their reads. Requests
+// of a node identity are judged by the API server's system-nodes FlowSchema,
+// in the flow of that node alone, so a burst from one node queues behind its
+// own requests, never another node's.
+const (
+	DefaultAPIQPS   = 50
+	DefaultAPIBurst = 100
+)
 
 // NodeRESTConfig reads the node kubeconfig at path and checks what it can
 // of its identity without the API server (see NewNodeClient).
@@ -91,6 +111,7 @@ func NodeRESTConfig(path, node string) (*rest.Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--node-kubeconfig %s: %w", path, err)
 	}
+	rc.QPS, rc.Burst = DefaultAPIQPS, DefaultAPIBurst
 	certPEM := rc.CertData
 	if len(certPEM) == 0 && rc.CertFile != "" {
 		if certPEM, err = os.ReadFile(rc.CertFile); err != nil {

@@ -37,7 +37,7 @@ func TestNodeClientFollowsCertificateRotation(t *testing.T) {
 	kubeconfig := filepath.Join(dir, "kubelet.conf")
 	kubeletRoot := filepath.Join(dir, "kubelet")
 	c.WriteNodeKubeconfig(t, kubeconfig, kubeletRoot, node, "")
-	client, err := agent.NewNodeClient(kubeconfig, node, "test")
+	client, err := agent.NewNodeClient(agent.Config{NodeKubeconfig: kubeconfig, NodeName: node, Version: "test"})
 	if err != nil {
 		t.Fatal(err)
 	}

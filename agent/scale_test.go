@@ -331,8 +331,8 @@ type scaleResult struct {
 
 // runScale breaks the node (dead or hung daemon), runs the agent (the
 // agent's defaults, but for the probe interval and deadline, 1 s in tests;
-// with defaults set, the agent's own, and the API client's default rate
-// limits, as the command runs it) and waits until every broken volume is
+// with defaults set, the agent's own; the API client's rate limits are the
+// command's in both) and waits until every broken volume is
 // healed. The 10 healthy pods' daemon answers every request 600 ms late
 // (60 % of the test deadline, 30 % of the default one): slow, never hung.
 func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *runningAgent, scaleResult) {
@@ -342,7 +342,7 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rep.Close() })
-	client, rec := s.e.countingClient(defaults)
+	client, rec := s.e.countingClient()
 	cfg := agent.DefaultConfig()
 	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr, cfg.Version = s.e.node, s.e.kubelet.Root(), "", "test"
 	if !defaults {
@@ -418,8 +418,8 @@ func TestScaleDeadBackends(t *testing.T) { testScale(t, scaleN(50), false, false
 func TestScaleHungBackends(t *testing.T) { testScale(t, scaleN(50), false, true) }
 
 // BenchmarkScale times the fault matrix at a thousand volumes (n from
-// $MOUNTMEDIC_SCALE_N), the agent at its defaults and with the API client's
-// default rate limits, as the command runs it: fault -> every volume healed
+// $MOUNTMEDIC_SCALE_N), the agent at its defaults and with its API client's
+// rate limits (--kube-api-qps, --kube-api-burst), as the command runs it: fault -> every volume healed
 // (for hung backends: each connection aborted, re-staged and verified),
 // the agent's event writes, and its threads. One iteration per case.
 //

@@ -124,7 +124,7 @@ func TestNodeBlastRadius(t *testing.T) {
 	dir := t.TempDir()
 	nodeKubeconfig := filepath.Join(dir, "etc", "kubernetes", "kubelet.conf")
 	c.WriteNodeKubeconfig(t, nodeKubeconfig, filepath.Join(dir, "var", "lib", "kubelet"), nodeA, "")
-	asNode, err := agent.NewNodeClient(nodeKubeconfig, nodeA, "test")
+	asNode, err := agent.NewNodeClient(agent.Config{NodeKubeconfig: nodeKubeconfig, NodeName: nodeA, Version: "test"})
 	if err != nil {
 		t.Fatal(err)
 	}
