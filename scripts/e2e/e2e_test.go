@@ -120,6 +120,9 @@ func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
 	start := time.Now()
 	w, err := e.n.DeployWorkloadWith(ctx, ns, e2e.WorkloadOptions{Mounter: e.mounter})
 	if err != nil {
+		if e.agent != nil {
+			t.Fatalf("%v\nagent log:\n%s\nnode mounts:\n%s", err, e.agent.LogTail(60), e.nodeMounts())
+		}
 		t.Fatal(err)
 	}
 	t.Logf("workload %s running and written in %s", ns, time.Since(start).Round(time.Millisecond))
@@ -135,6 +138,22 @@ func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
 		}
 	})
 	return &wl{Workload: w}
+}
+
+// nodeMounts is the kubelet root's part of the node's mount table, for
+// failure messages.
+func (e *env) nodeMounts() string {
+	data, err := os.ReadFile(e.n.MountTable())
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	for _, l := range strings.Split(string(data), "\n") {
+		if strings.Contains(l, e2e.KubeletRoot) {
+			b.WriteString(l + "\n")
+		}
+	}
+	return b.String()
 }
 
 // restartDriver starts the node plugin again if it is down.
