@@ -37,7 +37,13 @@ go test -count=1 -timeout 20m ./scripts/scale 2>&1 | tee /tmp/mountmedic-scale.l
 # the container image with scripts/image.sh (buildah, from the Dockerfile; no
 # daemon, no registry), which runs `mountmedic version` inside it, and runs
 # that image as the DaemonSet.
-go test -race -count=1 -timeout 20m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-e2e.log | grep -E '^(=== RUN|--- |\s+--- |\||ok|FAIL|PASS)|e2e figures'
+# The run's lines are filtered here; when it fails, what the failing
+# scenarios said (their messages carry the agent's log) is printed too.
+if ! go test -race -count=1 -timeout 20m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-e2e.log | grep -E '^(=== RUN|--- |\s+--- |\||ok|FAIL|PASS)|e2e figures'; then
+	echo "--- the e2e run failed; its test messages (whole log: /tmp/mountmedic-e2e.log):"
+	grep -v -E '^(=== RUN|\||--- (PASS|SKIP)|\s+--- (PASS|SKIP))' /tmp/mountmedic-e2e.log | tail -n 400
+	exit 1
+fi
 # A count, not a duration: go1.26's fuzz coordinator can fail a duration
 # budget with "context deadline exceeded" and no crasher on a loaded machine
 # (golang/go#75804, fixed in go1.27). A count ends when the workers have run
