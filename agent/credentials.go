@@ -87,12 +87,13 @@ func NewNodeClient(cfg Config) (kubernetes.Interface, error) {
 
 // The agent's client-side rate limit on its node's identity: kubelet's own
 // defaults (kubeAPIQPS 50, kubeAPIBurst 100). A storage outage that breaks
-// every volume of a node sends two reads per volume (its claim and PV, which
-// the node identity may only GET by name), and client-go's default of 5 a
-// second made a thousand broken volumes wait 400 s for their reads. Requests
-// of a node identity are judged by the API server's system-nodes FlowSchema,
-// in the flow of that node alone, so a burst from one node queues behind its
-// own requests, never another node's.
+// every volume of a node sends about three reads per volume (its pods
+// afresh, its claim and PV, which the node identity may only GET by name),
+// and client-go's default of 5 a second made a thousand broken volumes wait
+// 400 s for them. The API server's system-nodes FlowSchema puts a node
+// identity's requests in a flow of that user alone: a burst shares its
+// queue with that node's kubelet (its pod status writes; its Lease and Node
+// status go to system-node-high), never with another node.
 const (
 	DefaultAPIQPS   = 50
 	DefaultAPIBurst = 100
