@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -134,7 +135,8 @@ func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
 		if err := w.Delete(ctx); err != nil {
-			t.Errorf("delete workload %s: %v\n%s", ns, err, w.Describe(ctx))
+			t.Errorf("delete workload %s: %v\n%s\nagent log:\n%s\nnode mounts:\n%s\nkubelet log:\n%s", ns, err, w.Describe(context.Background()),
+				e.agent.LogTail(60), e.nodeMounts(), lab.Tail(filepath.Join(e.n.Dir, "logs", "kubelet.log"), 40))
 		}
 	})
 	return &wl{Workload: w}
