@@ -122,7 +122,15 @@ func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
 	w, err := e.n.DeployWorkloadWith(ctx, ns, e2e.WorkloadOptions{Mounter: e.mounter})
 	if err != nil {
 		if e.agent != nil {
-			t.Fatalf("%v\nagent log:\n%s\nnode mounts:\n%s", err, e.agent.LogTail(60), e.nodeMounts())
+			dctx, dcancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer dcancel()
+			var seen []string
+			evs, everr := e.agent.Events(dctx, ns)
+			for _, ev := range evs {
+				seen = append(seen, ev.Reason+": "+ev.Note)
+			}
+			t.Fatalf("%v\nagent events in %s: %q (%v)\nagent log:\n%s\nnode mounts:\n%s\nkubelet log:\n%s", err, ns, seen, everr,
+				e.agent.LogTail(60), e.nodeMounts(), lab.Tail(filepath.Join(e.n.Dir, "logs", "kubelet.log"), 40))
 		}
 		t.Fatal(err)
 	}
