@@ -5,11 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/mountmedic/mountmedic/probe"
@@ -369,8 +367,7 @@ func (h *hostRun) planKeep(ctx context.Context) {
 }
 
 // abortHung aborts the FUSE connections of the dead filesystems when the
-// volume is hung (the caller's probe said so, or requests wait on the
-// connection): blocked callers then get ECONNABORTED instead of hanging on
+// volume is hung (the caller's probe said so): blocked callers then get ECONNABORTED instead of hanging on
 // the mount once it is detached. A connection is aborted only while our
 // mount table holds a mount of it on top at one of this volume's own paths
 // (staging path, publish targets, dead subPath binds): connection numbers
@@ -390,28 +387,23 @@ func (h *hostRun) abortHung(ctx context.Context) {
 			own = append(own, sp.path)
 		}
 	}
+	if !h.v.Hung {
+		// Requests waiting on a connection the probe did not find hung are
+		// a live daemon's work (a dead daemon's connection ends with it):
+		// aborting it would break a healthy, busy volume, as a repair of a
+		// volume whose only fault was a publish target not mounted yet
+		// (kubelet between vol_data.json and NodePublish) did to a new
+		// pod's first writes in the e2e.
+		return
+	}
 	for _, dev := range h.dead.list() {
 		at := h.table.fuseMountOn(dev, own)
 		if at == nil {
 			continue
 		}
-		if !h.v.Hung && h.r.fuseWaiting(dev) == 0 {
-			continue
-		}
 		acts, _ := u.AbortFUSE(ctx, dev, at)
 		h.add(acts...)
 	}
-}
-
-// fuseWaiting reads the number of requests waiting on a FUSE connection
-// from fusectl (0 when it cannot be read).
-func (r *Repairer) fuseWaiting(dev probe.Dev) int {
-	b, err := os.ReadFile(filepath.Join(r.fusectlDir, strconv.FormatUint(uint64(fusectlConn(dev)), 10), "waiting"))
-	if err != nil {
-		return 0
-	}
-	n, _ := strconv.Atoi(strings.TrimSpace(string(b)))
-	return n
 }
 
 // unmountDead lazily unmounts the dead mounts that a fresh stage or publish
