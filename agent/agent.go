@@ -382,6 +382,11 @@ func (a *Agent) readTable(ctx context.Context, inv *probe.Inventory, dirty *bool
 			*dirty = true
 		}
 	}
+	if inv != nil && !inv.Publishing.IsZero() && !time.Now().Before(inv.Publishing) {
+		// A publish target was in kubelet's publish window: read again
+		// whether it got mounted, as no table change may say so.
+		*dirty = true
+	}
 	if *dirty || inv == nil {
 		fresh, err := probe.ReadFile(a.cfg.HostTable, probe.Options{Root: a.cfg.KubeletRoot, Live: true})
 		if err != nil {

@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
@@ -450,5 +451,49 @@ func TestAgentLeavesFencedPodsAlone(t *testing.T) {
 	time.Sleep(time.Second)
 	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 0 {
 		t.Errorf("evicted %v fenced pods, want 0", n)
+	}
+}
+
+// TestAgentWaitsOutKubeletsPublishWindow: kubelet writes vol_data.json
+// before it calls NodePublishVolume. A publish target in that window is not
+// a broken volume, and the agent must not re-stage a volume kubelet is
+// setting up (it raced kubelet's subPath bind in the e2e); once the window
+// passes with the target still unmounted, the agent reports it although no
+// mount-table change says so. A Pending pod's unpublished target (kubelet
+// publishing slower than the window) is left alone.
+func TestAgentWaitsOutKubeletsPublishWindow(t *testing.T) {
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	labels := map[string]string{"app": "window"}
+	v := e.createVolume("window", nil)
+	lab.StartFaultFS(t, v.staging)
+	pod := e.createPod("window-0", v, podOptions{owner: e.replicaSet("window", labels), labels: labels})
+	target := e.kubelet.PreparePublish(string(pod.UID), v.pv.Name, labDriver, v.handle)
+	// The window ends 4 s from now.
+	e.kubelet.AgeVolData(target, probe.DefaultPublishGrace-4*time.Second)
+	windowEnds := time.Now().Add(4 * time.Second)
+
+	pv := e.createVolume("pending", nil)
+	lab.StartFaultFS(t, pv.staging)
+	pending := e.createPod("pending-0", pv, podOptions{owner: e.replicaSet("pending", labels), labels: labels})
+	pending.Status = corev1.PodStatus{Phase: corev1.PodPending}
+	pending, err := e.admin.CoreV1().Pods(testNamespace).UpdateStatus(ctx, pending, metav1.UpdateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := e.kubelet.PreparePublish(string(pending.UID), pv.pv.Name, labDriver, pv.handle)
+	e.kubelet.AgeVolData(slow, time.Minute)
+
+	cfg := e.config()
+	cfg.DryRun = true
+	e.startAgent(cfg, agent.Deps{})
+	ev := e.waitEvent(pod.UID, string(agent.ReasonVolumeBroken), "Missing")
+	if at := ev.EventTime.Time; at.Before(windowEnds.Add(-time.Second)) {
+		t.Errorf("the unpublished target was reported at %v, inside kubelet's publish window (until %v): %s", at, windowEnds, ev.Note)
+	}
+	// The Pending pod's target was past the window from the start, so its
+	// report would have come first.
+	if got := e.reasons(pending.UID); len(got) != 0 {
+		t.Errorf("a Pending pod's publish target kubelet has not mounted yet got events %q, want none", got)
 	}
 }

@@ -167,3 +167,26 @@ func TestGroupBrokenStagingGoneUnderLiveBinds(t *testing.T) {
 		}
 	}
 }
+
+func TestOnlyUnpublished(t *testing.T) {
+	pub := kubelet.Target{Kind: kubelet.KindPublish, PodUID: "p", Plugin: kubelet.CSIPluginDir, Volume: "pv"}
+	sub := kubelet.Target{Kind: kubelet.KindSubPath, PodUID: "p", Volume: "pv"}
+	unpublished := &probe.Mount{Path: "/k/pods/p/volumes/kubernetes.io~csi/pv/mount", Target: pub}
+	deadPublish := &probe.Mount{ID: 40, Path: unpublished.Path, Target: pub}
+	deadSub := &probe.Mount{ID: 41, Path: "/k/pods/p/volume-subpaths/pv/app/0", Target: sub}
+	for _, c := range []struct {
+		name string
+		use  *podUse
+		want bool
+	}{
+		{"no use", nil, false},
+		{"nothing dead", &podUse{uid: "p"}, false},
+		{"publish target not mounted yet", &podUse{uid: "p", dead: []*probe.Mount{unpublished}}, true},
+		{"a mounted publish target is dead", &podUse{uid: "p", dead: []*probe.Mount{unpublished, deadPublish}}, false},
+		{"a subPath bind is dead", &podUse{uid: "p", dead: []*probe.Mount{unpublished, deadSub}}, false},
+	} {
+		if got := onlyUnpublished(c.use); got != c.want {
+			t.Errorf("%s: onlyUnpublished = %v, want %v", c.name, got, c.want)
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -144,6 +145,13 @@ type Inventory struct {
 	// targets of their volume, from which the next pod would be published.
 	// Only live inventories look for them.
 	Unmounted []*Mount `json:"unmounted,omitempty"`
+	// Publishing is when the first publish target that is not mounted yet,
+	// but whose vol_data.json kubelet wrote less than Options.PublishGrace
+	// ago, leaves kubelet's publish window and counts as Unmounted if it is
+	// still not mounted; zero when there is none. A reader of a live table
+	// reads it again then: nothing in the mount table changes when a
+	// publish never comes.
+	Publishing time.Time `json:"-"`
 }
 
 // Options say how to read and link a mount table.
@@ -161,6 +169,27 @@ type Options struct {
 	// MaxSize caps the bytes ReadTable reads of a table;
 	// DefaultMaxTableSize when 0 or less.
 	MaxSize int64
+	// PublishGrace is how long after kubelet wrote a publish target's
+	// vol_data.json an unmounted target is kubelet still publishing, not
+	// a mount that went away: kubelet writes the file before it calls
+	// NodePublishVolume. DefaultPublishGrace when 0; none when negative.
+	PublishGrace time.Duration
+}
+
+// DefaultPublishGrace is kubelet's publish window: a publish target is
+// reported Unmounted only once its vol_data.json is this old. NodePublish of
+// a FUSE volume takes about a second; a slower one keeps its pod Pending, and
+// the agent leaves a Pending pod's unpublished targets alone as well.
+const DefaultPublishGrace = 15 * time.Second
+
+func (o Options) publishGrace() time.Duration {
+	switch {
+	case o.PublishGrace == 0:
+		return DefaultPublishGrace
+	case o.PublishGrace < 0:
+		return 0
+	}
+	return o.PublishGrace
 }
 
 func (o Options) root() string {
@@ -240,7 +269,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 	backends(inv, infos, opts)
 	if opts.Live {
 		readVolData(inv)
-		inv.Unmounted = findUnmounted(root, inv)
+		inv.Unmounted, inv.Publishing = findUnmounted(root, inv, time.Now(), opts.publishGrace())
 	}
 	return inv
 }
@@ -466,12 +495,28 @@ func readVolData(inv *Inventory) {
 }
 
 func loadVolData(root, relDir string) (volData, error) {
+	vd, _, err := loadVolDataAt(root, relDir)
+	return vd, err
+}
+
+// loadVolDataAt is loadVolData that also says when kubelet wrote the file.
+func loadVolDataAt(root, relDir string) (volData, time.Time, error) {
 	var vd volData
 	f, err := OpenBeneath(root, filepath.Join(relDir, kubelet.VolDataFile), unix.O_RDONLY)
 	if err != nil {
-		return vd, err
+		return vd, time.Time{}, err
 	}
 	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return vd, time.Time{}, err
+	}
+	vd, err = parseVolData(f)
+	return vd, st.ModTime(), err
+}
+
+func parseVolData(f *os.File) (volData, error) {
+	var vd volData
 	b, err := io.ReadAll(io.LimitReader(f, 64<<10))
 	if err != nil {
 		return vd, fmt.Errorf("read %s: %w", f.Name(), err)
@@ -503,17 +548,21 @@ func OpenBeneath(root, rel string, flags int) (*os.File, error) {
 }
 
 // findUnmounted lists CSI publish targets that kubelet set up (vol_data.json
-// beside them) but that are not mount points in the table.
-func findUnmounted(root string, inv *Inventory) []*Mount {
+// beside them) but that are not mount points in the table. A target whose
+// vol_data.json is younger than grace is kubelet still publishing it: it is
+// left out, and the earliest time one of those leaves the window is
+// returned.
+func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Duration) ([]*Mount, time.Time) {
 	mounted := make(map[string]bool, len(inv.Mounts))
 	for _, m := range inv.Mounts {
 		mounted[m.Path] = true
 	}
 	pods, err := readDirBeneath(root, "pods")
 	if err != nil {
-		return nil
+		return nil, time.Time{}
 	}
 	var out []*Mount
+	var publishing time.Time
 	for _, uid := range pods {
 		rel := filepath.Join("pods", uid, "volumes", kubelet.CSIPluginDir)
 		vols, err := readDirBeneath(root, rel)
@@ -525,8 +574,14 @@ func findUnmounted(root string, inv *Inventory) []*Mount {
 			if mounted[p] {
 				continue
 			}
-			vd, err := loadVolData(root, filepath.Join(rel, v))
+			vd, written, err := loadVolDataAt(root, filepath.Join(rel, v))
 			if err != nil {
+				continue
+			}
+			if until := written.Add(grace); now.Before(until) {
+				if publishing.IsZero() || until.Before(publishing) {
+					publishing = until
+				}
 				continue
 			}
 			// Only a target whose directory still exists would be written
@@ -540,7 +595,7 @@ func findUnmounted(root string, inv *Inventory) []*Mount {
 				Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: uid, Plugin: kubelet.CSIPluginDir, Volume: v}})
 		}
 	}
-	return append(out, stagingUnmounted(root, inv, mounted)...)
+	return append(out, stagingUnmounted(root, inv, mounted)...), publishing
 }
 
 // stagingUnmounted lists the staging mounts that are gone while publish

@@ -117,6 +117,7 @@ func TestProbeRealFaults(t *testing.T) {
 			t.Fatalf("unmount %s: %v", p, err)
 		}
 	}
+	k.AgeVolData(missing.publish, time.Minute) // published long ago
 	if err := unix.Unmount(unstaged.staging, unix.MNT_DETACH); err != nil {
 		t.Fatalf("unmount %s: %v", unstaged.staging, err)
 	}
@@ -228,4 +229,49 @@ func threads(t testing.TB) int {
 	}
 	t.Fatal("no Threads line in /proc/self/status")
 	return 0
+}
+
+// TestPublishWindowIsNotUnmounted: kubelet writes vol_data.json before it
+// calls NodePublishVolume, so a new pod's publish target is briefly set up
+// but not mounted. The probe must not call that Missing (the agent would
+// re-stage a volume kubelet is still setting up), and must call it Missing
+// once the window has passed and the target is still not mounted.
+func TestPublishWindowIsNotUnmounted(t *testing.T) {
+	lab.RequireRoot(t)
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	root := k.Root()
+	target := k.PreparePublish("pod-new", "pv-new", labDriver, "new")
+
+	before := time.Now()
+	inv := liveInventory(t, root)
+	if len(inv.Unmounted) != 0 {
+		t.Errorf("a target kubelet is publishing (vol_data.json just written) was listed Unmounted: %v", inv.Unmounted[0].Path)
+	}
+	if inv.Publishing.Before(before.Add(DefaultPublishGrace-time.Second)) || inv.Publishing.After(time.Now().Add(DefaultPublishGrace)) {
+		t.Errorf("Publishing = %v, want about %v after vol_data.json was written", inv.Publishing, DefaultPublishGrace)
+	}
+	rep := NewProber(Config{Timeout: time.Second}).Probe(context.Background(), inv)
+	if r, ok := statesByPath(rep)[target]; ok {
+		t.Errorf("target in kubelet's publish window reported %v", r.State)
+	}
+
+	k.AgeVolData(target, DefaultPublishGrace+time.Second)
+	inv = liveInventory(t, root)
+	if !inv.Publishing.IsZero() {
+		t.Errorf("Publishing = %v after the window, want zero", inv.Publishing)
+	}
+	rep = NewProber(Config{Timeout: time.Second}).Probe(context.Background(), inv)
+	if r := statesByPath(rep)[target]; r.State != Missing {
+		t.Errorf("target still unmounted after kubelet's publish window = %v, want %v", r.State, Missing)
+	}
+
+	// No grace asked: reported at once.
+	k.AgeVolData(target, 0)
+	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true, PublishGrace: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.Unmounted) != 1 || inv.Unmounted[0].Path != target {
+		t.Errorf("PublishGrace -1: Unmounted = %v, want %s", inv.Unmounted, target)
+	}
 }

@@ -34,7 +34,9 @@ const (
 	// "shutdown"); stat and statfs still answer, reads and writes fail.
 	Shutdown
 	// Missing: kubelet set the volume up but the path is no longer a mount
-	// point, or is gone: a pod would write to the node's disk.
+	// point, or is gone: a pod would write to the node's disk. A publish
+	// target counts only once kubelet's publish window (DefaultPublishGrace
+	// after it wrote vol_data.json, before NodePublishVolume) has passed.
 	Missing
 	// Deleted: the directory a subPath bind shows was removed.
 	Deleted

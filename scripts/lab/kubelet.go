@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
@@ -239,6 +240,19 @@ func makeMountTarget(source, target string) error {
 		return fmt.Errorf("create bind target: %w", err)
 	}
 	return f.Close()
+}
+
+// AgeVolData dates the vol_data.json beside a publish target back by d, as
+// for a pod kubelet published that long ago: the probe counts a target that
+// is not mounted as Unmounted only once the file is older than its publish
+// grace (kubelet writes it before NodePublishVolume).
+func (k *Kubelet) AgeVolData(target string, d time.Duration) {
+	k.t.Helper()
+	p := filepath.Join(filepath.Dir(target), kubelet.VolDataFile)
+	at := time.Now().Add(-d)
+	if err := os.Chtimes(p, at, at); err != nil {
+		k.t.Fatalf("age %s: %v", p, err)
+	}
 }
 
 func (k *Kubelet) writeVolData(dir string, data map[string]string) {
