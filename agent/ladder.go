@@ -90,6 +90,26 @@ func (rs *residual) forPods(pods []*corev1.Pod) *resolved {
 	return &r
 }
 
+// withRequests is r with the CSI requests of fresh, the same volume
+// resolved again for the same pods: the stage request, and each pod's
+// publish request where fresh has the pod.
+func (r *resolved) withRequests(fresh *resolved) *resolved {
+	vol := *r.vol
+	vol.Stage = fresh.vol.Stage
+	vol.Pods = slices.Clone(r.vol.Pods)
+	for i := range vol.Pods {
+		for _, f := range fresh.vol.Pods {
+			if f.Publish.PodUID == vol.Pods[i].Publish.PodUID {
+				vol.Pods[i].Publish = f.Publish
+				break
+			}
+		}
+	}
+	out := *r
+	out.vol = &vol
+	return &out
+}
+
 // holders returns the pods of the residual that still hold the dead mount:
 // the pod (same UID) is not being deleted and one of the containers that
 // saw the volume through its own bind still runs under the same runtime
@@ -161,6 +181,16 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	logger := klog.FromContext(ctx).WithValues("volume", j.key, "driver", j.vol.driver, "attempt", j.attempt)
 	ctx = klog.NewContext(ctx, logger)
 	res = jobResult{key: j.key, outcome: outcomeIgnored}
+	if j.resume != nil {
+		defer func() {
+			// A resume that waits (API server, driver) or fails before
+			// it reached the containers keeps its residual: they still
+			// hold the dead mount.
+			if res.residual == nil && (res.outcome == outcomeWaiting || res.outcome == outcomeFailed) {
+				res.residual = j.resume
+			}
+		}()
+	}
 
 	a.announce(ctx, j)
 	if j.skip != "" {
@@ -193,12 +223,22 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 		r   *resolved
 		err error
 	)
+	needRequests := len(rungs) > 0 && rungs[0] != remount.TierEvict
+	r, err = a.resolve(ctx, j, needRequests)
+	defer r.wipe()
 	if j.resume != nil {
-		r = j.resume.forPods(j.active)
-	} else {
-		needRequests := len(rungs) > 0 && rungs[0] != remount.TierEvict
-		r, err = a.resolve(ctx, j, needRequests)
-		defer r.wipe()
+		// The residual's requests lost their secret values when its run
+		// ended (wipe), and a resume re-stages again when the host broke
+		// since: the requests are the fresh ones, what holds the dead
+		// mount is what the residual knew. Resolved no longer, the
+		// residual's own requests do for a live swap of a healthy host.
+		rs := j.resume.forPods(j.active)
+		if err == nil && r.restageable {
+			rs = rs.withRequests(r)
+		} else {
+			logger.V(2).Info("Resuming with the residual's requests: the volume cannot be resolved afresh", "err", err, "why", r.why)
+		}
+		r, err = rs, nil
 	}
 	rungs, done := a.checkResolved(ctx, j, r, err, rungs, &res)
 	if done {

@@ -7,7 +7,10 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"github.com/mountmedic/mountmedic/remount"
 )
 
@@ -139,5 +142,49 @@ func TestObjectCache(t *testing.T) {
 	}
 	if _, _, ok := c.get("a"); !ok {
 		t.Error("remove(c) dropped a as well")
+	}
+}
+
+// TestResidualTakesFreshRequests: a residual's requests lost their secret
+// values when its run ended, and a resume that re-stages must send the
+// fresh ones (without them, the e2e's driver refused NodeStageVolume and
+// the ladder escalated to restart and evict). What holds the dead mount
+// stays what the residual knew; the stored residual is not changed.
+func TestResidualTakesFreshRequests(t *testing.T) {
+	req := func(uid string, secret string) kubelet.VolumeRequest {
+		return kubelet.VolumeRequest{Driver: "d", VolumeHandle: "h", PodUID: types.UID(uid),
+			StageSecrets: map[string]string{"key": secret}, PublishSecrets: map[string]string{"key": secret}}
+	}
+	dead := []*probe.Mount{{ID: 7, Path: "/k/pods/a/volumes/kubernetes.io~csi/pv/mount"}}
+	old := &resolved{
+		vol: &remount.Volume{Driver: "d", VolumeHandle: "h", Stage: req("a", "s3cret"), Pods: []remount.PodVolume{
+			{Publish: req("a", "s3cret"), Dead: dead, Containers: []remount.ContainerMount{{PodUID: "a", Container: "app", ContainerID: "c1"}}},
+			{Publish: req("b", "s3cret"), Containers: []remount.ContainerMount{{PodUID: "b", Container: "app", ContainerID: "c2"}}},
+		}},
+		ownBinds:    map[string][]string{"a": {"c1"}, "b": {"c2"}},
+		restageable: true,
+	}
+	old.wipe()
+	rs := &residual{r: old}
+	pods := []*corev1.Pod{{ObjectMeta: metav1.ObjectMeta{UID: "a"}}}
+	fresh := &resolved{vol: &remount.Volume{Driver: "d", VolumeHandle: "h", Stage: req("a", "new"),
+		Pods: []remount.PodVolume{{Publish: req("a", "new"), Containers: []remount.ContainerMount{{PodUID: "a", Container: "app", ContainerID: "c9"}}}}}}
+
+	got := rs.forPods(pods).withRequests(fresh)
+	if s := got.vol.Stage.StageSecrets["key"]; s != "new" {
+		t.Errorf("stage secret = %q, want the fresh one", s)
+	}
+	if len(got.vol.Pods) != 1 {
+		t.Fatalf("pods = %d, want the one still holding the mount", len(got.vol.Pods))
+	}
+	pv := got.vol.Pods[0]
+	if pv.Publish.PublishSecrets["key"] != "new" || pv.Publish.StageSecrets["key"] != "new" {
+		t.Errorf("publish request secrets = %v / %v, want the fresh ones", pv.Publish.StageSecrets, pv.Publish.PublishSecrets)
+	}
+	if len(pv.Dead) != 1 || pv.Dead[0].ID != 7 || len(pv.Containers) != 1 || pv.Containers[0].ContainerID != "c1" {
+		t.Errorf("dead mounts %v, containers %v: want the residual's", pv.Dead, pv.Containers)
+	}
+	if len(old.vol.Pods) != 2 || len(old.vol.Pods[0].Publish.PublishSecrets) != 0 || len(old.vol.Stage.StageSecrets) != 0 {
+		t.Errorf("the stored residual changed: %+v", old.vol)
 	}
 }
