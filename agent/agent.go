@@ -500,7 +500,8 @@ func (a *Agent) startRuns(ctx context.Context) {
 func (a *Agent) prepareResidual(ctx context.Context, key string, rs *residual) *job {
 	var pods []*corev1.Pod
 	fenced := 0
-	for _, p := range rs.holders(a.pods.get) {
+	holders, waiting := rs.holders(a.pods.get, time.Now())
+	for _, p := range holders {
 		if a.fenced != nil && a.fenced(string(p.UID)) {
 			fenced++
 			continue
@@ -513,8 +514,16 @@ func (a *Agent) prepareResidual(ctx context.Context, key string, rs *residual) *
 		klog.FromContext(ctx).V(2).Info("Every container that holds the dead mount is in a fenced pod: waiting for the fence to lift", "volume", key, "pods", fenced)
 		return nil
 	}
+	if len(pods) == 0 && waiting {
+		// A container that had no Running status at the repair is not
+		// reported yet: the residual looks again at the next cycle.
+		return nil
+	}
 	if len(pods) == 0 {
 		a.decider.setResidual(key, nil)
+		if len(rs.r.ownBinds) == 0 {
+			return nil // only unseen containers, none of which ran on the dead mount
+		}
 		klog.FromContext(ctx).V(2).Info("No running container holds the dead mount any more", "volume", key)
 		a.report.claim(rs.r.pvc, nil, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
 			a.report.message("no running container holds the dead mount any more (restarted onto the fresh mount, or its pod replaced)"))

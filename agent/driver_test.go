@@ -263,6 +263,75 @@ func TestAgentHealsRealDriverRestart(t *testing.T) {
 	t.Logf("%s %q; event seen %.2fs after the plugin's restart returned", ev.Reason, ev.Note, healed.Sub(back).Seconds())
 }
 
+// TestAgentSwapsContainersReportedLate: kubelet reports a container
+// running a status sync after it starts, so a container that started on
+// the volume just before its FUSE daemon died can be invisible to the live
+// swap when the agent repairs the volume (its status still says
+// ContainerCreating). The agent re-stages the host at once and swaps the
+// fresh mount into that container as soon as kubelet reports it, without
+// restarting it; before, the run said "repaired" and the container kept
+// the dead mount for good (what an e2e run saw: the next pod after a
+// repair lost its connection at its first write and never read its
+// volume).
+func TestAgentSwapsContainersReportedLate(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("late")
+	if err := s.reads("late"); err != nil {
+		t.Fatalf("volume not readable before the crash: %v", err)
+	}
+	ctx := context.Background()
+	setApp := func(running bool) {
+		t.Helper()
+		pod, err := d.admin.CoreV1().Pods(testNamespace).Get(ctx, s.pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, st := range pod.Status.ContainerStatuses {
+			if st.Name != "app" {
+				continue
+			}
+			if running {
+				pod.Status.ContainerStatuses[i] = s.pod.Status.ContainerStatuses[i]
+			} else {
+				pod.Status.ContainerStatuses[i] = corev1.ContainerStatus{Name: "app", Image: "busybox",
+					State: corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "ContainerCreating"}}}
+			}
+		}
+		if _, err := d.admin.CoreV1().Pods(testNamespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+			t.Fatalf("set the app container's status: %v", err)
+		}
+	}
+	setApp(false) // it runs (the lab container holds its binds); kubelet has not said so yet
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	privatePid := s.private.Pid()
+
+	d.drv.Kill()
+	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
+		t.Fatalf("read in the container after the plugin died: %v, want ENOTCONN", err)
+	}
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
+	if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
+		t.Fatalf("read in the unreported container after the host repair: %v, want ENOTCONN (the swap cannot know it yet)", err)
+	}
+
+	setApp(true) // kubelet's status sync
+	d.waitFor("the container reported late to read its volume", func() (bool, error) {
+		err := s.reads("late")
+		return err == nil, err
+	})
+	if s.private.Pid() != privatePid {
+		t.Error("the container was restarted; the live swap must heal it in place")
+	}
+}
+
 // TestAgentRestagesStagingGoneUnderLiveBinds: a FUSE daemon whose hung
 // connection was aborted and replaced can wake up and exit through its
 // unmount of its mountpoint path, which by then holds the fresh staging

@@ -58,7 +58,16 @@ type job struct {
 type residual struct {
 	vol *brokenVolume
 	r   *resolved
+	// unseenUntil bounds the wait for r.unseen's containers to be
+	// reported running (zero: no wait).
+	unseenUntil time.Time
 }
+
+// unseenWait is how long a residual waits for containers that had no
+// Running status when their volume was repaired on the host: a kubelet
+// status sync is a second or two; a container still waiting after this
+// was not running on the dead mount.
+const unseenWait = 30 * time.Second
 
 // jobResult is how a run ended, for the loop's decider.
 type jobResult struct {
@@ -113,13 +122,21 @@ func (r *resolved) withRequests(fresh *resolved) *resolved {
 // holders returns the pods of the residual that still hold the dead mount:
 // the pod (same UID) is not being deleted and one of the containers that
 // saw the volume through its own bind still runs under the same runtime
-// ID (a restarted container was bound afresh by kubelet). get reads a pod
-// by UID from the informer.
-func (rs *residual) holders(get func(uid string) *corev1.Pod) []*corev1.Pod {
-	var out []*corev1.Pod
-	for uid, ids := range rs.r.ownBinds {
+// ID (a restarted container was bound afresh by kubelet), or, until
+// unseenUntil, one of its containers that had no Running status at the
+// repair runs now. waiting: a container of the latter kind is not
+// reported running yet. get reads a pod by UID from the informer.
+func (rs *residual) holders(get func(uid string) *corev1.Pod, now time.Time) (out []*corev1.Pod, waiting bool) {
+	live := func(uid string) *corev1.Pod {
 		pod := get(uid)
 		if pod == nil || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+			return nil
+		}
+		return pod
+	}
+	for uid, ids := range rs.r.ownBinds {
+		pod := live(uid)
+		if pod == nil {
 			continue
 		}
 		for _, id := range runningContainers(pod) {
@@ -129,8 +146,22 @@ func (rs *residual) holders(get func(uid string) *corev1.Pod) []*corev1.Pod {
 			}
 		}
 	}
+	if now.Before(rs.unseenUntil) {
+		for uid, names := range rs.r.unseen {
+			pod := live(uid)
+			if pod == nil || slices.ContainsFunc(out, func(p *corev1.Pod) bool { return p.UID == pod.UID }) {
+				continue
+			}
+			running := runningContainers(pod)
+			if slices.ContainsFunc(names, func(n string) bool { _, ok := running[n]; return ok }) {
+				out = append(out, pod)
+			} else {
+				waiting = true
+			}
+		}
+	}
 	slices.SortFunc(out, func(a, b *corev1.Pod) int { return strings.Compare(string(a.UID), string(b.UID)) })
-	return out
+	return out, waiting
 }
 
 // rungs lists the ladder rungs a run may take, from floor: the node-side
@@ -417,6 +448,16 @@ func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
 				a.report.message("repaired by %s in %.2fs (broken for %.1fs)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
 			res.outcome = outcomeHealed
+			if len(r.unseen) > 0 && a.cfg.Tiers.Has(remount.TierLiveSwap) {
+				// Containers not reported running yet may run on the
+				// dead mount: look again once kubelet reports them.
+				until := time.Now().Add(unseenWait)
+				if j.resume != nil {
+					until = j.resume.unseenUntil
+				}
+				logger.V(2).Info("Containers not reported running yet may hold the dead mount: looking again when they are", "pods", len(r.unseen), "until", until)
+				res.residual = &residual{vol: j.vol, r: r, unseenUntil: until}
+			}
 			return res
 		case next != "":
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeWarning, ReasonRepairEscalated, actionRepair,
@@ -533,7 +574,9 @@ func (a *Agent) awaitFresh(ctx context.Context, j *job, r *resolved, freshc <-ch
 	if len(pods) == 0 {
 		return nil
 	}
-	return (&residual{r: r}).forPods(pods)
+	fresh := (&residual{r: r}).forPods(pods)
+	fresh.refreshContainers()
+	return fresh
 }
 
 // freshPods reads each pod from the API server (a GET, not the cache) and

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
@@ -95,28 +96,48 @@ func optedOut(annotations map[string]string) (bool, string) {
 // and the runtime IDs of those that need the fresh mount put into their own
 // mount namespace (a subPath, or propagation other than HostToContainer and
 // Bidirectional: a re-stage on the host never reaches those).
-func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, []string) {
+//
+// unseen names the regular and ephemeral containers of a pod that is not
+// being deleted that would see the volume through their own bind and have
+// no status yet or a waiting one: kubelet reports a container some time
+// after it starts, so one may run on the dead mount already (see
+// resolved.unseen).
+func containerMounts(pod *corev1.Pod, volume string) (_ []remount.ContainerMount, own, unseen []string) {
 	running := runningContainers(pod)
+	live := pod.DeletionTimestamp == nil && (pod.Status.Phase == corev1.PodPending || pod.Status.Phase == corev1.PodRunning)
+	// Not reported yet: no status, or waiting (kubelet's "ContainerCreating"
+	// until its next status sync). A terminated one holds no mount.
+	reported := make(map[string]bool)
+	for _, list := range [][]corev1.ContainerStatus{pod.Status.ContainerStatuses, pod.Status.EphemeralContainerStatuses} {
+		for _, st := range list {
+			if st.State.Waiting == nil {
+				reported[st.Name] = true
+			}
+		}
+	}
 	type ctr struct {
 		name   string
 		env    []corev1.EnvVar
 		mounts []corev1.VolumeMount
+		init   bool
 	}
 	var ctrs []ctr
 	for _, c := range pod.Spec.InitContainers {
-		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts})
+		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts, true})
 	}
 	for _, c := range pod.Spec.Containers {
-		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts})
+		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts, false})
 	}
 	for _, c := range pod.Spec.EphemeralContainers {
-		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts})
+		ctrs = append(ctrs, ctr{c.Name, c.Env, c.VolumeMounts, false})
 	}
 	var out []remount.ContainerMount
-	var own []string
 	for _, c := range ctrs {
 		id, ok := running[c.name]
 		if !ok {
+			if live && !c.init && !reported[c.name] && ownBind(c.mounts, volume) && !slices.Contains(unseen, c.name) {
+				unseen = append(unseen, c.name)
+			}
 			continue
 		}
 		for _, vm := range c.mounts {
@@ -138,7 +159,25 @@ func containerMounts(pod *corev1.Pod, volume string) ([]remount.ContainerMount, 
 			}
 		}
 	}
-	return out, own
+	return out, own, unseen
+}
+
+// ownBind reports whether one of mounts is of volume and reaches the
+// container through the container's own bind (a subPath, or propagation
+// other than HostToContainer and Bidirectional), which a re-stage on the
+// host does not reach.
+func ownBind(mounts []corev1.VolumeMount, volume string) bool {
+	for _, vm := range mounts {
+		if vm.Name != volume {
+			continue
+		}
+		p := vm.MountPropagation
+		if vm.SubPath != "" || vm.SubPathExpr != "" || p == nil ||
+			(*p != corev1.MountPropagationHostToContainer && *p != corev1.MountPropagationBidirectional) {
+			return true
+		}
+	}
+	return false
 }
 
 // runningContainers maps the names of the pod's running containers (init,
@@ -262,8 +301,72 @@ type resolved struct {
 	// that see the volume through their own bind, which a re-stage on the
 	// host does not reach.
 	ownBinds map[string][]string
+	// unseen are, by pod UID, the containers that see the volume through
+	// their own bind and had no Running status when the volume was
+	// resolved (containerMounts). One that started on the dead mount just
+	// before the repair is invisible to the live swap until kubelet
+	// reports it: a run that heals the host leaves a residual that looks
+	// again until they run or unseenWait passes.
+	unseen map[string][]string
+	// volumes are, by pod UID, the pod's name of the volume, to read its
+	// containers' mounts again from a fresh pod.
+	volumes map[string]string
 	// why is the reason restageable is false.
 	why string
+}
+
+// setContainers records, for the pod with uid, its volume's name and
+// which of its containers see the volume through their own bind: running
+// (own, by runtime ID) and not reported running yet (unseen, by name).
+// The maps are copied first: a residual's resolved shares them.
+func (r *resolved) setContainers(uid, volume string, own, unseen []string) {
+	r.volumes = maps.Clone(r.volumes)
+	r.ownBinds = maps.Clone(r.ownBinds)
+	r.unseen = maps.Clone(r.unseen)
+	if r.volumes == nil {
+		r.volumes = make(map[string]string)
+	}
+	r.volumes[uid] = volume
+	delete(r.ownBinds, uid)
+	delete(r.unseen, uid)
+	if len(own) > 0 {
+		if r.ownBinds == nil {
+			r.ownBinds = make(map[string][]string)
+		}
+		r.ownBinds[uid] = own
+	}
+	if len(unseen) > 0 {
+		if r.unseen == nil {
+			r.unseen = make(map[string][]string)
+		}
+		r.unseen[uid] = unseen
+	}
+	r.needSwap = len(r.ownBinds) > 0
+}
+
+// refreshContainers reads the containers' mounts of the pods that had
+// containers not yet reported running from the fresh pods (r.pods): a
+// container kubelet reports running since is swapped like the others.
+func (r *resolved) refreshContainers() {
+	if len(r.unseen) == 0 {
+		return
+	}
+	vol := *r.vol
+	vol.Pods = slices.Clone(r.vol.Pods)
+	for _, pod := range r.pods {
+		uid := string(pod.UID)
+		if _, ok := r.unseen[uid]; !ok {
+			continue
+		}
+		cms, own, unseen := containerMounts(pod, r.volumes[uid])
+		r.setContainers(uid, r.volumes[uid], own, unseen)
+		for i := range vol.Pods {
+			if vol.Pods[i].Publish.PodUID == pod.UID {
+				vol.Pods[i].Containers = cms
+			}
+		}
+	}
+	r.vol = &vol
 }
 
 // wipe drops the secret values of a volume's requests after the repair.
@@ -403,15 +506,11 @@ func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolv
 		if len(r.vol.Pods) == 0 {
 			r.vol.Stage = vr
 		}
-		cms, own := containerMounts(pv.pod, pv.vol.Name)
+		cms, own, unseen := containerMounts(pv.pod, pv.vol.Name)
 		// A pod with no dead mount (its volume lost only its staging
 		// mount) has containers that see a live volume: nothing to swap.
-		if len(own) > 0 && len(pv.use.dead) > 0 {
-			r.needSwap = true
-			if r.ownBinds == nil {
-				r.ownBinds = make(map[string][]string)
-			}
-			r.ownBinds[string(pv.pod.UID)] = own
+		if len(pv.use.dead) > 0 {
+			r.setContainers(string(pv.pod.UID), pv.vol.Name, own, unseen)
 		}
 		r.vol.Pods = append(r.vol.Pods, remount.PodVolume{Publish: vr, Dead: pv.use.dead, Containers: cms})
 	}

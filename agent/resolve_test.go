@@ -80,7 +80,7 @@ func TestContainerMounts(t *testing.T) {
 			{Name: "stopped", ContainerID: "containerd://ccc"},
 		}},
 	}
-	got, own := containerMounts(pod, "data")
+	got, own, _ := containerMounts(pod, "data")
 	want := []remount.ContainerMount{
 		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/data"},
 		{PodUID: "uid-1", Container: "app", ContainerID: "aaa", MountPath: "/cfg"},
@@ -94,7 +94,7 @@ func TestContainerMounts(t *testing.T) {
 	}
 	// Only HostToContainer mounts: the re-stage reaches them, no swap.
 	pod.Spec.Containers = pod.Spec.Containers[1:2]
-	if _, own := containerMounts(pod, "data"); len(own) != 0 {
+	if _, own, _ := containerMounts(pod, "data"); len(own) != 0 {
 		t.Errorf("containerMounts: own binds %v for a HostToContainer mount only, want none", own)
 	}
 }
@@ -186,5 +186,82 @@ func TestResidualTakesFreshRequests(t *testing.T) {
 	}
 	if len(old.vol.Pods) != 2 || len(old.vol.Pods[0].Publish.PublishSecrets) != 0 || len(old.vol.Stage.StageSecrets) != 0 {
 		t.Errorf("the stored residual changed: %+v", old.vol)
+	}
+}
+
+func TestContainerMountsUnseen(t *testing.T) {
+	h2c := corev1.MountPropagationHostToContainer
+	running := corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(time.Unix(1, 0))}}
+	creating := corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "ContainerCreating"}}
+	done := corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0}}
+	mounts := []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "n", UID: "uid-1"},
+		Spec: corev1.PodSpec{
+			InitContainers: []corev1.Container{{Name: "init", VolumeMounts: mounts}},
+			Containers: []corev1.Container{
+				{Name: "up", VolumeMounts: mounts},
+				{Name: "creating", VolumeMounts: mounts},
+				{Name: "nostatus", VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/s", SubPath: "s"}}},
+				{Name: "propagated", VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/d", MountPropagation: &h2c}}},
+				{Name: "exited", VolumeMounts: mounts},
+				{Name: "unrelated", VolumeMounts: []corev1.VolumeMount{{Name: "other", MountPath: "/o"}}},
+			}},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, ContainerStatuses: []corev1.ContainerStatus{
+			{Name: "up", ContainerID: "containerd://aaa", State: running},
+			{Name: "creating", State: creating},
+			{Name: "propagated", State: creating},
+			{Name: "exited", ContainerID: "containerd://ccc", State: done},
+		}},
+	}
+	tests := map[string]struct {
+		edit func(*corev1.Pod)
+		want []string
+	}{
+		// Own binds whose container kubelet has not reported running: no
+		// status yet, or waiting. Not an init container, not one the
+		// re-stage reaches by propagation, not one that exited.
+		"running pod":   {func(*corev1.Pod) {}, []string{"creating", "nostatus"}},
+		"pending pod":   {func(p *corev1.Pod) { p.Status.Phase = corev1.PodPending }, []string{"creating", "nostatus"}},
+		"being deleted": {func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{Time: time.Unix(2, 0)} }, nil},
+		"finished pod":  {func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }, nil},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			p := pod.DeepCopy()
+			tc.edit(p)
+			_, own, unseen := containerMounts(p, "data")
+			if !slices.Equal(unseen, tc.want) {
+				t.Errorf("containerMounts(%s): unseen = %v, want %v", name, unseen, tc.want)
+			}
+			if !slices.Equal(own, []string{"aaa"}) {
+				t.Errorf("containerMounts(%s): own = %v, want [aaa]", name, own)
+			}
+		})
+	}
+}
+
+func TestResidualWaitsForUnseenContainers(t *testing.T) {
+	now := time.Unix(100, 0)
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "n", UID: "uid-1"},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, ContainerStatuses: []corev1.ContainerStatus{
+			{Name: "app", State: corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "ContainerCreating"}}}}}}
+	get := func(uid string) *corev1.Pod {
+		if uid == string(pod.UID) {
+			return pod
+		}
+		return nil
+	}
+	rs := &residual{r: &resolved{unseen: map[string][]string{"uid-1": {"app"}}}, unseenUntil: now.Add(unseenWait)}
+	if out, waiting := rs.holders(get, now); len(out) != 0 || !waiting {
+		t.Errorf("holders while app is not reported: %d pods, waiting %t; want none, waiting", len(out), waiting)
+	}
+	pod.Status.ContainerStatuses[0] = corev1.ContainerStatus{Name: "app", ContainerID: "containerd://aaa",
+		State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{}}}
+	if out, waiting := rs.holders(get, now); len(out) != 1 || waiting {
+		t.Errorf("holders once app runs: %d pods, waiting %t; want the pod, not waiting", len(out), waiting)
+	}
+	if out, waiting := rs.holders(get, now.Add(unseenWait)); len(out) != 0 || waiting {
+		t.Errorf("holders past unseenWait: %d pods, waiting %t; want none, not waiting", len(out), waiting)
 	}
 }
