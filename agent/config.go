@@ -81,6 +81,11 @@ type Config struct {
 
 	// DryRun: decide and report (events say "[dry-run]"), change nothing.
 	DryRun bool
+	// Guard mounts a read-only empty tmpfs over a pod's publish target
+	// that lost its mount (remount.Repairer.Guard) while the volume waits
+	// for its repair, so that writes fail instead of landing on the node's
+	// disk.
+	Guard bool
 	// NodeCondition keeps the PodVolumeMountsBroken condition on the
 	// agent's own Node (condition.go).
 	NodeCondition bool
@@ -119,6 +124,7 @@ func DefaultConfig() Config {
 		Tiers:                DefaultTiers,
 		MaxConcurrentRepairs: 4,
 		MaxEvictions:         2,
+		Guard:                true,
 		EvictionWindow:       10 * time.Minute,
 		EvictOwnerKinds:      []string{"ReplicaSet", "StatefulSet", "Job"},
 		ForceDeleteAfter:     time.Minute,

@@ -255,6 +255,7 @@ const (
 	noteRefused                         // an eviction was refused (subject: the pod's UID)
 	noteBudget                          // a PodDisruptionBudget blocks it (subject: the pod's UID)
 	noteForce                           // a force delete (subject: the pod's UID)
+	noteGuard                           // a publish target was guarded (subject: its path)
 )
 
 // note is one event sent once: its kind and what it is about (a pod's UID,

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -552,4 +553,63 @@ func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
 			t.Errorf("VolumeRepaired reported while the container still sees the dead mount: %s", ev.Note)
 		}
 	}
+}
+
+// TestAgentGuardsALostPublishTarget: the real plugin dies and the pod's
+// publish target loses its mount as well (a bare directory on the node's
+// disk, where a container started now would write). The agent guards it
+// while the driver is down, so that writes there fail, and lifts the guard
+// with its repair once the driver is back.
+func TestAgentGuardsALostPublishTarget(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("guard")
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	d.drv.Kill()
+	if err := unix.Unmount(s.target, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	d.kubelet.AgeVolData(s.target, time.Minute)
+	a := d.startAgent(d.config(), agent.Deps{Repairer: rep})
+
+	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeGuarded), "mounted a read-only guard")
+	if g := guardAt(t, s.target); g == nil {
+		t.Fatalf("no guard at %s after the VolumeGuarded event", s.target)
+	}
+	if err := os.WriteFile(filepath.Join(s.target, "lost.txt"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("write at the guarded publish target = %v, want EROFS", err)
+	}
+	if n, _ := a.metric(`mountmedic_guards_total{result="success"}`); n != 1 {
+		t.Errorf("mountmedic_guards_total{result=success} = %v, want 1", n)
+	}
+
+	if err := d.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
+	if err := s.reads("guard"); err != nil {
+		t.Errorf("after the repair: %v", err)
+	}
+	if g := guardAt(t, s.target); g != nil {
+		t.Errorf("guard still at %s after the repair: %v", s.target, g)
+	}
+}
+
+// guardAt returns the mountinfo entry of mountmedic's guard at path, nil
+// when there is none.
+func guardAt(t testing.TB, path string) *mountinfo.Info {
+	t.Helper()
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range infos {
+		if in.Source == probe.GuardSource && in.FSType == "tmpfs" {
+			return in
+		}
+	}
+	return nil
 }

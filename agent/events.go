@@ -26,6 +26,7 @@ const (
 	ReasonEvictionBlocked Reason = "EvictionBlocked"
 	ReasonNotRepaired     Reason = "NotRepaired"
 	ReasonDriverDown      Reason = "DriverDown"
+	ReasonVolumeGuarded   Reason = "VolumeGuarded"
 )
 
 // Event actions (events.k8s.io "action": what the agent did or tried).
@@ -35,6 +36,7 @@ const (
 	actionEvict   = "Evict"
 	actionDelete  = "Delete"
 	actionUnmount = "Unmount"
+	actionGuard   = "Guard"
 )
 
 // dryRunPrefix starts every event message of a dry run.

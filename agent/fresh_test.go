@@ -39,6 +39,10 @@ func (r *recordingRepairer) LiveSwap(context.Context, *remount.Volume) remount.O
 func (r *recordingRepairer) Restart(context.Context, *remount.Volume) remount.Outcome {
 	return r.record("restart")
 }
+func (r *recordingRepairer) Guard(context.Context, string) remount.Action {
+	return remount.Action{}
+}
+
 func (r *recordingRepairer) Unmount(context.Context, *remount.Volume) remount.Outcome {
 	return r.record("unmount")
 }

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"github.com/mountmedic/mountmedic/remount"
 )
 
@@ -26,6 +27,7 @@ type repairer interface {
 	LiveSwap(ctx context.Context, v *remount.Volume) remount.Outcome
 	Restart(ctx context.Context, v *remount.Volume) remount.Outcome
 	Unmount(ctx context.Context, v *remount.Volume) remount.Outcome
+	Guard(ctx context.Context, target string) remount.Action
 }
 
 // job is one repair run for one broken volume, prepared by the loop.
@@ -233,6 +235,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if len(j.active) == 0 {
 		return res
 	}
+	a.guardMissing(ctx, j)
 	// Every rung from here re-mounts, restarts or evicts: act on the pods
 	// as the API server has them now, never on the informer's copy, which
 	// after a partition can still show a pod force-deleted or replaced
@@ -683,4 +686,50 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 		}
 	}
 	return o
+}
+
+// guardMissing mounts the guard (remount.Repairer.Guard) over each publish
+// target of the job's running pods that kubelet set up but that is no
+// longer a mount point (the probe's Missing, past kubelet's publish
+// window), before the ladder runs and whether or not it can: a container
+// started or restarted on the volume meanwhile fails to write instead of
+// writing to the node's disk. A Pending pod's target is kubelet's to
+// publish and is left alone.
+func (a *Agent) guardMissing(ctx context.Context, j *job) {
+	if !a.cfg.Guard || a.repairer == nil || !j.vol.csi || j.resume != nil {
+		return
+	}
+	logger := klog.FromContext(ctx)
+	for _, pod := range j.active {
+		use := j.vol.pods[string(pod.UID)]
+		if pod.Status.Phase != corev1.PodRunning || use == nil {
+			continue
+		}
+		for _, m := range use.dead {
+			if m == nil || m.ID != 0 || m.Target.Kind != kubelet.KindPublish {
+				continue // mounted (dead, or guarded already), or not a publish target
+			}
+			act := a.repairer.Guard(ctx, m.Path)
+			switch {
+			case errors.Is(act.Err, remount.ErrMountChanged):
+				continue // published again meanwhile
+			case act.Err != nil:
+				a.metrics.guards.WithLabelValues(resultFailure).Inc()
+				logger.Error(act.Err, "Guarding a publish target that lost its mount failed", "pod", klog.KObj(pod), "path", m.Path)
+				continue
+			case act.DryRun:
+				a.metrics.guards.WithLabelValues(resultDryRun).Inc()
+			default:
+				a.metrics.guards.WithLabelValues(resultSuccess).Inc()
+			}
+			if a.notes.once(j.key, noteGuard, m.Path) {
+				what := "mounted a read-only guard there"
+				if act.DryRun {
+					what = "would mount a read-only guard there"
+				}
+				a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonVolumeGuarded, actionGuard, a.report.message(
+					"the volume's publish target lost its mount: mountmedic %s, so that a container started on it now fails to write (read-only file system) instead of writing to the node's disk, until the volume is repaired", what))
+			}
+		}
+	}
 }

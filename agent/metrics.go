@@ -49,6 +49,7 @@ type metrics struct {
 	probeDuration prometheus.Histogram
 	hungProbes    prometheus.Gauge
 	repairs       *prometheus.CounterVec
+	guards        *prometheus.CounterVec
 	repairSeconds *prometheus.HistogramVec
 	evictions     *prometheus.CounterVec
 	lastScan      prometheus.Gauge
@@ -97,6 +98,10 @@ func newMetrics(version string, reg *prometheus.Registry) *metrics {
 			Name: "mountmedic_repairs_total",
 			Help: "Repair attempts, by tier and result.",
 		}, []string{"tier", "result"}),
+		guards: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mountmedic_guards_total",
+			Help: "Guards mounted over publish targets that lost their mount, by result.",
+		}, []string{"result"}),
 		repairSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "mountmedic_repair_duration_seconds",
 			Help:    "Time one repair tier took.",
@@ -126,7 +131,7 @@ func newMetrics(version string, reg *prometheus.Registry) *metrics {
 		seen: make(map[[2]string]bool),
 	}
 	m.reg.MustRegister(m.staleMounts, m.kubeletMounts, m.tableMounts, m.probes, m.probeDuration, m.hungProbes,
-		m.repairs, m.repairSeconds, m.evictions, m.lastScan, m.scanDuration, m.driverUp, m.buildInfo,
+		m.repairs, m.guards, m.repairSeconds, m.evictions, m.lastScan, m.scanDuration, m.driverUp, m.buildInfo,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
 	m.buildInfo.WithLabelValues(version, runtime.Version()).Set(1)

@@ -55,6 +55,21 @@ type Mount struct {
 	Covered bool `json:"covered,omitempty"`
 	// Backend is the filesystem instance the mount shows.
 	Backend *Backend `json:"-"`
+	// Guard is set on mountmedic's guard: the read-only empty tmpfs the
+	// agent mounts over a publish target that lost its mount, so that
+	// writes there fail instead of landing on the node's disk. Its volume
+	// is still Missing.
+	Guard bool `json:"guard,omitempty"`
+}
+
+// GuardSource is the mount source of mountmedic's guard (a tmpfs), by
+// which the probe knows it.
+const GuardSource = "mountmedic-guard"
+
+// IsGuard reports whether a mount is mountmedic's guard over a publish
+// target.
+func IsGuard(fsType, source string, t kubelet.Target) bool {
+	return fsType == "tmpfs" && source == GuardSource && t.Kind == kubelet.KindPublish
 }
 
 // Deleted reports whether the mount's root was removed from its filesystem
@@ -260,6 +275,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 			Root: in.Root, Path: in.Mountpoint, Options: in.Options, Optional: in.Optional,
 			FSType: in.FSType, Source: in.Source, SuperOptions: in.VFSOptions,
 			Target: t, Covered: covered[in.ID],
+			Guard: IsGuard(in.FSType, in.Source, t),
 		}
 		inv.Mounts = append(inv.Mounts, m)
 	}
@@ -609,7 +625,7 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 	var out []*Mount
 	seen := make(map[string]bool)
 	for _, m := range inv.Mounts {
-		if m.Target.Kind != kubelet.KindPublish || m.Driver == "" || m.VolumeHandle == "" {
+		if m.Target.Kind != kubelet.KindPublish || m.Driver == "" || m.VolumeHandle == "" || m.Guard {
 			continue
 		}
 		if kubelet.CheckPathName("csi driver name", m.Driver) != nil {

@@ -419,6 +419,8 @@ func derive(inv *Inventory, of func(*Backend) Result) []Result {
 		switch {
 		case m.Deleted():
 			r.State, r.Err = Deleted, errors.New("the directory this bind shows was deleted")
+		case m.Guard && !m.Covered:
+			r.State, r.Err = Missing, errors.New("kubelet set this volume up but its mount went away: mountmedic's read-only guard stands there, so writes fail instead of landing on the node's disk, until the volume is repaired")
 		case r.State == Unknown && m.Covered && r.Err == nil && m.Backend.ProbePath() == "":
 			r.Err = errors.New("covered by another mount on the same path")
 		}

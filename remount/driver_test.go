@@ -418,6 +418,7 @@ func TestRealDriver(t *testing.T) {
 		{"repairs", testRepairs},
 		{"restart tier", testRestartTier},
 		{"live swap through the CRI", testLiveSwapThroughCRI},
+		{"guard", testGuardOnRealDriver},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if !d.drv.Running() {

@@ -198,6 +198,12 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 			return true
 		case h.dead[top.Dev]:
 			return true
+		case top.Guard:
+			// The guard stands where the volume lost its mount: it goes
+			// like a dead mount, and containers that bound it get the
+			// fresh mount swapped in.
+			h.dead[top.Dev] = true
+			return true
 		}
 		if _, err := r.check(ctx, path); err != nil {
 			h.logger.V(2).Info("Mount on top is broken too", "path", path, "dev", top.Dev, "err", err)
@@ -334,6 +340,13 @@ func (h *hostRun) checkDriver(ctx context.Context) error {
 func (h *hostRun) planKeep(ctx context.Context) {
 	var look []*podPlan
 	for _, p := range h.pods {
+		if top := h.table.top(p.target); top != nil && top.Guard {
+			// No container receives the guard by propagation (a
+			// container's bind of it is its own mount, which the swap
+			// replaces): it is unmounted, never kept under the fresh
+			// mount, where it would outlive the repair.
+			continue
+		}
 		if p.refused == nil && p.publish && len(p.pv.Containers) > 0 && len(h.table.deadTop(p.target, h.dead)) > 0 {
 			look = append(look, p)
 		}

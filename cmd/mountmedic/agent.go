@@ -99,6 +99,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.StringSliceVar(&c.IncludeNamespaces, "include-namespaces", nil, "repair only pods in these namespaces (default all)")
 	fl.StringSliceVar(&c.ExcludeNamespaces, "exclude-namespaces", nil, "never repair pods in these namespaces")
 	fl.BoolVar(&c.DryRun, "dry-run", false, "decide and report (events marked [dry-run], metrics), change nothing")
+	fl.BoolVar(&c.Guard, "guard", c.Guard, "mount a read-only empty tmpfs over a running pod's publish target that lost its mount, until the volume is repaired, so that writes fail instead of landing on the node's disk")
 	fl.BoolVar(&c.NodeCondition, "node-condition", c.NodeCondition, "keep the PodVolumeMountsBroken condition on this node's Node object (True while pod volume mounts are broken)")
 	fl.StringVar(&c.MetricsAddr, "metrics-addr", c.MetricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
 	fl.StringVar(&c.CRISocket, "cri-socket", c.CRISocket, "container runtime socket, for the restart and live-swap tiers")
