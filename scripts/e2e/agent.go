@@ -294,12 +294,12 @@ func (a *Agent) Events(ctx context.Context, namespace string) ([]eventsv1.Event,
 			out = append(out, e)
 		}
 	}
-	sort.Slice(out, func(i, j int) bool { return eventTime(&out[i]).Before(eventTime(&out[j])) })
+	sort.Slice(out, func(i, j int) bool { return EventTime(&out[i]).Before(EventTime(&out[j])) })
 	return out, nil
 }
 
-// eventTime is when an event (or the first of its series) happened.
-func eventTime(e *eventsv1.Event) time.Time {
+// EventTime is when an event (or the first of its series) happened.
+func EventTime(e *eventsv1.Event) time.Time {
 	if !e.EventTime.IsZero() {
 		return e.EventTime.Time
 	}
@@ -317,7 +317,7 @@ func (a *Agent) WaitEvent(ctx context.Context, namespace, reason string, since t
 			return false, nil
 		}
 		for i := range evs {
-			if t := eventTime(&evs[i]); evs[i].Reason == reason && !t.Before(since.Truncate(time.Microsecond)) {
+			if t := EventTime(&evs[i]); evs[i].Reason == reason && !t.Before(since.Truncate(time.Microsecond)) {
 				at, got = t, &evs[i]
 				return true, nil
 			}

@@ -121,33 +121,41 @@ func (e *env) workload(t *testing.T, ctx context.Context, ns string) *wl {
 	start := time.Now()
 	w, err := e.n.DeployWorkloadWith(ctx, ns, e2e.WorkloadOptions{Mounter: e.mounter})
 	if err != nil {
-		if e.agent != nil {
-			dctx, dcancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer dcancel()
-			var seen []string
-			evs, everr := e.agent.Events(dctx, ns)
-			for _, ev := range evs {
-				seen = append(seen, ev.Reason+": "+ev.Note)
-			}
-			t.Fatalf("%v\nagent events in %s: %q (%v)\nagent log:\n%s\nnode mounts:\n%s\nkubelet log:\n%s", err, ns, seen, everr,
-				e.agent.LogTail(60), e.nodeMounts(), lab.Tail(filepath.Join(e.n.Dir, "logs", "kubelet.log"), 40))
-		}
-		t.Fatal(err)
+		t.Fatalf("%v\n%s", err, e.diagnostics(ns))
 	}
 	t.Logf("workload %s running and written in %s", ns, time.Since(start).Round(time.Millisecond))
 	t.Cleanup(func() {
-		if t.Failed() && e.agent != nil {
-			t.Logf("agent log:\n%s", e.agent.LogTail(60))
+		if t.Failed() {
+			t.Logf("workload %s:\n%s\n%s", ns, w.Describe(context.Background()), e.diagnostics(ns))
 		}
 		e.restartDriver(t)
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
 		if err := w.Delete(ctx); err != nil {
-			t.Errorf("delete workload %s: %v\n%s\nagent log:\n%s\nnode mounts:\n%s\nkubelet log:\n%s", ns, err, w.Describe(context.Background()),
-				e.agent.LogTail(60), e.nodeMounts(), lab.Tail(filepath.Join(e.n.Dir, "logs", "kubelet.log"), 40))
+			t.Errorf("delete workload %s: %v\n%s\n%s", ns, err, w.Describe(context.Background()), e.diagnostics(ns))
 		}
 	})
 	return &wl{Workload: w}
+}
+
+// diagnostics is what a failure of a scenario in namespace ns prints: the
+// agent's events there, its log, the node's kubelet mounts and kubelet's
+// log. The DaemonSet logs at the default verbosity, so the events are the
+// record of what the agent did.
+func (e *env) diagnostics(ns string) string {
+	var b strings.Builder
+	if e.agent != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		evs, err := e.agent.Events(ctx, ns)
+		fmt.Fprintf(&b, "agent events in %s (%v):\n", ns, err)
+		for _, ev := range evs {
+			fmt.Fprintf(&b, "  %s %s %s: %s\n", e2e.EventTime(&ev).Format("15:04:05.000"), ev.Regarding.Kind, ev.Reason, ev.Note)
+		}
+		fmt.Fprintf(&b, "agent log:\n%s\n", e.agent.LogTail(60))
+	}
+	fmt.Fprintf(&b, "node mounts:\n%s\nkubelet log:\n%s", e.nodeMounts(), lab.Tail(filepath.Join(e.n.Dir, "logs", "kubelet.log"), 40))
+	return b.String()
 }
 
 // nodeMounts is the kubelet root's part of the node's mount table, for
