@@ -132,12 +132,27 @@ type Backend struct {
 // staging mount when there is one, else the first uncovered mount. It is
 // empty when every mount of the backend is covered.
 func (b *Backend) ProbePath() string {
-	for _, m := range b.Mounts {
-		if !m.Covered && !m.Deleted() {
-			return m.Path
-		}
+	if m := b.probeMount(); m != nil {
+		return m.Path
 	}
 	return ""
+}
+
+func (b *Backend) probeMount() *Mount {
+	for _, m := range b.Mounts {
+		if !m.Covered && !m.Deleted() {
+			return m
+		}
+	}
+	return nil
+}
+
+// probeMountID is the mount ID of the mount at ProbePath, 0 when none.
+func (b *Backend) probeMountID() int {
+	if m := b.probeMount(); m != nil {
+		return m.ID
+	}
+	return 0
 }
 
 // Inventory is a classified mount table.

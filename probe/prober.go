@@ -132,6 +132,18 @@ type flight struct {
 	seen bool
 	// used: a Probe call took the answer (set under Prober.mu).
 	used bool
+	// of is what the flight probed: the path and the ID of the mount there
+	// (flightOf). A finished flight answers only for the same mount: the
+	// kernel hands a freed device number, a flight's key, to the next
+	// filesystem at once, and a FUSE connection aborted in one cycle must
+	// not lend its ECONNABORTED to the volume mounted on its number next.
+	of flightOf
+}
+
+// flightOf names the mount a backend's flight probes.
+type flightOf struct {
+	path string
+	id   int
 }
 
 // ErrPending is the error of a probe that has not answered yet but is not
@@ -211,7 +223,7 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 			rep.Backends[i] = Result{Backend: b, State: st, Err: err}
 			continue
 		}
-		flights[i], fresh[i] = p.launch(b.Dev, true, func(mark func()) Result { return p.check(b, path, mark) })
+		flights[i], fresh[i] = p.launch(b.Dev, flightOf{path, b.probeMountID()}, true, func(mark func()) Result { return p.check(b, path, mark) })
 	}
 
 	// Wait for the fresh probes: each until it answers or its own deadline
@@ -289,13 +301,13 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 // launch starts a probe under key unless one is in flight, which it returns
 // instead (fresh false). A finished flight is replaced, unless reuse is set
 // and no caller has taken its answer yet.
-func (p *Prober) launch(key any, reuse bool, check func(mark func()) Result) (f *flight, fresh bool) {
+func (p *Prober) launch(key any, of flightOf, reuse bool, check func(mark func()) Result) (f *flight, fresh bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if f = p.inflight[key]; f != nil {
 		select {
 		case <-f.done:
-			if reuse && !f.used {
+			if reuse && !f.used && f.of == of {
 				// It answered after the last cycle ended: that answer is
 				// this cycle's (a daemon slower than a cycle's wait, but
 				// answering, is not probed again before it is heard).
@@ -307,7 +319,9 @@ func (p *Prober) launch(key any, reuse bool, check func(mark func()) Result) (f 
 			return f, false
 		}
 	}
-	f = &flight{queued: time.Now(), done: make(chan struct{}), seen: true}
+	// A flight still running holds its filesystem, so its device number
+	// cannot have been reused: it is that backend's, whatever its path.
+	f = &flight{queued: time.Now(), done: make(chan struct{}), seen: true, of: of}
 	p.inflight[key] = f
 	go p.fly(f, check)
 	return f, true
@@ -444,7 +458,7 @@ func derive(inv *Inventory, of func(*Backend) Result) []Result {
 // table: for a caller that knows which path to check, such as a container's
 // view of a volume through /proc/<pid>/root.
 func (p *Prober) CheckPath(ctx context.Context, path string) (State, error) {
-	f, fresh := p.launch(path, false, func(mark func()) Result {
+	f, fresh := p.launch(path, flightOf{path: path}, false, func(mark func()) Result {
 		var r Result
 		r.State, r.Err = p.syscalls(path, mark)
 		return r

@@ -375,3 +375,49 @@ func TestFinishedFlightsOfGoneBackendsAreDropped(t *testing.T) {
 		t.Errorf("prober keeps %d flights after the table shrank to 5 backends, want 5", n)
 	}
 }
+
+// TestFreedDeviceLendsNoAnswer: the kernel hands a freed device number to
+// the next filesystem at once. A probe of an aborted FUSE connection that
+// answered ECONNABORTED after its cycle ended must not become the answer
+// for the next filesystem on that number (the e2e saw a new pod's healthy
+// volume "repaired" for the last scenario's aborted connection); for the
+// same mount it still is the answer.
+func TestFreedDeviceLendsNoAnswer(t *testing.T) {
+	fs := newFakeFS()
+	one := func(path string, id int) *Inventory {
+		inv := fuseInventory(1)
+		inv.Mounts[0].Path, inv.Mounts[0].ID = path, id
+		return inv
+	}
+	fs.hang["/old"] = true
+	fs.errs["/old"] = unix.ECONNABORTED
+	p := NewProberWith(Config{Timeout: 50 * time.Millisecond}, fs.syscalls())
+	if rep := p.Probe(context.Background(), one("/old", 40)); rep.Mounts[0].State != Hung {
+		t.Fatalf("hung connection: %v, want Hung", rep.Mounts[0].State)
+	}
+	close(fs.release) // the abort: the stuck call returns ECONNABORTED
+	for deadline := time.Now().Add(10 * time.Second); p.InFlight() != 0 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	rep := p.Probe(context.Background(), one("/new", 41))
+	if r := rep.Mounts[0]; r.State != Healthy {
+		t.Errorf("a new filesystem on the freed device: %v (%v), want Healthy: its own probe, not the old connection's answer", r.State, r.Err)
+	}
+	if n := fs.count("/new"); n != 1 {
+		t.Errorf("the new filesystem was probed %d times, want 1", n)
+	}
+
+	// The same mount takes a late answer as its own.
+	fs2 := newFakeFS()
+	fs2.hang["/same"] = true
+	fs2.errs["/same"] = unix.ECONNABORTED
+	p = NewProberWith(Config{Timeout: 50 * time.Millisecond}, fs2.syscalls())
+	p.Probe(context.Background(), one("/same", 40))
+	close(fs2.release)
+	for deadline := time.Now().Add(10 * time.Second); p.InFlight() != 0 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	if r := p.Probe(context.Background(), one("/same", 40)).Mounts[0]; r.State != Disconnected || fs2.count("/same") != 1 {
+		t.Errorf("the same mount after its late answer: %v, probed %d times; want Disconnected from that answer, probed once", r.State, fs2.count("/same"))
+	}
+}
