@@ -3,6 +3,7 @@ package remount
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -14,6 +15,23 @@ import (
 
 // opGuard mounts the guard over a publish target that lost its mount.
 const opGuard Op = "guard"
+
+// Guarder mounts mountmedic's guard. The Repairer has one (Repairer.Guard),
+// and the failover fence guards the publish targets it unmounted.
+type Guarder struct {
+	// Root is the kubelet root; nothing outside it is guarded.
+	Root string
+	// DryRun plans the guard without mounting it.
+	DryRun bool
+	// Sys replaces move_mount in unit tests; the host's when nil.
+	Sys Syscalls
+}
+
+// Guard is the Repairer's Guarder.Guard, under its kubelet root and
+// dry-run setting.
+func (r *Repairer) Guard(ctx context.Context, target string) Action {
+	return (&Guarder{Root: r.root, DryRun: r.cfg.DryRun, Sys: r.cfg.Sys}).Guard(ctx, target)
+}
 
 // Guard mounts mountmedic's guard (probe.GuardSource: an empty tmpfs whose
 // superblock is read-only, mounted nosuid, nodev, noexec) over a pod's CSI publish target that
@@ -32,19 +50,20 @@ const opGuard Op = "guard"
 // <volume>/mount) and is not a mount point is guarded; the mount is attached
 // to the directory opened then, never to a path resolved again. In dry-run
 // the action is planned, not taken.
-func (r *Repairer) Guard(ctx context.Context, target string) Action {
-	a := Action{Op: opGuard, Path: target, DryRun: r.cfg.DryRun}
+func (g *Guarder) Guard(ctx context.Context, target string) Action {
+	root := filepath.Clean(g.Root)
+	a := Action{Op: opGuard, Path: target, DryRun: g.DryRun}
 	start := time.Now()
 	defer func() {
 		if !a.DryRun {
 			a.Took = time.Since(start)
 		}
 	}()
-	if t, ok := kubelet.Classify(r.root, target); !ok || t.Kind != kubelet.KindPublish || t.Plugin != kubelet.CSIPluginDir {
-		a.Err = fmt.Errorf("%s is not a CSI publish target below %s: not guarded", target, r.root)
+	if t, ok := kubelet.Classify(root, target); !ok || t.Kind != kubelet.KindPublish || t.Plugin != kubelet.CSIPluginDir {
+		a.Err = fmt.Errorf("%s is not a CSI publish target below %s: not guarded", target, root)
 		return a
 	}
-	p, err := openSafe(r.root, target)
+	p, err := openSafe(root, target)
 	if err != nil {
 		a.Err = err
 		return a
@@ -64,7 +83,7 @@ func (r *Repairer) Guard(ctx context.Context, target string) Action {
 		a.Err = ErrMountChanged
 		return a
 	}
-	if r.cfg.DryRun {
+	if g.DryRun {
 		a.Detail = "would mount an empty read-only tmpfs (" + probe.GuardSource + ") so that writes fail instead of reaching the node's disk"
 		return a
 	}
@@ -74,7 +93,7 @@ func (r *Repairer) Guard(ctx context.Context, target string) Action {
 		return a
 	}
 	defer unix.Close(mfd)
-	if err := r.cfg.Sys.orHost().MoveMount(mfd, "", p.FD(), "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
+	if err := g.Sys.orHost().MoveMount(mfd, "", p.FD(), "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
 		a.Err = fmt.Errorf("attach the guard at %s: %w", target, err)
 		return a
 	}

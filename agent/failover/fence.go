@@ -2,10 +2,13 @@ package failover
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
 	"time"
+
+	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
@@ -66,6 +69,12 @@ type NodeFence struct {
 	HostTable string
 	// DryRun plans and reports without stopping or unmounting.
 	DryRun bool
+	// Guard mounts mountmedic's guard (remount.Guarder) over each publish
+	// target the fence unmounted: kubelet starts the stopped containers
+	// again, and they must fail on the guard rather than write to the
+	// node's disk. The pod's teardown (the driver's NodeUnpublishVolume)
+	// takes it away.
+	Guard bool
 	// CRITimeout bounds each CRI call; remount.DefaultCRITimeout when zero.
 	CRITimeout time.Duration
 }
@@ -123,6 +132,8 @@ func podMounts(inv *probe.Inventory, podUIDs []string) map[string][]*probe.Mount
 			continue
 		}
 		switch {
+		case m.Guard:
+			// The guard a fence left: never unmounted by a fence.
 		case m.Target.Kind == kubelet.KindPublish && m.Target.Plugin == kubelet.CSIPluginDir:
 			out[m.Target.PodUID] = append(mounts, m)
 			published[podDev{m.Target.PodUID, m.Dev}] = true
@@ -175,13 +186,34 @@ func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []P
 		out[i].N = remount.Unmounted(actions)
 		if err != nil {
 			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
+			continue
 		}
+		f.guard(ctx, uid, mounts)
 	}
 	if f.DryRun {
 		return out
 	}
 	f.checkGone(byPod, podUIDs, out)
 	return out
+}
+
+// guard mounts the guard over the pod's CSI publish targets the fence
+// unmounted. A target that is a mount point again (another mount was below
+// the one unmounted) is left as it is; a failure is logged: the fence
+// stands without it.
+func (f *NodeFence) guard(ctx context.Context, uid string, unmounted []*probe.Mount) {
+	if !f.Guard {
+		return
+	}
+	g := &remount.Guarder{Root: f.KubeletRoot, DryRun: f.DryRun}
+	for _, m := range unmounted {
+		if m.Target.Kind != kubelet.KindPublish || m.Target.Plugin != kubelet.CSIPluginDir {
+			continue
+		}
+		if a := g.Guard(ctx, m.Path); a.Err != nil && !errors.Is(a.Err, remount.ErrMountChanged) {
+			klog.FromContext(ctx).Error(a.Err, "Fence: guarding an unmounted publish target failed: a container kubelet starts again may write to the node's disk", "podUID", uid, "path", m.Path)
+		}
+	}
 }
 
 // checkGone reads the table again and fails each pod whose unmounts went
@@ -228,7 +260,7 @@ func (f *NodeFence) MountedPods(context.Context) ([]string, error) {
 	}
 	var out []string
 	for _, m := range inv.Mounts {
-		csi := m.Target.Kind == kubelet.KindPublish && m.Target.Plugin == kubelet.CSIPluginDir
+		csi := m.Target.Kind == kubelet.KindPublish && m.Target.Plugin == kubelet.CSIPluginDir && !m.Guard
 		if (csi || m.Target.Kind == kubelet.KindBlock) && m.Target.PodUID != "" && !slices.Contains(out, m.Target.PodUID) {
 			out = append(out, m.Target.PodUID)
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
@@ -39,7 +40,7 @@ func TestNodeFenceUnmount(t *testing.T) {
 	subScratch := k.SubPath("pod-a", "scratch", "app", 1, scratch)
 	pubB := k.Publish("pod-b", "pv-b", drv, "vol-b", stagingB, false)
 
-	f := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo"}
+	f := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo", Guard: true}
 	pods, err := f.MountedPods(ctx)
 	if err != nil {
 		t.Fatalf("MountedPods: %v", err)
@@ -49,7 +50,7 @@ func TestNodeFenceUnmount(t *testing.T) {
 		t.Errorf("MountedPods = %v, want %v", pods, want)
 	}
 
-	dry := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo", DryRun: true}
+	dry := &NodeFence{KubeletRoot: k.Root(), HostTable: "/proc/self/mountinfo", DryRun: true, Guard: true}
 	if got, want := dry.UnmountPodVolumes(ctx, []string{"pod-a", "pod-b", "pod-c"}), []PodResult{{N: 2}, {N: 1}, {}}; !slices.Equal(got, want) {
 		t.Errorf("dry-run UnmountPodVolumes(pod-a, pod-b, pod-c) = %v, want %v", got, want)
 	}
@@ -58,19 +59,41 @@ func TestNodeFenceUnmount(t *testing.T) {
 	if got, want := f.UnmountPodVolumes(ctx, []string{"pod-a"}), []PodResult{{N: 2}}; !slices.Equal(got, want) {
 		t.Fatalf("UnmountPodVolumes(pod-a) = %v, want %v", got, want)
 	}
-	assertMounted(t, map[string]bool{pubA: false, subA: false, subScratch: true, pubB: true, stagingA: true, stagingB: true})
+	assertMounted(t, map[string]bool{subA: false, subScratch: true, pubB: true, stagingA: true, stagingB: true})
+	assertGuarded(t, "/proc/self/mountinfo", pubA)
 
-	// What a container started now would get: the node's directory, not
-	// the volume.
-	if err := os.WriteFile(filepath.Join(pubA, "after-fence"), []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
+	// What a container started now would get: the guard, neither the
+	// volume nor the node's disk.
+	if err := os.WriteFile(filepath.Join(pubA, "after-fence"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("a write to the fenced publish path = %v, want EROFS (the guard)", err)
 	}
 	if _, err := os.Stat(filepath.Join(stagingA, "after-fence")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a write to the fenced publish path reached the volume: stat = %v", err)
 	}
+	if pods, err := f.MountedPods(ctx); err != nil || slices.Contains(pods, "pod-a") {
+		t.Errorf("MountedPods after the fence = %v, %v; want pod-a gone (only its guard is there)", pods, err)
+	}
 
 	if got, want := f.UnmountPodVolumes(ctx, []string{"pod-a"}), []PodResult{{}}; !slices.Equal(got, want) {
 		t.Errorf("second UnmountPodVolumes(pod-a) = %v, want %v", got, want)
+	}
+}
+
+// assertGuarded checks that the top mount at path in the mount table is
+// mountmedic's guard.
+func assertGuarded(t *testing.T, table, path string) {
+	t.Helper()
+	f, err := os.Open(table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(infos) == 0 || infos[len(infos)-1].Source != probe.GuardSource {
+		t.Errorf("%s in %s: %d mounts, want the guard on top", path, table, len(infos))
 	}
 }
 
@@ -102,7 +125,8 @@ func TestNodeFenceNoRuntime(t *testing.T) {
 	}
 }
 
-// mountedIn reports whether table lists a mount at path.
+// mountedIn reports whether something other than mountmedic's guard is
+// mounted at path in the mount table.
 func mountedIn(t *testing.T, table, path string) bool {
 	t.Helper()
 	f, err := os.Open(table)
@@ -114,7 +138,12 @@ func mountedIn(t *testing.T, table, path string) bool {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return len(infos) > 0
+	for _, in := range infos {
+		if in.Source != probe.GuardSource {
+			return true
+		}
+	}
+	return false
 }
 
 // TestNodeFenceOtherNamespace is the shipped configuration: the fence reads
@@ -153,7 +182,7 @@ func TestNodeFenceOtherNamespace(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = unix.Unmount(pubB, unix.MNT_DETACH) })
 
-	f := &NodeFence{KubeletRoot: k.Root(), HostTable: host}
+	f := &NodeFence{KubeletRoot: k.Root(), HostTable: host, Guard: true}
 	pods, err := f.MountedPods(ctx)
 	if err != nil {
 		t.Fatalf("MountedPods: %v", err)
@@ -163,7 +192,7 @@ func TestNodeFenceOtherNamespace(t *testing.T) {
 		t.Errorf("MountedPods = %v, want %v", pods, want)
 	}
 
-	dry := &NodeFence{KubeletRoot: k.Root(), HostTable: host, DryRun: true}
+	dry := &NodeFence{KubeletRoot: k.Root(), HostTable: host, DryRun: true, Guard: true}
 	if got := dry.UnmountPodVolumes(ctx, []string{"pod-a"}); len(got) != 1 || got[0].N != 2 || got[0].Err != nil {
 		t.Errorf("dry-run UnmountPodVolumes(pod-a) = %v, want 2 mounts and no error", got)
 	}
@@ -206,9 +235,10 @@ func TestNodeFenceOtherNamespace(t *testing.T) {
 			t.Errorf("staging mount %s was unmounted", p)
 		}
 	}
-	// A container started now gets the node's directory, not the volume.
-	if err := os.WriteFile(filepath.Join(pubA, "after-fence"), []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
+	// A container started now gets the guard, in both namespaces.
+	assertGuarded(t, host, pubA)
+	if err := os.WriteFile(filepath.Join(pubA, "after-fence"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("a write to the fenced publish path = %v, want EROFS (the guard)", err)
 	}
 	if _, err := os.Stat(filepath.Join(stagingA, "after-fence")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a write to the fenced publish path reached the volume: stat = %v", err)

@@ -211,7 +211,7 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	var duties []func(context.Context) error
 	if fcfg.Enabled {
 		fence := &failover.NodeFence{CRIEndpoint: cfg.CRISocket, KubeletRoot: cfg.KubeletRoot,
-			HostTable: cfg.HostTable, DryRun: fcfg.DryRun}
+			HostTable: cfg.HostTable, DryRun: fcfg.DryRun, Guard: cfg.Guard}
 		if hb, err = failover.NewHeartbeat(fcfg, client, leases, a.PodInformer(), fence, fence, deps.Registry); err != nil {
 			return err
 		}

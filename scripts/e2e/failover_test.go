@@ -2,7 +2,6 @@ package e2e_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/url"
 	"os"
@@ -20,7 +19,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
-	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/e2e"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
@@ -254,76 +253,50 @@ func fenceScenario(t *testing.T, e *env, ns string) {
 	t.Logf("fenced: app container stopped, the pod's mounts gone from the host %s after the cut", unmounted.Sub(cut).Round(time.Millisecond))
 
 	// kubelet starts the app container again (the fence stops it again
-	// every heartbeat period): a write from it must not reach the volume.
-	marker := "after-fence-" + ns
-	var restarted *corev1.Pod
+	// every heartbeat period). The fence guarded the publish target: the
+	// container's subPath cannot be prepared there, and nothing reaches the
+	// node's disk or the volume.
+	if m := mountAt(t, host, target); m == nil || m.Source != probe.GuardSource {
+		t.Errorf("the node's top mount at the fenced publish target %s is %+v, want the guard", target, m)
+	}
+	var why string
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 4*time.Minute, true, func(ctx context.Context) (bool, error) {
 		p, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
 		if err != nil {
 			return false, nil
 		}
-		id, err := appContainerID(p)
-		if err != nil || id == appID || !appRunning(p) {
-			return false, nil
+		for _, cs := range p.Status.ContainerStatuses {
+			if cs.Name == "app" && cs.State.Waiting != nil && cs.State.Waiting.Reason == "CreateContainerConfigError" {
+				why = cs.State.Waiting.Message
+				return true, nil
+			}
 		}
-		if _, err := w.Exec(ctx, p, 5*time.Second, "sh", "-c", "echo fenced > "+e2e.WholeMount+"/"+marker); err != nil {
-			t.Logf("write from the restarted container %s: %v (retrying)", id, err)
-			return false, nil
-		}
-		restarted = p
-		return true, nil
+		return false, nil
 	})
 	if err != nil {
-		t.Fatalf("no write from a restarted app container within 4 minutes: %v\n%s", err, w.Describe(ctx))
+		t.Fatalf("kubelet never failed to start the fenced app container on the guard within 4 minutes: %v\n%s", err, w.Describe(ctx))
 	}
-	id, _ := appContainerID(restarted)
-	// The write happened: it is on the node's disk, in the bare directory.
-	if _, err := os.Stat(filepath.Join(target, marker)); err != nil {
-		t.Errorf("the restarted container %s wrote %s, but it is not in the node's directory %s: %v", id, marker, target, err)
+	t.Logf("kubelet on the fenced, guarded volume: %s", why)
+	if !strings.Contains(why, "read-only file system") {
+		t.Errorf("kubelet's error starting the fenced app container = %q, want the guard's read-only file system", why)
 	}
-	for _, p := range []string{
-		filepath.Join(e.n.S3.Root, csilab.Bucket, ns, marker), // versitygw's posix backend
-		filepath.Join(staging, marker),                        // s3fs's view of the bucket
-	} {
-		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("a write of the restarted container %s reached the volume: stat %s = %v", id, p, err)
-		}
+	disk := filepath.Join(e.n.Dir, "root", target) // the node's own directory, below every mount
+	if ents, err := os.ReadDir(disk); err != nil || len(ents) != 0 {
+		t.Errorf("the node's directory under the fenced publish target: %d entries, %v; want none", len(ents), err)
 	}
 	if got := volumeMountsIn(t, host, podDir, vol); len(got) > 0 {
 		t.Errorf("the restarted container brought mounts of the volume back on the host: %v", got)
 	}
 
 	// Back on the API server the agent lifts the fence and deletes the
-	// pod for its Deployment to recreate. kubelet's teardown removes the
-	// publish directory, which the restarted containers wrote into.
+	// pod for its Deployment to recreate. kubelet's teardown (the driver's
+	// NodeUnpublishVolume) takes the guard away and removes the directory.
 	proxy.Restore()
-	gone := func(d time.Duration) bool {
-		err := wait2(ctx, d, func(ctx context.Context) bool {
-			_, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
-			return apierrors.IsNotFound(err)
-		})
-		return err == nil
-	}
-	if !gone(time.Minute) {
-		entries, _ := os.ReadDir(target)
-		var said []string
-		if data, err := os.ReadFile(filepath.Join(e.n.Dir, "logs", "kubelet.log")); err == nil {
-			for _, l := range strings.Split(string(data), "\n") {
-				if strings.Contains(l, string(pod.UID)) && strings.Contains(l, "failed to remove dir") {
-					said = append(said, l)
-				}
-			}
-		}
-		if len(said) > 0 {
-			said = said[len(said)-1:]
-		}
-		t.Logf("the fenced pod is not gone a minute after the agent got the API server back; its publish directory holds %d entries written by restarted containers: removing them for kubelet's teardown; kubelet said: %q", len(entries), said)
-		for _, en := range entries {
-			_ = os.RemoveAll(filepath.Join(target, en.Name()))
-		}
-		if !gone(2 * time.Minute) {
-			t.Errorf("the fenced pod %s is still there 3 minutes after the agent got the API server back:\n%s", pod.Name, w.Describe(ctx))
-		}
+	if err := wait2(ctx, 2*time.Minute, func(ctx context.Context) bool {
+		_, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err)
+	}); err != nil {
+		t.Errorf("the fenced pod %s is still there 2 minutes after the agent got the API server back:\n%s\nnode mounts:\n%s", pod.Name, w.Describe(ctx), e.nodeMounts())
 	}
 }
 

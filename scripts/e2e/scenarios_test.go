@@ -48,6 +48,9 @@ var scenarios = []scenario{
 	{name: "live-rclone", mounter: "rclone", run: liveScenario},
 	{name: "hung-rclone", mounter: "rclone", run: hungScenario},
 	{name: "driver-down-rclone", mounter: "rclone", run: driverDownScenario},
+	// A publish target loses its mount while the plugin is down; its
+	// last part SIGKILLs the agent, and deploys it again.
+	{name: "guard", run: guardScenario},
 	{name: "dry-run", args: []string{"--dry-run"}, run: dryRunScenario},
 	// The naive way runs while the agent only watches (dry run).
 	{name: "naive", args: []string{"--dry-run"}, run: naiveScenario},
