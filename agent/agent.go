@@ -457,7 +457,29 @@ func (a *Agent) afterProbe(ctx context.Context, p probed) {
 		return
 	}
 	a.broken, a.queue = broken, due
+	a.guardNow(ctx, broken)
 	a.startRuns(ctx)
+}
+
+// guardNow guards, before any run starts, the publish targets that lost
+// their mount of the broken volumes no run is under way for: a volume
+// whose driver is down waits for the driver (or the resync) before its
+// next run, and a container kubelet starts meanwhile must not write to the
+// node's disk. A volume with a run under way is left to it: the guard
+// must never land between the run's unmount and its NodePublishVolume
+// (the driver would take the guard for the published volume).
+func (a *Agent) guardNow(ctx context.Context, broken map[string]*brokenVolume) {
+	if !a.cfg.Guard || a.repairer == nil {
+		return
+	}
+	for key, bv := range broken {
+		if st := a.decider.vols[key]; st != nil && st.inflight || !bv.unguarded() {
+			continue
+		}
+		if j := a.prepare(bv); j != nil && j.skip == "" {
+			a.guardMissing(ctx, j)
+		}
+	}
 }
 
 // startRuns starts the repair runs of the queued due volumes, as many as

@@ -555,11 +555,11 @@ func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
 	}
 }
 
-// TestAgentGuardsALostPublishTarget: the real plugin dies and the pod's
-// publish target loses its mount as well (a bare directory on the node's
-// disk, where a container started now would write). The agent guards it
-// while the driver is down, so that writes there fail, and lifts the guard
-// with its repair once the driver is back.
+// TestAgentGuardsALostPublishTarget: the real plugin dies, and then the
+// pod's publish target loses its mount as well (a bare directory on the
+// node's disk, where a container started now would write). The agent,
+// whose repair waits for the driver, guards it at once, so that writes
+// there fail, and lifts the guard with its repair once the driver is back.
 func TestAgentGuardsALostPublishTarget(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("guard")
@@ -568,12 +568,17 @@ func TestAgentGuardsALostPublishTarget(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rep.Close() })
+	cfg := d.config()
+	cfg.Resync = time.Hour // only the guard pass of each probe cycle can guard in time
+	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
 	d.drv.Kill()
+	// The run finds the driver down and waits for it: the target lost
+	// after that is guarded all the same.
+	d.waitEvent(s.pod.UID, string(agent.ReasonDriverDown), csilab.DriverName)
 	if err := unix.Unmount(s.target, unix.MNT_DETACH); err != nil {
 		t.Fatal(err)
 	}
 	d.kubelet.AgeVolData(s.target, time.Minute)
-	a := d.startAgent(d.config(), agent.Deps{Repairer: rep})
 
 	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeGuarded), "mounted a read-only guard")
 	if g := guardAt(t, s.target); g == nil {

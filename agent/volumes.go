@@ -43,6 +43,22 @@ type podUse struct {
 	dead       []*probe.Mount
 }
 
+// unguarded reports a CSI volume with a publish target kubelet set up that
+// is no longer a mount point and has no guard yet.
+func (v *brokenVolume) unguarded() bool {
+	if !v.csi {
+		return false
+	}
+	for _, u := range v.pods {
+		for _, m := range u.dead {
+			if m != nil && m.ID == 0 && m.Target.Kind == kubelet.KindPublish {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // certain reports a failure that is not waited on for strikes: the FUSE
 // connection of the volume is gone (ENOTCONN or ECONNABORTED on a FUSE
 // backend), which never heals by itself, or its daemon has not answered a

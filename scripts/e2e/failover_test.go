@@ -277,8 +277,8 @@ func fenceScenario(t *testing.T, e *env, ns string) {
 		t.Fatalf("kubelet never failed to start the fenced app container on the guard within 4 minutes: %v\n%s", err, w.Describe(ctx))
 	}
 	t.Logf("kubelet on the fenced, guarded volume: %s", why)
-	if !strings.Contains(why, "read-only file system") {
-		t.Errorf("kubelet's error starting the fenced app container = %q, want the guard's read-only file system", why)
+	if !strings.Contains(why, "subPath") {
+		t.Errorf("kubelet's error starting the fenced app container = %q, want its subPath, which the guard keeps kubelet from creating", why)
 	}
 	disk := filepath.Join(e.n.Dir, "root", target) // the node's own directory, below every mount
 	if ents, err := os.ReadDir(disk); err != nil || len(ents) != 0 {

@@ -99,8 +99,8 @@ func guardScenario(t *testing.T, e *env, ns string) {
 		t.Fatalf("kubelet never failed to start the app container on the guarded volume: %v\n%s\n%s", err, w.Describe(ctx), e.diagnostics(ns))
 	}
 	t.Logf("kubelet on the guarded volume: %s", why)
-	if !strings.Contains(why, "read-only file system") {
-		t.Errorf("kubelet's error starting the app container = %q, want the guard's read-only file system", why)
+	if !strings.Contains(why, "subPath") {
+		t.Errorf("kubelet's error starting the app container = %q, want its subPath, which the guard keeps kubelet from creating", why)
 	}
 	if names := nodeDisk(); len(names) != 0 {
 		t.Errorf("the node's directory under the publish target holds %v, want nothing", names)
