@@ -386,6 +386,15 @@ func (h *hostRun) planKeep(ctx context.Context) {
 // (staging path, publish targets, dead subPath binds): connection numbers
 // are reused once a connection ends.
 func (h *hostRun) abortHung(ctx context.Context) {
+	if !h.v.Hung {
+		// Requests waiting on a connection the probe did not find hung are
+		// a live daemon's work (a dead daemon's connection ends with it):
+		// aborting it would break a healthy, busy volume, as a repair of a
+		// volume whose only fault was a publish target not mounted yet
+		// (kubelet between vol_data.json and NodePublish) did to a new
+		// pod's first writes in the e2e.
+		return
+	}
 	u := h.r.unmounter()
 	var own []string
 	if h.staging != "" {
@@ -399,15 +408,6 @@ func (h *hostRun) abortHung(ctx context.Context) {
 		for _, sp := range p.subPaths {
 			own = append(own, sp.path)
 		}
-	}
-	if !h.v.Hung {
-		// Requests waiting on a connection the probe did not find hung are
-		// a live daemon's work (a dead daemon's connection ends with it):
-		// aborting it would break a healthy, busy volume, as a repair of a
-		// volume whose only fault was a publish target not mounted yet
-		// (kubelet between vol_data.json and NodePublish) did to a new
-		// pod's first writes in the e2e.
-		return
 	}
 	for _, dev := range h.dead.list() {
 		at := h.table.fuseMountOn(dev, own)
