@@ -1,17 +1,16 @@
 package deploy_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"net/url"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -22,6 +21,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
@@ -271,22 +271,23 @@ func (n *simNode) podGone(ctx context.Context) bool {
 	return apierrors.IsNotFound(err) || (err == nil && p.UID != n.pod.UID)
 }
 
-// publishMounted reports whether the pod's publish target is a mount point
-// in this mount namespace (the agents share it).
-func (n *simNode) publishMounted(t *testing.T) bool {
+// publishMounted reports whether something other than mountmedic's guard
+// is mounted at the pod's publish target in this mount namespace (the
+// agents share it), and whether the guard is.
+func (n *simNode) publishMounted(t *testing.T) (mounted, guarded bool) {
 	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(n.publish))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if fields := strings.Fields(sc.Text()); len(fields) > 4 && fields[4] == n.publish {
-			return true
+	for _, in := range infos {
+		if in.Source == probe.GuardSource {
+			guarded = true
+		} else {
+			mounted = true
 		}
 	}
-	return false
+	return mounted, guarded
 }
 
 // checkFailover checks, once the queries have their data, what the
@@ -310,8 +311,11 @@ func checkFailover(ctx context.Context, t *testing.T, prom *promServer, n *simNo
 	if !n.podGone(ctx) {
 		t.Errorf("pod %s/%s (uid %s) is still there after the fail-over", appsNS, n.pod.Name, n.pod.UID)
 	}
-	if n.publishMounted(t) {
+	switch mounted, guarded := n.publishMounted(t); {
+	case mounted:
 		t.Errorf("%s is still mounted: the fenced node's agent did not unmount its pod's volume", n.publish)
+	case !guarded:
+		t.Errorf("%s is not guarded: the fenced node's agent (--guard, on by default) did not guard the publish target it unmounted", n.publish)
 	}
 	if res, err := prom.query(fmt.Sprintf(`mountmedic_failover_fences_total{node=%q}`, labNode), time.Now()); err != nil || len(res) != 1 || res[0].Value != 0 {
 		t.Errorf("the lab node's agent fenced its own node (fences %v, err %v): its heartbeat renewals were slower than --failover-fence-after", res, err)

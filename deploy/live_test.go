@@ -198,7 +198,7 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	for _, n := range []string{labNode, simNodeName} {
 		waitQuery(ctx, t, prom, fmt.Sprintf(`mountmedic_failover_heartbeat_renewals_total{node=%q, result="success"} > 0`, n))
 	}
-	if !sim.publishMounted(t) {
+	if mounted, _ := sim.publishMounted(t); !mounted {
 		t.Fatalf("%s: the simulated node's publish target is not mounted before the partition", sim.publish)
 	}
 	for _, f := range faults {
