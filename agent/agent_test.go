@@ -497,3 +497,46 @@ func TestAgentWaitsOutKubeletsPublishWindow(t *testing.T) {
 		t.Errorf("a Pending pod's publish target kubelet has not mounted yet got events %q, want none", got)
 	}
 }
+
+// TestAgentDryRunGuardPlansOnce: a dry run says once that it would guard a
+// running pod's publish target that lost its mount, counts it once
+// although every probe cycle finds the target unguarded, and mounts
+// nothing.
+func TestAgentDryRunGuardPlansOnce(t *testing.T) {
+	e := newEnv(t, nil)
+	labels := map[string]string{"app": "dryguard"}
+	v := e.createVolume("dryguard", nil)
+	lab.StartFaultFS(t, v.staging)
+	pod := e.createPod("dryguard-0", v, podOptions{owner: e.replicaSet("dryguard", labels), labels: labels})
+	target := e.kubelet.PreparePublish(string(pod.UID), v.pv.Name, labDriver, v.handle)
+	e.kubelet.AgeVolData(target, time.Minute)
+	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root(), DryRun: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := e.config()
+	cfg.DryRun = true
+	a := e.startAgent(cfg, agent.Deps{Repairer: rep})
+	e.waitEvent(pod.UID, string(agent.ReasonVolumeGuarded), "[dry-run]", "would mount a read-only guard")
+	// Later cycles find the target unguarded again.
+	e.waitFor("three more probe cycles", func() (bool, error) {
+		n, _ := a.metric(`mountmedic_scan_duration_seconds_count`)
+		return n >= 4, nil
+	})
+	if n, _ := a.metric(`mountmedic_guards_total{result="dry_run"}`); n != 1 {
+		t.Errorf("mountmedic_guards_total{result=dry_run} = %v, want 1", n)
+	}
+	if id := mountID(t, target); id != 0 {
+		t.Errorf("the dry run mounted %d at %s", id, target)
+	}
+	n := 0
+	for _, r := range e.reasons(pod.UID) {
+		if strings.HasPrefix(r, string(agent.ReasonVolumeGuarded)) {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d VolumeGuarded events, want 1", n)
+	}
+}

@@ -710,19 +710,29 @@ func (a *Agent) guardMissing(ctx context.Context, j *job) {
 				continue // mounted (dead, or guarded already), or not a publish target
 			}
 			act := a.repairer.Guard(ctx, m.Path)
-			switch {
-			case errors.Is(act.Err, remount.ErrMountChanged):
+			if errors.Is(act.Err, remount.ErrMountChanged) {
 				continue // published again meanwhile
-			case act.Err != nil:
-				a.metrics.guards.WithLabelValues(resultFailure).Inc()
-				logger.Error(act.Err, "Guarding a publish target that lost its mount failed", "pod", klog.KObj(pod), "path", m.Path)
-				continue
-			case act.DryRun:
-				a.metrics.guards.WithLabelValues(resultDryRun).Inc()
-			default:
-				a.metrics.guards.WithLabelValues(resultSuccess).Inc()
 			}
-			if a.notes.once(j.key, noteGuard, m.Path) {
+			result := resultSuccess
+			switch {
+			case act.Err != nil:
+				result = resultFailure
+			case act.DryRun:
+				result = resultDryRun
+			}
+			// Every cycle tries an unguarded target again: a dry run's
+			// plan and a failure count, log and report once an episode.
+			first := a.notes.once(j.key, noteGuard, result+" "+m.Path)
+			if result == resultSuccess || first {
+				a.metrics.guards.WithLabelValues(result).Inc()
+			}
+			if act.Err != nil {
+				if first {
+					logger.Error(act.Err, "Guarding a publish target that lost its mount failed", "pod", klog.KObj(pod), "path", m.Path)
+				}
+				continue
+			}
+			if first {
 				what := "mounted a read-only guard there"
 				if act.DryRun {
 					what = "would mount a read-only guard there"
