@@ -129,11 +129,7 @@ func TestAgentDryRunDriverDown(t *testing.T) {
 	pub := e.deadVolume(v, pod)
 	before := mountID(t, pub)
 
-	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root(), DryRun: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
+	rep := e.dryRunRepairer()
 	cfg := e.config()
 	cfg.DryRun = true
 	e.startAgent(cfg, agent.Deps{Repairer: rep})
@@ -510,11 +506,7 @@ func TestAgentDryRunGuardPlansOnce(t *testing.T) {
 	pod := e.createPod("dryguard-0", v, podOptions{owner: e.replicaSet("dryguard", labels), labels: labels})
 	target := e.kubelet.PreparePublish(string(pod.UID), v.pv.Name, labDriver, v.handle)
 	e.kubelet.AgeVolData(target, time.Minute)
-	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root(), DryRun: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
+	rep := e.dryRunRepairer()
 	cfg := e.config()
 	cfg.DryRun = true
 	a := e.startAgent(cfg, agent.Deps{Repairer: rep})

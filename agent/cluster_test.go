@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
@@ -122,6 +123,18 @@ type runningAgent struct {
 
 // startAgent runs an agent with the lab node's credentials until the test
 // ends.
+// dryRunRepairer is a remount.Repairer on the lab kubelet root that only
+// plans, as a dry-run agent needs.
+func (e *env) dryRunRepairer() *remount.Repairer {
+	e.t.Helper()
+	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root(), DryRun: true})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { rep.Close() })
+	return rep
+}
+
 func (e *env) startAgent(cfg agent.Config, deps agent.Deps) *runningAgent {
 	e.t.Helper()
 	if deps.Client == nil {

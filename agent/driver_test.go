@@ -381,11 +381,7 @@ func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
 func TestAgentDryRunShowsTheRepairPlan(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("plan")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), DryRun: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
+	rep := d.dryRunRepairer()
 	d.drv.Kill()
 	if err := d.drv.Restart(); err != nil {
 		t.Fatal(err)

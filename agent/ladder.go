@@ -235,7 +235,6 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if len(j.active) == 0 {
 		return res
 	}
-	a.guardMissing(ctx, j)
 	// Every rung from here re-mounts, restarts or evicts: act on the pods
 	// as the API server has them now, never on the informer's copy, which
 	// after a partition can still show a pod force-deleted or replaced
@@ -691,14 +690,9 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 // guardMissing mounts the guard (remount.Repairer.Guard) over each publish
 // target of the job's running pods that kubelet set up but that is no
 // longer a mount point (the probe's Missing, past kubelet's publish
-// window), before the ladder runs and whether or not it can: a container
-// started or restarted on the volume meanwhile fails to write instead of
-// writing to the node's disk. A Pending pod's target is kubelet's to
-// publish and is left alone.
+// window); guardNow calls it for volumes with no run under way. A Pending
+// pod's target is kubelet's to publish and is left alone.
 func (a *Agent) guardMissing(ctx context.Context, j *job) {
-	if !a.cfg.Guard || a.repairer == nil || !j.vol.csi || j.resume != nil {
-		return
-	}
 	logger := klog.FromContext(ctx)
 	for _, pod := range j.active {
 		use := j.vol.pods[string(pod.UID)]

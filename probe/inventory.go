@@ -66,9 +66,9 @@ type Mount struct {
 // which the probe knows it.
 const GuardSource = "mountmedic-guard"
 
-// IsGuard reports whether a mount is mountmedic's guard over a publish
+// isGuard reports whether a mount is mountmedic's guard over a publish
 // target.
-func IsGuard(fsType, source string, t kubelet.Target) bool {
+func isGuard(fsType, source string, t kubelet.Target) bool {
 	return fsType == "tmpfs" && source == GuardSource && t.Kind == kubelet.KindPublish
 }
 
@@ -290,7 +290,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 			Root: in.Root, Path: in.Mountpoint, Options: in.Options, Optional: in.Optional,
 			FSType: in.FSType, Source: in.Source, SuperOptions: in.VFSOptions,
 			Target: t, Covered: covered[in.ID],
-			Guard: IsGuard(in.FSType, in.Source, t),
+			Guard: isGuard(in.FSType, in.Source, t),
 		}
 		inv.Mounts = append(inv.Mounts, m)
 	}

@@ -79,9 +79,8 @@ func TestNodeFenceUnmount(t *testing.T) {
 	}
 }
 
-// assertGuarded checks that the top mount at path in the mount table is
-// mountmedic's guard.
-func assertGuarded(t *testing.T, table, path string) {
+// mountsAt lists the mounts at path in the mount table, bottom first.
+func mountsAt(t *testing.T, table, path string) []*mountinfo.Info {
 	t.Helper()
 	f, err := os.Open(table)
 	if err != nil {
@@ -92,6 +91,14 @@ func assertGuarded(t *testing.T, table, path string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return infos
+}
+
+// assertGuarded checks that the top mount at path in the mount table is
+// mountmedic's guard.
+func assertGuarded(t *testing.T, table, path string) {
+	t.Helper()
+	infos := mountsAt(t, table, path)
 	if len(infos) == 0 || infos[len(infos)-1].Source != probe.GuardSource {
 		t.Errorf("%s in %s: %d mounts, want the guard on top", path, table, len(infos))
 	}
@@ -129,16 +136,7 @@ func TestNodeFenceNoRuntime(t *testing.T) {
 // mounted at path in the mount table.
 func mountedIn(t *testing.T, table, path string) bool {
 	t.Helper()
-	f, err := os.Open(table)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	infos, err := mountinfo.GetMountsFromReader(f, mountinfo.SingleEntryFilter(path))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, in := range infos {
+	for _, in := range mountsAt(t, table, path) {
 		if in.Source != probe.GuardSource {
 			return true
 		}

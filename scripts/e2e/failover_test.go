@@ -259,27 +259,7 @@ func fenceScenario(t *testing.T, e *env, ns string) {
 	if m := mountAt(t, host, target); m == nil || m.Source != probe.GuardSource {
 		t.Errorf("the node's top mount at the fenced publish target %s is %+v, want the guard", target, m)
 	}
-	var why string
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 4*time.Minute, true, func(ctx context.Context) (bool, error) {
-		p, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
-		if err != nil {
-			return false, nil
-		}
-		for _, cs := range p.Status.ContainerStatuses {
-			if cs.Name == "app" && cs.State.Waiting != nil && cs.State.Waiting.Reason == "CreateContainerConfigError" {
-				why = cs.State.Waiting.Message
-				return true, nil
-			}
-		}
-		return false, nil
-	})
-	if err != nil {
-		t.Fatalf("kubelet never failed to start the fenced app container on the guard within 4 minutes: %v\n%s", err, w.Describe(ctx))
-	}
-	t.Logf("kubelet on the fenced, guarded volume: %s", why)
-	if !strings.Contains(why, "subPath") {
-		t.Errorf("kubelet's error starting the fenced app container = %q, want its subPath, which the guard keeps kubelet from creating", why)
-	}
+	e.wantGuardRefusal(t, ctx, w, pod.Name, 4*time.Minute)
 	disk := filepath.Join(e.n.Dir, "root", target) // the node's own directory, below every mount
 	if ents, err := os.ReadDir(disk); err != nil || len(ents) != 0 {
 		t.Errorf("the node's directory under the fenced publish target: %d entries, %v; want none", len(ents), err)

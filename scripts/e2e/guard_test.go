@@ -81,27 +81,7 @@ func guardScenario(t *testing.T, e *env, ns string) {
 	if _, err := e.n.CRI.StopContainer(ctx, &runtimeapi.StopContainerRequest{ContainerId: appID, Timeout: 0}); err != nil {
 		t.Fatal(err)
 	}
-	var why string
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		p, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
-		if err != nil {
-			return false, nil
-		}
-		for _, cs := range p.Status.ContainerStatuses {
-			if cs.Name == "app" && cs.State.Waiting != nil && cs.State.Waiting.Reason == "CreateContainerConfigError" {
-				why = cs.State.Waiting.Message
-				return true, nil
-			}
-		}
-		return false, nil
-	})
-	if err != nil {
-		t.Fatalf("kubelet never failed to start the app container on the guarded volume: %v\n%s\n%s", err, w.Describe(ctx), e.diagnostics(ns))
-	}
-	t.Logf("kubelet on the guarded volume: %s", why)
-	if !strings.Contains(why, "subPath") {
-		t.Errorf("kubelet's error starting the app container = %q, want its subPath, which the guard keeps kubelet from creating", why)
-	}
+	e.wantGuardRefusal(t, ctx, w, pod.Name, 2*time.Minute)
 	if names := nodeDisk(); len(names) != 0 {
 		t.Errorf("the node's directory under the publish target holds %v, want nothing", names)
 	}
@@ -192,5 +172,35 @@ func (e *env) killAgent(t *testing.T, ctx context.Context) {
 		return apierrors.IsNotFound(err), nil
 	}); err != nil {
 		t.Fatalf("the agent's pod %s is still there: %v", e.agent.Pod.Name, err)
+	}
+}
+
+// wantGuardRefusal waits, up to timeout, for kubelet to report that it
+// could not start the pod's app container on the guarded volume: the
+// guard keeps it from creating the container's subPath
+// (CreateContainerConfigError), so the container never runs on the node's
+// disk.
+func (e *env) wantGuardRefusal(t *testing.T, ctx context.Context, w *wl, podName string, timeout time.Duration) {
+	t.Helper()
+	var why string
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
+		p, err := e.c.Client.CoreV1().Pods(w.Namespace).Get(ctx, podName, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		for _, cs := range p.Status.ContainerStatuses {
+			if cs.Name == "app" && cs.State.Waiting != nil && cs.State.Waiting.Reason == "CreateContainerConfigError" {
+				why = cs.State.Waiting.Message
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		t.Fatalf("kubelet never failed to start the app container on the guarded volume within %s: %v\n%s\n%s", timeout, err, w.Describe(ctx), e.diagnostics(w.Namespace))
+	}
+	t.Logf("kubelet on the guarded volume: %s", why)
+	if !strings.Contains(why, "subPath") {
+		t.Errorf("kubelet's error starting the app container = %q, want its subPath, which the guard keeps kubelet from creating", why)
 	}
 }
