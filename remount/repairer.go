@@ -167,6 +167,14 @@ func (r *Repairer) Close() error {
 // DryRun reports whether the Repairer only plans (Config.DryRun).
 func (r *Repairer) DryRun() bool { return r.cfg.DryRun }
 
+// MountFusectl mounts the fuse control filesystem in the agent's mount
+// namespace when it is missing (Unmounter.MountFusectl); a dry-run
+// Repairer mounts nothing.
+func (r *Repairer) MountFusectl(ctx context.Context) error {
+	_, err := r.unmounter().MountFusectl(ctx)
+	return err
+}
+
 func (r *Repairer) unmounter() *Unmounter {
 	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, ProcDir: r.procDir, Sys: r.cfg.Sys}
 }

@@ -21,9 +21,6 @@ import (
 // defaultFusectlDir is where the fuse control filesystem is mounted.
 const defaultFusectlDir = "/sys/fs/fuse/connections"
 
-// fusectlMagic is the f_type statfs reports for the fuse control filesystem.
-const fusectlMagic = 0x65735543
-
 // Unmounter lazily unmounts dead mounts below the kubelet root, aborting
 // their FUSE connections first when asked. It never stats a mount point and
 // never runs umount(8) or mount-utils (both stat the target first and hang on
@@ -301,11 +298,34 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 	return a
 }
 
-// fusectlConn is the name of a FUSE connection's directory under the
-// fuse control filesystem: the kernel's dev_t of the superblock printed in
-// decimal, MKDEV(major, minor) = major<<20 | minor. For fuse mounts (major 0)
-// it is the minor; fuseblk mounts carry their block device's number.
-func fusectlConn(dev probe.Dev) uint32 { return dev.Major<<20 | dev.Minor }
+// MountFusectl mounts the fuse control filesystem at FusectlDir in our own
+// mount namespace when it is not there: its abort files end a hung
+// connection, its waiting files tell the prober a connection has requests
+// waiting (probe.Prober.WatchStalls). Nothing changes when it is mounted
+// already (no action); a dry run only says it would.
+func (u *Unmounter) MountFusectl(ctx context.Context) ([]Action, error) {
+	dir := u.fusectlDir()
+	mounted, err := isFusectl(dir)
+	if err != nil {
+		a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Err: fmt.Errorf("check fusectl at %s: %w", dir, err)}
+		return []Action{a}, a.Err
+	}
+	if mounted {
+		return nil, nil
+	}
+	a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted"}
+	if !u.DryRun {
+		start := time.Now()
+		err := u.Sys.orHost().Mount("none", dir, "fusectl", 0, "")
+		a.Took = time.Since(start)
+		if err != nil && !errors.Is(err, unix.EBUSY) {
+			a.Err = fmt.Errorf("mount fusectl at %s: %w", dir, err)
+			return []Action{a}, a.Err
+		}
+		klog.FromContext(ctx).V(2).Info("Mounted fusectl", "dir", dir)
+	}
+	return []Action{a}, nil
+}
 
 // AbortFUSE aborts the FUSE connection of the filesystem with device number
 // dev: it writes 1 to <FusectlDir>/<conn>/abort, mounting the fuse control
@@ -335,29 +355,13 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		return actions, actionsErr(actions)
 	}
 
-	mounted, err := isFusectl(dir)
+	mount, err := u.MountFusectl(ctx)
+	actions = append(actions, mount...)
 	if err != nil {
-		actions = append(actions, Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun,
-			Err: fmt.Errorf("check fusectl at %s: %w", dir, err)})
-		return actions, actionsErr(actions)
-	}
-	if !mounted {
-		a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted"}
-		if !u.DryRun {
-			start := time.Now()
-			err := sys.Mount("none", dir, "fusectl", 0, "")
-			a.Took = time.Since(start)
-			if err != nil && !errors.Is(err, unix.EBUSY) {
-				a.Err = fmt.Errorf("mount fusectl at %s: %w", dir, err)
-				actions = append(actions, a)
-				return actions, actionsErr(actions)
-			}
-			logger.V(2).Info("Mounted fusectl", "dir", dir)
-		}
-		actions = append(actions, a)
+		return actions, err
 	}
 
-	conn := fusectlConn(dev)
+	conn := probe.FusectlConn(dev)
 	connDir := filepath.Join(dir, strconv.FormatUint(uint64(conn), 10))
 	p := filepath.Join(connDir, "abort")
 	a := Action{Op: opAbortFUSE, Path: p, DryRun: u.DryRun, Detail: fmt.Sprintf("fuse connection %d of device %s", conn, dev)}
@@ -464,5 +468,5 @@ func isFusectl(dir string) (bool, error) {
 	if err := unix.Statfs(dir, &st); err != nil {
 		return false, err
 	}
-	return st.Type == fusectlMagic, nil
+	return st.Type == probe.FusectlMagic, nil
 }

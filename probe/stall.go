@@ -1,0 +1,205 @@
+package probe
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+// FusectlMagic is the f_type statfs reports for the fuse control
+// filesystem.
+const FusectlMagic = 0x65735543
+
+// FusectlConn is the name of a FUSE connection's directory under the fuse
+// control filesystem: the kernel's dev_t of the superblock printed in
+// decimal, MKDEV(major, minor) = major<<20 | minor. For fuse mounts (major 0)
+// it is the minor; fuseblk mounts carry their block device's number.
+func FusectlConn(dev Dev) uint32 { return dev.Major<<20 | dev.Minor }
+
+// DefaultStallPoll is how often WatchStalls reads the FUSE connections'
+// waiting counters at the agent's defaults.
+const DefaultStallPoll = 250 * time.Millisecond
+
+// stallGap is the least time between two probes WatchStalls starts for
+// one backend: a busy daemon, which always has requests waiting, gets at
+// most one extra probe per stallGap.
+const stallGap = 500 * time.Millisecond
+
+// WatchStalls finds hung FUSE daemons between probe cycles, until ctx
+// ends. Every poll it reads, for each FUSE backend of the inventory current
+// returns, its connection's count of requests waiting for the daemon
+// (<SysfsDir>/fs/fuse/connections/<conn>/waiting: a read of a counter that
+// never asks the daemon). A backend with requests waiting and no probe
+// running gets one now (at most one per stallGap), under the same rules as
+// a cycle's: its own flight, a deadline per call. When a probe that runs
+// while requests wait passes its deadline without an answer, hung is called
+// (once per probe): the caller starts a probe cycle, which finds the probe
+// past its deadline and reports the backend Hung at once.
+//
+// So a daemon that stops answering while a container waits on it is found
+// one deadline (plus at most a poll) after the container's request, not
+// after the next cycle's start plus a deadline. A slow daemon that answers
+// within the deadline is never Hung, as in a cycle. Without the fuse
+// control filesystem at the path (not mounted in this mount namespace),
+// WatchStalls reads nothing and the cycles alone find hangs.
+func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current func() *Inventory, hung func()) {
+	if poll <= 0 {
+		return
+	}
+	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"),
+		armed: make(map[*flight]bool), hung: hung}
+	t := time.NewTicker(poll)
+	defer t.Stop()
+	logger := klog.FromContext(ctx)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if inv := current(); inv != nil {
+			if err := w.poll(inv); err != nil && !w.warned {
+				w.warned = true
+				logger.V(2).Info("Cannot read FUSE connections' waiting requests: hangs are found by the probe cycles only", "dir", w.dir, "err", err)
+			}
+		}
+	}
+}
+
+// stallWatch is WatchStalls' state, owned by its goroutine.
+type stallWatch struct {
+	p   *Prober
+	dir string
+	// armed are the flights whose deadline a timer watches.
+	armed  map[*flight]bool
+	hung   func()
+	warned bool
+}
+
+// errNoFusectl: the directory holds no fuse control filesystem.
+var errNoFusectl = errors.New("the fuse control filesystem is not mounted there")
+
+// poll reads the waiting count of every FUSE backend of inv and probes the
+// ones with requests waiting.
+func (w *stallWatch) poll(inv *Inventory) error {
+	dir, err := unix.Open(w.dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dir)
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(dir, &st); err != nil {
+		return err
+	}
+	if st.Type != FusectlMagic {
+		return errNoFusectl
+	}
+	var name []byte
+	for _, b := range inv.Backends {
+		if b.Kind != BackendFUSE {
+			continue
+		}
+		path := b.ProbePath()
+		if path == "" {
+			continue
+		}
+		name = append(strconv.AppendUint(name[:0], uint64(FusectlConn(b.Dev)), 10), "/waiting"...)
+		if n, ok := waiting(dir, string(name)); ok && n > 0 {
+			w.stalled(b, path)
+		}
+	}
+	for f := range w.armed {
+		select {
+		case <-f.done:
+			delete(w.armed, f)
+		default:
+		}
+	}
+	return nil
+}
+
+// waiting reads a connection's count of waiting requests from its file
+// name (<conn>/waiting) under the fusectl directory dir. The file is opened
+// for each read: fusectl files cannot seek (no pread), and a connection's
+// number may be another connection's by the next poll.
+func waiting(dir int, name string) (int, bool) {
+	fd, err := unix.Openat(dir, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return 0, false
+	}
+	defer unix.Close(fd)
+	var buf [24]byte
+	n, err := unix.Read(fd, buf[:])
+	if err != nil || n == 0 {
+		return 0, false
+	}
+	v, err := strconv.Atoi(string(trimSpace(buf[:n])))
+	return v, err == nil
+}
+
+func trimSpace(b []byte) []byte {
+	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == ' ') {
+		b = b[:len(b)-1]
+	}
+	return b
+}
+
+// stalled starts a probe of b when none runs and none started within
+// stallGap, and arms the deadline timer of the one running.
+func (w *stallWatch) stalled(b *Backend, path string) {
+	p := w.p
+	p.mu.Lock()
+	f := p.inflight[b.Dev]
+	running, recent := false, false
+	if f != nil {
+		select {
+		case <-f.done:
+		default:
+			running = true
+		}
+		recent = time.Since(f.queued) < stallGap
+	}
+	p.mu.Unlock()
+	if !running {
+		if recent {
+			return
+		}
+		// Not reused: a finished flight's answer is older than the
+		// requests waiting now. The cycle takes this flight's answer,
+		// or finds it past its deadline.
+		f, _ = p.launch(b.Dev, flightOf{path, b.probeMountID()}, false, func(mark func()) Result { return p.check(b, path, mark) })
+	}
+	w.arm(f)
+}
+
+// arm watches f's deadline once: hung is called when f is still running a
+// call past Config.Timeout.
+func (w *stallWatch) arm(f *flight) {
+	if w.armed[f] {
+		return
+	}
+	w.armed[f] = true
+	p := w.p
+	var check func()
+	check = func() {
+		select {
+		case <-f.done:
+			return
+		default:
+		}
+		wait := p.cfg.Timeout
+		if start := p.started(f); !start.IsZero() {
+			if wait = p.cfg.Timeout - time.Since(start); wait <= 0 {
+				w.hung()
+				return
+			}
+		}
+		time.AfterFunc(wait, check)
+	}
+	check()
+}
