@@ -95,6 +95,12 @@ type Agent struct {
 	checking atomic.Bool
 	driverUp chan string
 
+	// current is the inventory the loop probes, for the stall watch.
+	current atomic.Pointer[probe.Inventory]
+	// stalled: the stall watch saw a FUSE probe pass its deadline
+	// between cycles.
+	stalled chan struct{}
+
 	results chan jobResult
 	running int
 	// broken and queue are the last probe cycle's broken volumes and the
@@ -143,6 +149,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		events:   deps.Events,
 		driverOK: make(map[string]bool),
 		driverUp: make(chan string, 16),
+		stalled:  make(chan struct{}, 1),
 		fenced:   deps.Fenced,
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
@@ -270,6 +277,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		logger.Error(err, "Cannot watch driver registrations; a driver's return is noticed at resync only")
 	}
 
+	a.watchStalls(ctx)
 	a.loop(ctx, tw, pw)
 
 	cancel()
@@ -334,6 +342,13 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 		case driver := <-a.driverUp:
 			logger.V(2).Info("CSI driver answers again; probing its volumes now", "driver", driver)
 			kick(driver)
+		case <-a.stalled:
+			logger.V(2).Info("A FUSE backend's probe passed its deadline while requests wait on it; probing now")
+			if probing {
+				again = true
+			} else {
+				probeTimer.Reset(0)
+			}
 		case r := <-a.results:
 			a.running--
 			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
@@ -352,6 +367,7 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 				continue
 			}
 			probing = true
+			a.current.Store(inv)
 			a.probeAsync(ctx, inv, start, reports)
 		case p := <-reports:
 			probing = false
@@ -364,6 +380,31 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			}
 		}
 	}
+}
+
+// watchStalls starts the prober's stall watch (Config.StallPoll) over the
+// inventory the loop probes. It reads the fuse control filesystem, which
+// an agent that repairs mounts in its own mount namespace first (a dry-run
+// agent mounts nothing: it watches only when fusectl is there already).
+func (a *Agent) watchStalls(ctx context.Context) {
+	if a.cfg.StallPoll <= 0 {
+		return
+	}
+	if m, ok := a.repairer.(interface{ MountFusectl(context.Context) error }); ok && !a.cfg.DryRun {
+		if err := m.MountFusectl(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot mount the fuse control filesystem: hung FUSE daemons are found by the probe cycles only")
+		}
+	}
+	a.workers.Add(1)
+	go func() {
+		defer a.workers.Done()
+		a.prober.WatchStalls(ctx, a.cfg.StallPoll, a.current.Load, func() {
+			select {
+			case a.stalled <- struct{}{}:
+			default:
+			}
+		})
+	}()
 }
 
 // readTable re-reads the mount table when it changed (or, while the node has

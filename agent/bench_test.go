@@ -39,7 +39,8 @@ import (
 // its RSS, and its API requests per minute as a proxy in front of the API
 // server counts them. With MOUNTMEDIC_BENCH_HEAP=<dir> the binary is built
 // with -tags pprof and a heap profile of it is written to
-// <dir>/heap-<n>.pprof at the end.
+// <dir>/heap-<n>.pprof at the end. MOUNTMEDIC_BENCH_AGENT_ARGS adds flags
+// to the agent's command line.
 //
 //	go test -run '^$' -bench AgentSteadyState -benchtime 2x ./agent
 func BenchmarkAgentSteadyState(b *testing.B) {
@@ -192,8 +193,11 @@ func startAgentProcess(b *testing.B, e *env, bin string, env ...string) *agentPr
 	p.metrics = mln.Addr().String()
 	mln.Close()
 
-	cmd := exec.Command(bin, "agent", "--node-kubeconfig", kubeconfig, "--node-name", e.node,
-		"--kubelet-root", e.kubelet.Root(), "--metrics-addr", p.metrics)
+	// MOUNTMEDIC_BENCH_AGENT_ARGS adds flags, for an A/B of one setting
+	// (for example --stall-poll=0).
+	args := append([]string{"agent", "--node-kubeconfig", kubeconfig, "--node-name", e.node,
+		"--kubelet-root", e.kubelet.Root(), "--metrics-addr", p.metrics}, strings.Fields(os.Getenv("MOUNTMEDIC_BENCH_AGENT_ARGS"))...)
+	cmd := exec.Command(bin, args...)
 	cmd.Env = append(os.Environ(), env...)
 	logf, err := os.Create(filepath.Join(b.TempDir(), "agent.log"))
 	if err != nil {
@@ -434,7 +438,7 @@ func BenchmarkAgentHungHeal(b *testing.B) {
 
 // s3fsPid finds the running (not stopped) s3fs process that serves the
 // lab volume named name (its bucket path ends in /name).
-func s3fsPid(b *testing.B, name string) int {
+func s3fsPid(b testing.TB, name string) int {
 	b.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {

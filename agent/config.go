@@ -47,6 +47,10 @@ type Config struct {
 	ProbeTimeout  time.Duration
 	// ProbeParallel bounds the probes run at once in a cycle.
 	ProbeParallel int
+	// StallPoll is how often the agent reads each FUSE connection's count
+	// of waiting requests between probe cycles, to probe a backend with
+	// requests waiting at once (probe.Prober.WatchStalls); 0 turns it off.
+	StallPoll time.Duration
 	// Strikes is how many probe cycles in a row a volume must be broken
 	// before it is repaired (a driver that just registered skips them).
 	Strikes int
@@ -117,6 +121,7 @@ func DefaultConfig() Config {
 		ProbeInterval:        2 * time.Second,
 		ProbeTimeout:         2 * time.Second,
 		ProbeParallel:        4,
+		StallPoll:            probe.DefaultStallPoll,
 		Strikes:              2,
 		Resync:               30 * time.Second,
 		BackoffBase:          time.Second,
@@ -185,6 +190,9 @@ func (c Config) Validate() error {
 	}
 	if c.Strikes < 1 {
 		bad("--strikes %d: must be at least 1", c.Strikes)
+	}
+	if c.StallPoll < 0 {
+		bad("--stall-poll %s: must not be negative (0 turns the stall watch off)", c.StallPoll)
 	}
 	if c.ProbeParallel < 1 {
 		bad("--probe-parallel %d: must be at least 1", c.ProbeParallel)

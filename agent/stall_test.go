@@ -1,0 +1,83 @@
+package agent_test
+
+import (
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// TestAgentFindsAHangBetweenCycles: the agent probes once an hour, and the
+// real s3fs of a volume stops answering while a container reads it. Only
+// the stall watch (the connection's waiting requests, read between
+// cycles) can start the probe that finds the hang: the agent aborts the
+// connection, the container's read returns, and the volume heals, all
+// before any cycle was due. Before that, the same daemon pausing for less
+// than the probe deadline at a time, while the container reads, is never
+// taken for hung.
+func TestAgentFindsAHangBetweenCycles(t *testing.T) {
+	d := newDriverEnv(t)
+	s := d.newVolume("stall")
+	if err := s.reads("stall"); err != nil {
+		t.Fatalf("volume not readable before the hang: %v", err)
+	}
+	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg := d.config()
+	cfg.ProbeInterval, cfg.Resync = time.Hour, time.Hour
+	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	inContainer := s.private.Path("/data/data.txt")
+	pid := s3fsPid(t, "stall")
+	t.Cleanup(func() { _ = unix.Kill(pid, unix.SIGKILL) })
+
+	// A slow daemon: paused for 700 ms at a time (under the 2 s deadline)
+	// while the container reads, five times.
+	for i := 0; i < 5; i++ {
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		read := make(chan error, 1)
+		go func() { _, err := os.ReadFile(inContainer); read <- err }()
+		time.Sleep(700 * time.Millisecond)
+		if err := unix.Kill(pid, unix.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-read; err != nil {
+			t.Fatalf("pause %d: the container's read failed: %v (the agent took a slow daemon for hung)", i+1, err)
+		}
+	}
+	if evs := d.eventsOf(s.pod.UID); len(evs) > 0 {
+		t.Fatalf("events after pauses under the deadline: %s %q, want none", evs[0].Reason, evs[0].Note)
+	}
+
+	if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	read := make(chan error, 1)
+	go func() { _, err := os.ReadFile(inContainer); read <- err }()
+	select {
+	case err := <-read:
+		if err == nil || !(errors.Is(err, unix.ECONNABORTED) || errors.Is(err, unix.ENOTCONN)) {
+			t.Fatalf("the container's read on the hung daemon returned %v, want ECONNABORTED or ENOTCONN (the agent's abort)", err)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the container's read still blocks 2 minutes after the hang: nothing found it between the hourly cycles")
+	}
+	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
+	d.waitFor("the volume to read again everywhere", func() (bool, error) {
+		err := s.reads("stall")
+		return err == nil, err
+	})
+	if n, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); n < 1 {
+		t.Errorf(`repairs_total{restage,success} = %v, want at least 1`, n)
+	}
+}
