@@ -36,10 +36,11 @@ const stallGap = 500 * time.Millisecond
 // (<SysfsDir>/fs/fuse/connections/<conn>/waiting: a read of a counter that
 // never asks the daemon). A backend with requests waiting and no probe
 // running gets one now (at most one per stallGap), under the same rules as
-// a cycle's: its own flight, a deadline per call. When a probe that runs
-// while requests wait passes its deadline without an answer, hung is called
-// (once per probe): the caller starts a probe cycle, which finds the probe
-// past its deadline and reports the backend Hung at once.
+// a cycle's: its own flight, a deadline per call. When a probe the watch
+// sees running (its own or a cycle's) passes its deadline without an
+// answer, hung is called (once per probe): the caller starts a probe
+// cycle, which finds the probe past its deadline and reports the backend
+// Hung at once.
 //
 // So a daemon that stops answering while a container waits on it is found
 // one deadline (plus at most a poll) after the container's request, not
@@ -84,8 +85,10 @@ type stallWatch struct {
 // errNoFusectl: the directory holds no fuse control filesystem.
 var errNoFusectl = errors.New("the fuse control filesystem is not mounted there")
 
-// poll reads the waiting count of every FUSE backend of inv and probes the
-// ones with requests waiting.
+// poll reads the waiting count of every FUSE backend of inv that no probe
+// runs for and none was asked for within stallGap (a busy daemon, which
+// always has requests waiting, gets at most one extra probe per stallGap),
+// and probes the ones with requests waiting.
 func (w *stallWatch) poll(inv *Inventory) error {
 	dir, err := unix.Open(w.dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -108,9 +111,22 @@ func (w *stallWatch) poll(inv *Inventory) error {
 		if path == "" {
 			continue
 		}
+		f, running, recent := w.p.lastFlight(b.Dev)
+		switch {
+		case running:
+			// A probe runs (its own request waits): watch its deadline.
+			w.arm(f)
+			continue
+		case recent:
+			continue
+		}
 		name = append(strconv.AppendUint(name[:0], uint64(FusectlConn(b.Dev)), 10), "/waiting"...)
 		if n, ok := waiting(dir, string(name)); ok && n > 0 {
-			w.stalled(b, path)
+			// Not reused: a finished flight's answer is older than the
+			// requests waiting now. The cycle takes this flight's
+			// answer, or finds it past its deadline.
+			f, _ = w.p.launch(b.Dev, flightOf{path, b.probeMountID()}, false, func(mark func()) Result { return w.p.check(b, path, mark) })
+			w.arm(f)
 		}
 	}
 	for f := range w.armed {
@@ -149,32 +165,22 @@ func trimSpace(b []byte) []byte {
 	return b
 }
 
-// stalled starts a probe of b when none runs and none started within
-// stallGap, and arms the deadline timer of the one running.
-func (w *stallWatch) stalled(b *Backend, path string) {
-	p := w.p
+// lastFlight is the last probe of the backend with device dev: whether it
+// still runs, and whether it was asked for within stallGap (then neither
+// a read of its waiting count nor a probe is due).
+func (p *Prober) lastFlight(dev Dev) (f *flight, running, recent bool) {
 	p.mu.Lock()
-	f := p.inflight[b.Dev]
-	running, recent := false, false
-	if f != nil {
-		select {
-		case <-f.done:
-		default:
-			running = true
-		}
-		recent = time.Since(f.queued) < stallGap
+	defer p.mu.Unlock()
+	f = p.inflight[dev]
+	if f == nil {
+		return nil, false, false
 	}
-	p.mu.Unlock()
-	if !running {
-		if recent {
-			return
-		}
-		// Not reused: a finished flight's answer is older than the
-		// requests waiting now. The cycle takes this flight's answer,
-		// or finds it past its deadline.
-		f, _ = p.launch(b.Dev, flightOf{path, b.probeMountID()}, false, func(mark func()) Result { return p.check(b, path, mark) })
+	select {
+	case <-f.done:
+	default:
+		running = true
 	}
-	w.arm(f)
+	return f, running, time.Since(f.queued) < stallGap
 }
 
 // arm watches f's deadline once: hung is called when f is still running a
