@@ -153,6 +153,10 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		fenced:   deps.Fenced,
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 	}
+	a.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "mountmedic_stall_probes_total",
+		Help: "Probes the stall watch started between probe cycles because a FUSE connection had requests waiting (--stall-poll).",
+	}, func() float64 { return float64(a.prober.StallProbes()) }))
 	a.report = reporter{dryRun: cfg.DryRun}
 	if deps.Events != nil {
 		a.limiter = newLimitedRecorder(deps.Events, cfg.NodeName, nil)

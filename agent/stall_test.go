@@ -77,6 +77,9 @@ func TestAgentFindsAHangBetweenCycles(t *testing.T) {
 		err := s.reads("stall")
 		return err == nil, err
 	})
+	if n, _ := a.metric(`mountmedic_stall_probes_total`); n < 1 {
+		t.Errorf("stall_probes_total = %v, want at least 1 (the probe that found the hang)", n)
+	}
 	if n, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); n < 1 {
 		t.Errorf(`repairs_total{restage,success} = %v, want at least 1`, n)
 	}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -118,6 +119,8 @@ type Prober struct {
 	// inflight is keyed by a backend's Dev or by a CheckPath path.
 	inflight map[any]*flight
 	errCount map[string]uint64
+	// stallProbes counts the probes WatchStalls started.
+	stallProbes atomic.Uint64
 }
 
 type flight struct {

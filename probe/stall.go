@@ -126,6 +126,7 @@ func (w *stallWatch) poll(inv *Inventory) error {
 			// requests waiting now. The cycle takes this flight's
 			// answer, or finds it past its deadline.
 			f, _ = w.p.launch(b.Dev, flightOf{path, b.probeMountID()}, false, func(mark func()) Result { return w.p.check(b, path, mark) })
+			w.p.stallProbes.Add(1)
 			w.arm(f)
 		}
 	}
@@ -209,3 +210,6 @@ func (w *stallWatch) arm(f *flight) {
 	}
 	check()
 }
+
+// StallProbes counts the probes WatchStalls started.
+func (p *Prober) StallProbes() uint64 { return p.stallProbes.Load() }

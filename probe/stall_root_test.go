@@ -15,16 +15,22 @@ import (
 
 // TestStallWatchFindsAHangBetweenCycles: no probe cycle runs. A real FUSE
 // daemon that answers every request 150 ms late under a 400 ms deadline,
-// with a reader waiting on it all the time, is probed (it has requests
-// waiting) and never reported hung. Once it hangs under a reader, the stall
-// watch probes it and calls hung when that probe passes its deadline, and
-// the next cycle reports the backend Hung without waiting for it.
+// with a reader waiting on it all the time (a pod's user can keep any
+// volume that busy), is probed (it has requests waiting), never reported
+// hung, and probed at most once per stallGap. Once it hangs under a
+// reader, the stall watch probes it and calls hung when that probe passes
+// its deadline, and the next cycle reports the backend Hung without
+// waiting for it.
 func TestStallWatchFindsAHangBetweenCycles(t *testing.T) {
 	lab.RequireRoot(t)
 	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
 	v := stageFaultFS(t, k, "stall", "pod")
 	inv := liveInventory(t, k.Root())
-	p := NewProber(Config{Timeout: 400 * time.Millisecond})
+	sys := HostSyscalls()
+	var statfsCalls atomic.Int32
+	realStatfs := sys.Statfs
+	sys.Statfs = func(path string) error { statfsCalls.Add(1); return realStatfs(path) }
+	p := NewProberWith(Config{Timeout: 400 * time.Millisecond}, sys)
 	var hung atomic.Int32
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -37,7 +43,8 @@ func TestStallWatchFindsAHangBetweenCycles(t *testing.T) {
 
 	v.fs.Delay(150 * time.Millisecond)
 	probed := false
-	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); {
+	busy := time.Now()
+	for end := busy.Add(3 * time.Second); time.Now().Before(end); {
 		if _, err := os.ReadFile(file); err != nil {
 			t.Fatalf("read on the slow daemon: %v", err)
 		}
@@ -48,6 +55,9 @@ func TestStallWatchFindsAHangBetweenCycles(t *testing.T) {
 	}
 	if !probed {
 		t.Error("the stall watch never probed a backend with requests waiting")
+	}
+	if n, most := statfsCalls.Load(), int32(time.Since(busy)/stallGap)+1; n > most {
+		t.Errorf("the stall watch probed a busy daemon %d times in %s, want at most %d (one per %s)", n, time.Since(busy).Round(time.Millisecond), most, stallGap)
 	}
 
 	v.fs.Delay(0)
