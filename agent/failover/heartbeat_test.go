@@ -502,7 +502,14 @@ func testSteadyRequests(t *testing.T, l *hbLab) {
 			t.Errorf("%s: no renewal in 10 intervals", n.name)
 			continue
 		}
-		if diff["PUT leases"] != int(got) {
+		// The request counter and the renewal metric are read one after
+		// the other, at each end of the window, while renewals go on: a
+		// renewal in flight at either end can fall in the window on one
+		// count and outside it on the other (a PUT counted before the
+		// first read whose success is counted after it: 9 PUTs for 10
+		// renewals). So one apart is one renewal; a second request per
+		// renewal would show twice as many.
+		if d := diff["PUT leases"] - int(got); d < -1 || d > 1 {
 			t.Errorf("%s: %d Lease updates for %v renewals, want one each", n.name, diff["PUT leases"], got)
 		}
 		for k, v := range diff {
