@@ -14,7 +14,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/cache"
@@ -78,12 +77,11 @@ type Agent struct {
 	// limiter holds the events past the node's budget for a summary.
 	limiter *limitedRecorder
 
-	// factory and the pod informer are made in New, started by Run, so
+	// The pod informer is made in New, started by Run, so
 	// that /readyz (served before the informer starts) reads them safely.
-	factory informers.SharedInformerFactory
-	podInf  cache.SharedIndexInformer
-	pods    podsByUID
-	synced  func() bool
+	podInf cache.SharedIndexInformer
+	pods   podsByUID
+	synced func() bool
 
 	scanned  atomic.Bool
 	lastScan atomic.Int64 // unix nanoseconds
@@ -165,11 +163,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if cfg.NodeCondition {
 		a.condition = newConditionWriter(deps.Client, cfg.NodeName, cfg.APITimeout, a.metrics.reg)
 	}
-	factory, inf, err := podInformer(a.client, cfg.NodeName)
+	inf, err := podInformer(a.client, cfg.NodeName)
 	if err != nil {
 		return nil, err
 	}
-	a.factory, a.podInf, a.pods, a.synced = factory, inf, podsByUID{idx: inf.GetIndexer()}, inf.HasSynced
+	a.podInf, a.pods, a.synced = inf, podsByUID{idx: inf.GetIndexer()}, inf.HasSynced
 	return a, nil
 }
 
@@ -263,7 +261,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.report.rec = a.limiter
 	}
 
-	a.factory.Start(ctx.Done())
+	informerDone := make(chan struct{})
+	go func() {
+		defer close(informerDone)
+		a.podInf.RunWithContext(ctx)
+	}()
 	if a.condition != nil {
 		a.workers.Add(1)
 		go func() {
@@ -288,7 +290,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.workers.Wait()
 	tw.Close()
 	pw.Close()
-	a.factory.Shutdown()
+	<-informerDone
 	if srv != nil {
 		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer scancel()

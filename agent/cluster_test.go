@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
@@ -138,7 +139,7 @@ func (e *env) dryRunRepairer() *remount.Repairer {
 func (e *env) startAgent(cfg agent.Config, deps agent.Deps) *runningAgent {
 	e.t.Helper()
 	if deps.Client == nil {
-		client, err := kubernetes.NewForConfig(e.agentConfig)
+		client, err := kubeclient.New(e.agentConfig)
 		if err != nil {
 			e.t.Fatalf("agent client: %v", err)
 		}
@@ -398,7 +399,7 @@ func (e *env) countingClient() (kubernetes.Interface, *recorder) {
 	cfg := rest.CopyConfig(e.agentConfig)
 	rec := &recorder{count: make(map[string]int)}
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { rec.next = rt; return rec })
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := kubeclient.New(cfg)
 	if err != nil {
 		e.t.Fatalf("counting client: %v", err)
 	}

@@ -16,6 +16,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // The agent's credentials.
@@ -78,7 +80,7 @@ func NewNodeClient(cfg Config) (kubernetes.Interface, error) {
 	if cfg.APIBurst > 0 {
 		rc.Burst = cfg.APIBurst
 	}
-	c, err := kubernetes.NewForConfig(rc)
+	c, err := kubeclient.New(rc)
 	if err != nil {
 		return nil, fmt.Errorf("--node-kubeconfig %s: kubernetes client: %w", cfg.NodeKubeconfig, err)
 	}

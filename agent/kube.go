@@ -13,7 +13,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -22,20 +22,21 @@ import (
 // uidIndex indexes the node's pods by UID, the key the mount table gives.
 const uidIndex = "uid"
 
-// podInformer returns an informer factory and pod informer that list and
-// watch only the pods bound to node, with managed fields dropped.
-func podInformer(client kubernetes.Interface, node string) (informers.SharedInformerFactory, cache.SharedIndexInformer, error) {
+// podInformer returns an informer that lists and watches only the pods
+// bound to node, with managed fields dropped. It is made on its own, not
+// by an informer factory: a factory links every API group's informers into
+// the binary.
+func podInformer(client kubernetes.Interface, node string) (cache.SharedIndexInformer, error) {
 	selector := fields.OneTermEqualSelector("spec.nodeName", node).String()
-	factory := informers.NewSharedInformerFactoryWithOptions(client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = selector }))
-	inf := factory.Core().V1().Pods().Informer()
+	inf := coreinformers.NewFilteredPodInformer(client, metav1.NamespaceAll, 0, cache.Indexers{},
+		func(o *metav1.ListOptions) { o.FieldSelector = selector })
 	if err := inf.SetTransform(func(obj any) (any, error) {
 		if acc, ok := obj.(metav1.ObjectMetaAccessor); ok {
 			acc.GetObjectMeta().SetManagedFields(nil)
 		}
 		return obj, nil
 	}); err != nil {
-		return nil, nil, fmt.Errorf("set pod informer transform: %w", err)
+		return nil, fmt.Errorf("set pod informer transform: %w", err)
 	}
 	if err := inf.AddIndexers(cache.Indexers{uidIndex: func(obj any) ([]string, error) {
 		pod, ok := obj.(*corev1.Pod)
@@ -44,9 +45,9 @@ func podInformer(client kubernetes.Interface, node string) (informers.SharedInfo
 		}
 		return []string{string(pod.UID)}, nil
 	}}); err != nil {
-		return nil, nil, fmt.Errorf("add pod uid index: %w", err)
+		return nil, fmt.Errorf("add pod uid index: %w", err)
 	}
-	return factory, inf, nil
+	return inf, nil
 }
 
 // podsByUID reads the pod informer's index.

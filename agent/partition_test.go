@@ -7,10 +7,10 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 
@@ -38,7 +38,7 @@ func TestAgentKeepsWorkingWithoutAPIServer(t *testing.T) {
 	cfgREST := rest.CopyConfig(e.agentConfig)
 	cfgREST.Host = "https://" + proxy.Addr()
 	cfgREST.Timeout = 2 * time.Second
-	client, err := kubernetes.NewForConfig(cfgREST)
+	client, err := kubeclient.New(cfgREST)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,9 +16,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
+
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // requestLog records the controller's API requests (not the bytes of its
@@ -357,7 +358,7 @@ func testRBAC(t *testing.T, h *harness) {
 		// leader Lease is what matters: the agents no longer campaign.
 		t.Logf("note: the agents' ServiceAccount can read Leases in %s", agentNS)
 	}
-	ctl, err := kubernetes.NewForConfig(h.ctl)
+	ctl, err := kubeclient.New(h.ctl)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -33,6 +33,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 
 	"github.com/mountmedic/mountmedic/scripts/lab"
@@ -210,7 +211,7 @@ func (h *harness) saClient(t testing.TB, host string) kubernetes.Interface {
 	if host != "" {
 		cfg.Host = host
 	}
-	cl, err := kubernetes.NewForConfig(cfg)
+	cl, err := kubeclient.New(cfg)
 	if err != nil {
 		t.Fatalf("service account client: %v", err)
 	}
@@ -224,7 +225,7 @@ func (h *harness) nodeClient(t testing.TB, node, host string) kubernetes.Interfa
 	if host != "" {
 		cfg.Host = host
 	}
-	cl, err := kubernetes.NewForConfig(cfg)
+	cl, err := kubeclient.New(cfg)
 	if err != nil {
 		t.Fatalf("node client: %v", err)
 	}

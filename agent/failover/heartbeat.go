@@ -24,6 +24,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
+
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // fenceTarget is a pod the fence stops, as it was known before the fence
@@ -131,7 +133,7 @@ func NewHeartbeatClient(rc *rest.Config) (kubernetes.Interface, error) {
 	if c.UserAgent != "" {
 		c.UserAgent += " heartbeat"
 	}
-	cl, err := kubernetes.NewForConfig(c)
+	cl, err := kubeclient.New(c)
 	if err != nil {
 		return nil, fmt.Errorf("heartbeat client: %w", err)
 	}

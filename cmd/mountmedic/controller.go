@@ -16,6 +16,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // controllerFlags are the controller command's flags: the failover
@@ -77,7 +78,7 @@ func controllerClient(f *controllerFlags) (kubernetes.Interface, error) {
 	}
 	rc.UserAgent = "mountmedic-controller/" + version
 	rc.QPS, rc.Burst = f.qps, f.burst
-	c, err := kubernetes.NewForConfig(rc)
+	c, err := kubeclient.New(rc)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client: %w", err)
 	}

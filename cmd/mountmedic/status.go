@@ -6,9 +6,9 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/agent/status"
 )
 
@@ -61,7 +61,7 @@ func runStatus(cmd *cobra.Command, f *statusFlags, nodes []string) error {
 		return fmt.Errorf("kubeconfig: %w (set --kubeconfig or $KUBECONFIG)", err)
 	}
 	rc.UserAgent = "mountmedic-status/" + version
-	cs, err := kubernetes.NewForConfig(rc)
+	cs, err := kubeclient.New(rc)
 	if err != nil {
 		return err
 	}
