@@ -54,7 +54,7 @@ func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current fu
 	}
 	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"),
 		armed: make(map[*flight]bool), hung: hung}
-	t := time.NewTicker(poll)
+	t := time.NewTimer(poll)
 	defer t.Stop()
 	logger := klog.FromContext(ctx)
 	for {
@@ -63,13 +63,40 @@ func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current fu
 			return
 		case <-t.C:
 		}
-		if inv := current(); inv != nil {
-			if err := w.poll(inv); err != nil && !w.warned {
-				w.warned = true
-				logger.V(2).Info("Cannot read FUSE connections' waiting requests: hangs are found by the probe cycles only", "dir", w.dir, "err", err)
+		// A node without FUSE volumes is looked at only every
+		// idlePoll: each wakeup of the process costs CPU, whatever the
+		// poll does. No inventory (one is being read again) comes back
+		// within a cycle.
+		next := poll
+		switch inv := current(); {
+		case inv == nil:
+		case !hasFUSE(inv):
+			next = idlePoll
+		default:
+			if err := w.poll(inv); err != nil {
+				next = idlePoll
+				if !w.warned {
+					w.warned = true
+					logger.V(2).Info("Cannot read FUSE connections' waiting requests: hangs are found by the probe cycles only", "dir", w.dir, "err", err)
+				}
 			}
 		}
+		t.Reset(max(next, poll))
 	}
+}
+
+// idlePoll is how often WatchStalls looks for FUSE backends on a node that
+// has none, or for the fuse control filesystem where it is missing.
+const idlePoll = 2 * time.Second
+
+// hasFUSE reports whether inv has a FUSE backend to probe.
+func hasFUSE(inv *Inventory) bool {
+	for _, b := range inv.Backends {
+		if b.Kind == BackendFUSE && b.ProbePath() != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // stallWatch is WatchStalls' state, owned by its goroutine.
