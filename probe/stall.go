@@ -152,8 +152,10 @@ func (w *stallWatch) poll(inv *Inventory) error {
 			// Not reused: a finished flight's answer is older than the
 			// requests waiting now. The cycle takes this flight's
 			// answer, or finds it past its deadline.
-			f, _ = w.p.launch(b.Dev, flightOf{path, b.probeMountID()}, false, func(mark func()) Result { return w.p.check(b, path, mark) })
-			w.p.stallProbes.Add(1)
+			f, fresh := w.p.launch(b.Dev, flightOf{path, b.probeMountID()}, false, func(mark func()) Result { return w.p.check(b, path, mark) })
+			if fresh {
+				w.p.stallProbes.Add(1)
+			}
 			w.arm(f)
 		}
 	}
