@@ -93,8 +93,7 @@ type Agent struct {
 	checking atomic.Bool
 	driverUp chan string
 
-	// current is the inventory the loop probes, for the stall watch; nil
-	// from a mount table change until the next cycle reads the table.
+	// current is the inventory the loop probes, for the stall watch.
 	current atomic.Pointer[probe.Inventory]
 	// stalled: the stall watch saw a FUSE probe pass its deadline
 	// between cycles.
@@ -332,11 +331,6 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			return
 		case <-tw.Changes():
 			dirty = true
-			// The stall watch probes paths of the inventory: none until
-			// the next cycle has read the table again. A path unmounted
-			// since could stand on another filesystem now, while its
-			// backend's device number names a new mount.
-			a.current.Store(nil)
 		case <-summary.C:
 			a.limiter.flush(a.cfg.DryRun)
 		case <-resync.C:

@@ -3,6 +3,7 @@ package probe
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strconv"
 	"time"
@@ -149,6 +150,9 @@ func (w *stallWatch) poll(inv *Inventory) error {
 		}
 		name = append(strconv.AppendUint(name[:0], uint64(FusectlConn(b.Dev)), 10), "/waiting"...)
 		if n, ok := waiting(dir, string(name)); ok && n > 0 {
+			if sameDev(path, b.Dev) != nil {
+				continue // the inventory is older than the table: the next cycle probes
+			}
 			// Not reused: a finished flight's answer is older than the
 			// requests waiting now. The cycle takes this flight's
 			// answer, or finds it past its deadline.
@@ -165,6 +169,28 @@ func (w *stallWatch) poll(inv *Inventory) error {
 			delete(w.armed, f)
 		default:
 		}
+	}
+	return nil
+}
+
+// errMountMoved: the inventory's filesystem is no longer at its path.
+var errMountMoved = errors.New("the filesystem the inventory has there is gone")
+
+// sameDev checks that path still holds a filesystem of device dev, before
+// the stall watch probes it: the inventory may be older than the mount
+// table (a change is read by the next cycle), and a path unmounted since
+// could stand on another filesystem while dev names a new mount. Only the
+// device is compared: mount IDs differ between the host's table and the
+// agent's own mount namespace, device numbers do not. statx with
+// AT_STATX_DONT_SYNC asks no daemon: a mount point's root is always in the
+// dentry cache, and its parent is on the kubelet root's own filesystem.
+func sameDev(path string, dev Dev) error {
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, path, unix.AT_STATX_DONT_SYNC|unix.AT_SYMLINK_NOFOLLOW|unix.AT_NO_AUTOMOUNT, 0, &st); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if (Dev{Major: st.Dev_major, Minor: st.Dev_minor}) != dev {
+		return fmt.Errorf("%s: not on %s: %w", path, dev, errMountMoved)
 	}
 	return nil
 }

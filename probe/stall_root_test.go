@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
@@ -131,4 +133,30 @@ func BenchmarkStallPoll(b *testing.B) {
 	}
 	b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/n, "µs/conn")
 
+}
+
+// TestSameDev: the stall watch's check, before it probes, that the
+// inventory's filesystem is still at its path; an unmounted path (now a
+// directory of the kubelet root's filesystem) is not probed for it.
+func TestSameDev(t *testing.T) {
+	lab.RequireRoot(t)
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	v := stageFaultFS(t, k, "same", "pod")
+	inv := liveInventory(t, k.Root())
+	b := inv.Backends[0]
+	if err := sameDev(b.ProbePath(), b.Dev); err != nil {
+		t.Fatalf("the mount at its path: %v", err)
+	}
+	v.fs.Hang() // the check asks the daemon nothing
+	if err := sameDev(b.ProbePath(), b.Dev); err != nil {
+		t.Fatalf("the hung mount at its path: %v", err)
+	}
+	v.fs.Release()
+	v.fs.Abort()
+	if err := unix.Unmount(v.staging, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	if err := sameDev(b.ProbePath(), b.Dev); !errors.Is(err, errMountMoved) {
+		t.Errorf("after the unmount: %v, want errMountMoved", err)
+	}
 }
