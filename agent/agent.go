@@ -513,9 +513,10 @@ func (a *Agent) afterProbe(ctx context.Context, p probed) {
 // probe cycle and whether or not a run can repair them: a volume whose
 // driver is down waits for the driver (or the resync) before its next run,
 // and a container kubelet starts meanwhile must not write to the node's
-// disk. A queued volume is guarded here before its run starts. A volume with a run under way is left to it: the guard
-// must never land between the run's unmount and its NodePublishVolume
-// (the driver would take the guard for the published volume).
+// disk. A queued volume is guarded here before its run starts. A volume
+// with a run under way is left to it: the guard must never land between
+// the run's unmount and its NodePublishVolume (the driver would take the
+// guard for the published volume).
 func (a *Agent) guardNow(ctx context.Context, broken map[string]*brokenVolume) {
 	if !a.cfg.Guard || a.repairer == nil {
 		return

@@ -110,8 +110,9 @@ type Backend struct {
 	FSType       string      `json:"fsType"`
 	Source       string      `json:"source"`
 	SuperOptions string      `json:"superOptions"`
-	// Conn is the FUSE connection number: the minor of the device, and the
-	// directory name under /sys/fs/fuse/connections.
+	// Conn is the FUSE connection number: the minor of the device (FUSE
+	// backends are major 0; FusectlConn in general), and the directory
+	// name under /sys/fs/fuse/connections.
 	Conn uint32 `json:"conn,omitempty"`
 	// Device is the block device name (loop0, nbd3), from sysfs on live
 	// tables.

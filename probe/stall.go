@@ -1,6 +1,7 @@
 package probe
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -69,17 +70,14 @@ func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current fu
 		// poll does. No inventory (one is being read again) comes back
 		// within a cycle.
 		next := poll
-		switch inv := current(); {
-		case inv == nil:
-		case !hasFUSE(inv):
-			next = idlePoll
-		default:
-			if err := w.poll(inv); err != nil {
+		if inv := current(); inv != nil {
+			fuse, err := w.poll(inv)
+			if !fuse || err != nil {
 				next = idlePoll
-				if !w.warned {
-					w.warned = true
-					logger.V(2).Info("Cannot read FUSE connections' waiting requests: hangs are found by the probe cycles only", "dir", w.dir, "err", err)
-				}
+			}
+			if err != nil && !w.warned {
+				w.warned = true
+				logger.V(2).Info("Cannot read FUSE connections' waiting requests: hangs are found by the probe cycles only", "dir", w.dir, "err", err)
 			}
 		}
 		t.Reset(max(next, poll))
@@ -89,16 +87,6 @@ func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current fu
 // idlePoll is how often WatchStalls looks for FUSE backends on a node that
 // has none, or for the fuse control filesystem where it is missing.
 const idlePoll = 2 * time.Second
-
-// hasFUSE reports whether inv has a FUSE backend to probe.
-func hasFUSE(inv *Inventory) bool {
-	for _, b := range inv.Backends {
-		if b.Kind == BackendFUSE && b.ProbePath() != "" {
-			return true
-		}
-	}
-	return false
-}
 
 // stallWatch is WatchStalls' state, owned by its goroutine.
 type stallWatch struct {
@@ -116,20 +104,15 @@ var errNoFusectl = errors.New("the fuse control filesystem is not mounted there"
 // poll reads the waiting count of every FUSE backend of inv that no probe
 // runs for and none was asked for within stallGap (a busy daemon, which
 // always has requests waiting, gets at most one extra probe per stallGap),
-// and probes the ones with requests waiting.
-func (w *stallWatch) poll(inv *Inventory) error {
-	dir, err := unix.Open(w.dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(dir)
-	var st unix.Statfs_t
-	if err := unix.Fstatfs(dir, &st); err != nil {
-		return err
-	}
-	if st.Type != FusectlMagic {
-		return errNoFusectl
-	}
+// and probes the ones with requests waiting. fuse: inv has a FUSE backend
+// to probe; fusectl is opened only then.
+func (w *stallWatch) poll(inv *Inventory) (fuse bool, err error) {
+	dir := -1
+	defer func() {
+		if dir >= 0 {
+			unix.Close(dir)
+		}
+	}()
 	var name []byte
 	for _, b := range inv.Backends {
 		if b.Kind != BackendFUSE {
@@ -138,6 +121,12 @@ func (w *stallWatch) poll(inv *Inventory) error {
 		path := b.ProbePath()
 		if path == "" {
 			continue
+		}
+		if !fuse {
+			fuse = true
+			if dir, err = openFusectl(w.dir); err != nil {
+				return true, err
+			}
 		}
 		f, running, recent := w.p.lastFlight(b.Dev)
 		switch {
@@ -148,7 +137,7 @@ func (w *stallWatch) poll(inv *Inventory) error {
 		case recent:
 			continue
 		}
-		name = append(strconv.AppendUint(name[:0], uint64(FusectlConn(b.Dev)), 10), "/waiting"...)
+		name = append(strconv.AppendUint(name[:0], uint64(b.Conn), 10), "/waiting"...)
 		if n, ok := waiting(dir, string(name)); ok && n > 0 {
 			if sameDev(path, b.Dev) != nil {
 				continue // the inventory is older than the table: the next cycle probes
@@ -170,7 +159,26 @@ func (w *stallWatch) poll(inv *Inventory) error {
 		default:
 		}
 	}
-	return nil
+	return fuse, nil
+}
+
+// openFusectl opens the fuse control filesystem's directory dir (O_PATH),
+// failing when another filesystem is there.
+func openFusectl(dir string) (int, error) {
+	fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if st.Type != FusectlMagic {
+		unix.Close(fd)
+		return -1, errNoFusectl
+	}
+	return fd, nil
 }
 
 // errMountMoved: the inventory's filesystem is no longer at its path.
@@ -210,15 +218,8 @@ func waiting(dir int, name string) (int, bool) {
 	if err != nil || n == 0 {
 		return 0, false
 	}
-	v, err := strconv.Atoi(string(trimSpace(buf[:n])))
+	v, err := strconv.Atoi(string(bytes.TrimSpace(buf[:n])))
 	return v, err == nil
-}
-
-func trimSpace(b []byte) []byte {
-	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == ' ') {
-		b = b[:len(b)-1]
-	}
-	return b
 }
 
 // lastFlight is the last probe of the backend with device dev: whether it

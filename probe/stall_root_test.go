@@ -84,7 +84,7 @@ func TestStallWatchWithoutFusectl(t *testing.T) {
 	p := NewProber(Config{SysfsDir: t.TempDir()})
 	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"), armed: map[*flight]bool{}, hung: func() { t.Error("hung called") }}
 	inv := &Inventory{Backends: []*Backend{{Kind: BackendFUSE, Dev: Dev{Minor: 77}, Mounts: []*Mount{{Path: "/nonexistent", ID: 1}}}}}
-	if err := w.poll(inv); err == nil {
+	if _, err := w.poll(inv); err == nil {
 		t.Fatal("poll without fusectl: no error")
 	}
 	if p.InFlight() != 0 {
@@ -127,7 +127,7 @@ func BenchmarkStallPoll(b *testing.B) {
 	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"), armed: map[*flight]bool{}, hung: func() {}}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		if err := w.poll(inv); err != nil {
+		if _, err := w.poll(inv); err != nil {
 			b.Fatal(err)
 		}
 	}
