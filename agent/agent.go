@@ -99,6 +99,9 @@ type Agent struct {
 	// between cycles.
 	stalled chan struct{}
 
+	// nodePods serves the runs' fresh reads of the node's pods.
+	nodePods *nodePods
+
 	results chan jobResult
 	running int
 	// broken and queue are the last probe cycle's broken volumes and the
@@ -139,6 +142,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		client:   deps.Client,
 		prober:   deps.Prober,
 		kube:     &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout},
+		nodePods: newNodePods(deps.Client, cfg.NodeName, cfg.APITimeout),
 		caps:     newCapsCache(deps.DriverCaps),
 		metrics:  newMetrics(cfg.Version, deps.Registry),
 		notes:    newNoteBook(),

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -77,6 +78,10 @@ func TestRepairReadsPodsFresh(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Each run reads the pods anew, so that each case below meets the
+	// API server's answer after its own change (a shared LIST would also
+	// miss the pods created after it, for another reason).
+	a.nodePods.maxAge = 0
 	newPod := func(name string) *corev1.Pod {
 		p, err := c.Client.CoreV1().Pods("apps").Create(ctx, &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Name: name},
@@ -125,5 +130,104 @@ func TestRepairReadsPodsFresh(t *testing.T) {
 	}
 	if got := runFor(old); len(got) != 0 {
 		t.Errorf("tiers for a pod replaced under its name (uid %s, cached %s): %v, want none", now.UID, old.UID, got)
+	}
+}
+
+// TestNodePodsSharesAList: the runs that ask for the node's pods within
+// maxAge of a LIST's start share it, in flight or done; a later run, or one
+// after a failed LIST, gets a new one; a run that stops waiting does not
+// cancel the LIST the others wait for.
+func TestNodePodsSharesAList(t *testing.T) {
+	now := time.Unix(1000, 0)
+	var (
+		mu      sync.Mutex
+		calls   int
+		fail    bool
+		release = make(chan struct{})
+	)
+	n := &nodePods{
+		maxAge:  time.Second,
+		timeout: time.Minute,
+		now:     func() time.Time { mu.Lock(); defer mu.Unlock(); return now },
+		list: func(ctx context.Context) (*corev1.PodList, error) {
+			mu.Lock()
+			calls++
+			f := fail
+			mu.Unlock()
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			if f {
+				return nil, context.DeadlineExceeded
+			}
+			return &corev1.PodList{Items: []corev1.Pod{{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "p", UID: "u1"}}}}, nil
+		},
+	}
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
+	listed := func() int { mu.Lock(); defer mu.Unlock(); return calls }
+
+	// A run that gives up while the LIST is in flight does not cancel it.
+	ctx, cancel := context.WithCancel(context.Background())
+	quit := make(chan error, 1)
+	go func() { _, err := n.read(ctx); quit <- err }()
+	for listed() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	if err := <-quit; err != context.Canceled {
+		t.Fatalf("read after its caller gave up: %v, want context.Canceled", err)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 10)
+	for range 10 {
+		wg.Go(func() {
+			l, err := n.read(context.Background())
+			if err == nil && l.pod("a", "p") == nil {
+				err = errors.New("pod a/p missing from the shared LIST")
+			}
+			errs <- err
+		})
+	}
+	time.Sleep(50 * time.Millisecond) // let them join the LIST in flight
+	close(release)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := listed(); got != 1 {
+		t.Fatalf("11 reads within maxAge of a LIST made %d LISTs, want 1", got)
+	}
+	// A copy each: a run that changes its pod changes no other's.
+	l, _ := n.read(context.Background())
+	l.pod("a", "p").UID = "changed"
+	if got := l.pod("a", "p").UID; got != "u1" {
+		t.Fatalf("pod UID %s after another reader changed its copy, want u1", got)
+	}
+
+	advance(900 * time.Millisecond)
+	if _, err := n.read(context.Background()); err != nil || listed() != 1 {
+		t.Fatalf("read 0.9 s after the LIST started: err %v, %d LISTs; want the same LIST", err, listed())
+	}
+	advance(200 * time.Millisecond)
+	if _, err := n.read(context.Background()); err != nil || listed() != 2 {
+		t.Fatalf("read 1.1 s after the LIST started: err %v, %d LISTs; want a new LIST", err, listed())
+	}
+	mu.Lock()
+	fail = true
+	mu.Unlock()
+	advance(2 * time.Second)
+	if _, err := n.read(context.Background()); err == nil {
+		t.Fatal("read of a failing LIST: no error")
+	}
+	mu.Lock()
+	fail = false
+	mu.Unlock()
+	if _, err := n.read(context.Background()); err != nil || listed() != 4 {
+		t.Fatalf("read right after a failed LIST: err %v, %d LISTs; want a new LIST (4)", err, listed())
 	}
 }

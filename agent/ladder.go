@@ -9,8 +9,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
@@ -238,7 +236,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	// Every rung from here re-mounts, restarts or evicts: act on the pods
 	// as the API server has them now, never on the informer's copy, which
 	// after a partition can still show a pod force-deleted or replaced
-	// under its name. The GET runs while the volume is resolved; its
+	// under its name. The read runs while the volume is resolved; its
 	// answer is awaited before the first tier.
 	freshc := make(chan freshResult, 1)
 	go func() {
@@ -581,20 +579,23 @@ func (a *Agent) awaitFresh(ctx context.Context, j *job, r *resolved, freshc <-ch
 	return fresh
 }
 
-// freshPods reads each pod from the API server (a GET, not the cache) and
+// freshPods reads the pods from the API server (a LIST of the node's pods
+// shared by the runs of a burst, nodePods, not the informer's cache) and
 // keeps those still there with the same UID, bound to this node and not
 // being deleted, in their current state; gone names the others. An API
 // server out of reach is errAPIWait: nothing is repaired on the cache's
 // word.
 func (a *Agent) freshPods(ctx context.Context, pods []*corev1.Pod) (fresh []*corev1.Pod, gone []string, err error) {
+	l, err := a.nodePods.read(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %w", errAPIWait, err)
+	}
 	for _, pod := range pods {
-		cur, err := a.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		cur := l.pod(pod.Namespace, pod.Name)
 		switch {
-		case apierrors.IsNotFound(err):
-			gone = append(gone, klog.KObj(pod).String()+" (deleted)")
+		case cur == nil:
+			gone = append(gone, klog.KObj(pod).String()+" (deleted, or no longer bound to this node)")
 			continue
-		case err != nil:
-			return nil, nil, fmt.Errorf("get pod %s: %w: %w", klog.KObj(pod), errAPIWait, err)
 		case cur.UID != pod.UID:
 			gone = append(gone, fmt.Sprintf("%s (replaced: uid %s, was %s)", klog.KObj(pod), cur.UID, pod.UID))
 			continue

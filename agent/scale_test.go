@@ -327,6 +327,9 @@ type scaleResult struct {
 	eventWrites int
 	// threads before the agent started, and their peak during the run.
 	threadsBefore, threadsPeak int
+	// podGets and podLists count the agent's GETs of a pod by name and
+	// its LISTs of the node's pods (the informer's first one included).
+	podGets, podLists int
 }
 
 // runScale breaks the node (dead or hung daemon), runs the agent (the
@@ -376,9 +379,18 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	}
 	res.took = time.Since(start)
 	time.Sleep(eventSummaryWait) // the agent's summary of held events
-	res.eventWrites = eventWrites(rec.snapshot()) - before
-	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d",
-		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak)
+	counts := rec.snapshot()
+	res.eventWrites = eventWrites(counts) - before
+	for k, v := range counts {
+		switch {
+		case k == "GET /api/v1/pods":
+			res.podLists += v
+		case strings.HasPrefix(k, "GET /api/v1/namespaces/") && strings.Contains(k, "/pods/"):
+			res.podGets += v
+		}
+	}
+	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d; %d pod GETs, %d pod LISTs",
+		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak, res.podGets, res.podLists)
 	return s, a, res
 }
 
@@ -393,6 +405,14 @@ func checkScale(t *testing.T, n int, hang bool, s *scaleNode, a *runningAgent, r
 	}
 	if hang && res.threadsPeak-res.threadsBefore > n+64 {
 		t.Errorf("threads peaked at %d over %d before the agent for %d hung backends, want at most one per hung backend plus a constant", res.threadsPeak, res.threadsBefore, n)
+	}
+	// The runs of a burst read the node's pods with one shared LIST a
+	// second (the agent's freshAge), never a GET per pod.
+	if res.podGets > 0 {
+		t.Errorf("%d GETs of pods by name for %d broken volumes, want none (the runs share LISTs of the node's pods)", res.podGets, n)
+	}
+	if limit := 2 + int(secs/time.Second); res.podLists > limit {
+		t.Errorf("%d LISTs of the node's pods over %s, want at most %d (one a second, and the informer's)", res.podLists, secs.Round(time.Second), limit)
 	}
 	if v, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); v < 1 {
 		t.Errorf("no successful restage counted")

@@ -1,0 +1,124 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+)
+
+// freshAge is how long a LIST of the node's pods answers the repair runs
+// that ask after it started. A run acts on the pods the API server has now,
+// not on the informer's copy (freshPods); sharing one LIST between the runs
+// of a burst, instead of a GET per pod, makes that read one request per
+// second however many volumes broke. What a run acts on is then at most
+// freshAge older than its own read would have been; a run's read was
+// already seconds old when its last rung acted.
+const freshAge = time.Second
+
+// nodePods reads the pods bound to the node from the API server (a
+// consistent LIST with the node's field selector, which the Node authorizer
+// allows), shared between the runs that ask within maxAge of its start.
+type nodePods struct {
+	list    func(ctx context.Context) (*corev1.PodList, error)
+	maxAge  time.Duration
+	timeout time.Duration
+	now     func() time.Time
+
+	mu   sync.Mutex
+	last *podList // the newest LIST, in flight or done
+}
+
+// podList is one LIST of the node's pods.
+type podList struct {
+	start time.Time
+	done  chan struct{} // closed when pods and err are set
+	pods  map[types.NamespacedName]*corev1.Pod
+	err   error
+	// n counts the LISTs made so far (for tests).
+	n int
+}
+
+func newNodePods(client kubernetes.Interface, node string, timeout time.Duration) *nodePods {
+	selector := fields.OneTermEqualSelector("spec.nodeName", node).String()
+	return &nodePods{
+		list: func(ctx context.Context) (*corev1.PodList, error) {
+			// ResourceVersion "" is a consistent read: the API server
+			// answers as of now, not from a cache that may lag.
+			return client.CoreV1().Pods(metav1.NamespaceAll).List(ctx, metav1.ListOptions{FieldSelector: selector})
+		},
+		maxAge:  freshAge,
+		timeout: timeout,
+		now:     time.Now,
+	}
+}
+
+// read returns a LIST of the node's pods that started at most maxAge
+// before the call: the newest one when it is young enough and did not fail,
+// else a new one. The LIST runs on its own deadline (n.timeout), not the
+// caller's: other runs wait for it too. A caller whose ctx ends stops
+// waiting.
+func (n *nodePods) read(ctx context.Context) (*podList, error) {
+	n.mu.Lock()
+	l := n.last
+	now := n.now()
+	if l == nil || now.Sub(l.start) > n.maxAge || l.failed() {
+		count := 1
+		if l != nil {
+			count = l.n + 1
+		}
+		l = &podList{start: now, done: make(chan struct{}), n: count}
+		n.last = l
+		go n.fetch(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)), l)
+	}
+	n.mu.Unlock()
+	select {
+	case <-l.done:
+		return l, l.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// failed reports a LIST that ended in an error: it is never reused.
+func (l *podList) failed() bool {
+	select {
+	case <-l.done:
+		return l.err != nil
+	default:
+		return false
+	}
+}
+
+func (n *nodePods) fetch(ctx context.Context, l *podList) {
+	defer close(l.done)
+	ctx, cancel := context.WithTimeout(ctx, n.timeout)
+	defer cancel()
+	got, err := n.list(ctx)
+	if err != nil {
+		l.err = fmt.Errorf("list the node's pods: %w", err)
+		return
+	}
+	l.pods = make(map[types.NamespacedName]*corev1.Pod, len(got.Items))
+	for i := range got.Items {
+		p := &got.Items[i]
+		l.pods[types.NamespacedName{Namespace: p.Namespace, Name: p.Name}] = p
+	}
+	klog.FromContext(ctx).V(4).Info("Listed the node's pods for repair runs", "pods", len(got.Items))
+}
+
+// pod returns a copy of the pod of that name in the LIST, or nil.
+func (l *podList) pod(namespace, name string) *corev1.Pod {
+	p := l.pods[types.NamespacedName{Namespace: namespace, Name: name}]
+	if p == nil {
+		return nil
+	}
+	return p.DeepCopy()
+}
