@@ -141,7 +141,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		repairer: deps.Repairer,
 		client:   deps.Client,
 		prober:   deps.Prober,
-		kube:     &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout},
+		kube:     &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout, pvs: newPVStore(deps.Client, cfg.APITimeout)},
 		nodePods: newNodePods(deps.Client, cfg.NodeName, cfg.APITimeout),
 		caps:     newCapsCache(deps.DriverCaps),
 		metrics:  newMetrics(cfg.Version, deps.Registry),
@@ -287,6 +287,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		logger.Error(err, "Cannot watch driver registrations; a driver's return is noticed at resync only")
 	}
 
+	a.workers.Add(1)
+	go func() {
+		defer a.workers.Done()
+		a.kube.pvs.run(ctx)
+	}()
 	a.watchStalls(ctx)
 	a.loop(ctx, tw, pw)
 
@@ -313,6 +318,9 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	// probing: a cycle's probes are under way (reports brings them);
 	// again: something asked for a cycle meanwhile.
 	probing, again := false, false
+	// pvsTracked: the PV store has been given a table read with the
+	// informer synced.
+	pvsTracked := false
 	reports := make(chan probed, 1)
 	probeTimer := time.NewTimer(0)
 	defer probeTimer.Stop()
@@ -342,6 +350,8 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			a.decider.resync()
 			a.caps.forget("")
 			if inv != nil {
+				// Pods the informer lacked at the table's read have come since.
+				a.kube.pvs.track(publishedPVs(inv, a.pods))
 				drivers := volumeDrivers(inv)
 				pw.Watch(ctx, drivers)
 				a.checkDrivers(ctx, drivers)
@@ -372,9 +382,16 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 				continue
 			}
 			start := time.Now()
+			prev := inv
 			if inv = a.readTable(ctx, inv, &dirty, pw); inv == nil {
 				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
 				continue
+			}
+			// The PVs of the node's volumes, read ahead of a repair: at
+			// each new table once the informer has the node's pods.
+			if (inv != prev || !pvsTracked) && a.synced() {
+				a.kube.pvs.track(publishedPVs(inv, a.pods))
+				pvsTracked = true
 			}
 			probing = true
 			a.current.Store(inv)

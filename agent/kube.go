@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -72,6 +73,8 @@ type kube struct {
 	client  kubernetes.Interface
 	cache   *objectCache
 	timeout time.Duration
+	// pvs are the PVs of the node's volumes, read ahead of any repair.
+	pvs *pvStore
 }
 
 // unreachable reports whether err means the API server could not answer
@@ -117,7 +120,14 @@ func (k *kube) pvc(ctx context.Context, ns, name string) (*corev1.PersistentVolu
 	})
 }
 
+// pv answers from the PVs read ahead (pvStore) when it has the PV, else
+// through the cache.
 func (k *kube) pv(ctx context.Context, name string) (*corev1.PersistentVolume, error) {
+	if k.pvs != nil {
+		if pv := k.pvs.lookup(name); pv != nil {
+			return pv, nil
+		}
+	}
 	return cachedGet(ctx, k, "pv/"+name, func(ctx context.Context) (*corev1.PersistentVolume, error) {
 		return k.client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
 	})
@@ -146,6 +156,9 @@ func (k *kube) volumeAttachment(ctx context.Context, name string) (*storagev1.Vo
 func (k *kube) forget(keys ...string) {
 	for _, key := range keys {
 		k.cache.remove(key)
+		if name, ok := strings.CutPrefix(key, "pv/"); ok && k.pvs != nil {
+			k.pvs.forget(name)
+		}
 	}
 }
 

@@ -307,6 +307,17 @@ func (s *scaleNode) checkHealthy(t testing.TB) {
 	}
 }
 
+// pvGets counts the GETs of PersistentVolumes of a recorder's snapshot.
+func pvGets(counts map[string]int) int {
+	n := 0
+	for k, v := range counts {
+		if strings.HasPrefix(k, "GET /api/v1/persistentvolumes/") {
+			n += v
+		}
+	}
+	return n
+}
+
 // eventWrites counts the event writes of a recorder's snapshot.
 func eventWrites(counts map[string]int) int {
 	n := 0
@@ -330,6 +341,8 @@ type scaleResult struct {
 	// podGets and podLists count the agent's GETs of a pod by name and
 	// its LISTs of the node's pods (the informer's first one included).
 	podGets, podLists int
+	// pvGets counts the agent's GETs of PVs from the fault on.
+	pvGets int
 }
 
 // runScale breaks the node (dead or hung daemon), runs the agent (the
@@ -357,7 +370,23 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	a := s.e.startAgent(cfg, agent.Deps{Client: client, Repairer: rep})
 	s.snapshotHealthy(t)
 	time.Sleep(3 * time.Second) // a few cycles over the slow healthy daemon
+	// A node's agent has run long before an outage: it has read the PVs
+	// of its volumes ahead (5 a second). $MOUNTMEDIC_SCALE_COLD=1 breaks
+	// the node without waiting, as if the agent had just started.
+	if os.Getenv("MOUNTMEDIC_SCALE_COLD") != "1" {
+		pvs := n + 10 // the broken volumes' and the healthy ones'
+		if shared {
+			pvs = 1 + 10
+		}
+		for deadline := time.Now().Add(time.Duration(pvs)*time.Second + time.Minute); pvGets(rec.snapshot()) < pvs; {
+			if time.Now().After(deadline) {
+				t.Fatalf("the agent read %d of the %d PVs ahead of any repair", pvGets(rec.snapshot()), pvs)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
 	before := eventWrites(rec.snapshot())
+	pvsBefore := pvGets(rec.snapshot())
 	if hang {
 		s.daemon.Hang()
 		t.Cleanup(s.daemon.Release)
@@ -381,6 +410,7 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	time.Sleep(eventSummaryWait) // the agent's summary of held events
 	counts := rec.snapshot()
 	res.eventWrites = eventWrites(counts) - before
+	res.pvGets = pvGets(counts) - pvsBefore
 	for k, v := range counts {
 		switch {
 		case k == "GET /api/v1/pods":
@@ -389,8 +419,8 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 			res.podGets += v
 		}
 	}
-	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d; %d pod GETs, %d pod LISTs",
-		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak, res.podGets, res.podLists)
+	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d; %d pod GETs, %d pod LISTs, %d PV GETs after the fault",
+		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak, res.podGets, res.podLists, res.pvGets)
 	return s, a, res
 }
 
@@ -413,6 +443,10 @@ func checkScale(t *testing.T, n int, hang bool, s *scaleNode, a *runningAgent, r
 	}
 	if limit := 2 + int(secs/time.Second); res.podLists > limit {
 		t.Errorf("%d LISTs of the node's pods over %s, want at most %d (one a second, and the informer's)", res.podLists, secs.Round(time.Second), limit)
+	}
+	// The PVs were read ahead: a repair reads only the pods and claims.
+	if res.pvGets > 0 && os.Getenv("MOUNTMEDIC_SCALE_COLD") != "1" {
+		t.Errorf("%d GETs of PVs after the fault, want none (read ahead of the repairs)", res.pvGets)
 	}
 	if v, _ := a.metric(`mountmedic_repairs_total{result="success",tier="restage"}`); v < 1 {
 		t.Errorf("no successful restage counted")

@@ -105,7 +105,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.StringVar(&c.MetricsAddr, "metrics-addr", c.MetricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
 	fl.StringVar(&c.CRISocket, "cri-socket", c.CRISocket, "container runtime socket, for the restart and live-swap tiers")
 	fl.DurationVar(&c.APITimeout, "api-timeout", c.APITimeout, "deadline of each API server call")
-	fl.Float32Var(&c.APIQPS, "kube-api-qps", c.APIQPS, "requests a second the agent sends with its node's identity (kubelet's default); a storage outage costs about three reads per broken volume")
+	fl.Float32Var(&c.APIQPS, "kube-api-qps", c.APIQPS, "requests a second the agent sends with its node's identity (kubelet's default); a storage outage costs about one read per broken volume (its claim; the pods are read by one LIST a second, the PVs ahead of time)")
 	fl.IntVar(&c.APIBurst, "kube-api-burst", c.APIBurst, "burst of --kube-api-qps (kubelet's default)")
 	fl.IntVar(&c.CacheSize, "cache-size", c.CacheSize, "PV/PVC/CSIDriver/VolumeAttachment objects kept for repairs while the API server is unreachable")
 	fl.DurationVar(&c.CacheTTL, "cache-ttl", c.CacheTTL, "how long a cached object is used without asking the API server")
