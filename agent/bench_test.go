@@ -38,8 +38,9 @@ import (
 // steady state and reports the agent process's CPU (percent of one core),
 // its RSS, and its API requests per minute as a proxy in front of the API
 // server counts them. With MOUNTMEDIC_BENCH_HEAP=<dir> the binary is built
-// with -tags pprof and a heap profile of it is written to
-// <dir>/heap-<n>.pprof at the end. MOUNTMEDIC_BENCH_AGENT_ARGS adds flags
+// with -tags pprof, a CPU profile of its first sampled window is written to
+// <dir>/cpu-<n>.pprof and a heap profile to <dir>/heap-<n>.pprof at the
+// end. MOUNTMEDIC_BENCH_AGENT_ARGS adds flags
 // to the agent's command line.
 //
 //	go test -run '^$' -bench AgentSteadyState -benchtime 2x ./agent
@@ -71,13 +72,31 @@ func BenchmarkAgentSteadyState(b *testing.B) {
 			}
 			p := startAgentProcess(b, e, bin, "MOUNTMEDIC_PPROF_ADDR="+pprofAddr)
 			time.Sleep(5 * time.Second) // warm-up: first scan, informer sync
+			// and the PVs read ahead, 5 a second: steady state is when
+			// the agent has sent nothing for 2 s.
+			settle := time.Duration(n/5+60) * time.Second
+			for deadline, last := time.Now().Add(settle), int64(-1); ; {
+				r := p.requests.Load()
+				if r == last {
+					break
+				}
+				if time.Now().After(deadline) {
+					b.Fatalf("the agent still sends requests %s after its warm-up (%d so far)", settle, r)
+				}
+				last = r
+				time.Sleep(2 * time.Second)
+			}
 			b.ResetTimer()
 			var cpu, reqs float64
 			var rss int
 			const window = 10 * time.Second
 			for i := 0; i < b.N; i++ {
 				c0, r0 := procCPU(b, p.pid), p.requests.Load()
-				time.Sleep(window)
+				if heapDir != "" && i == 0 {
+					saveURL(b, fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", pprofAddr, int(window.Seconds())), filepath.Join(heapDir, "cpu-"+strconv.Itoa(n)+".pprof"))
+				} else {
+					time.Sleep(window)
+				}
 				cpu += (procCPU(b, p.pid) - c0).Seconds()
 				reqs += float64(p.requests.Load() - r0)
 				rss = max(rss, procRSS(b, p.pid))
@@ -123,7 +142,7 @@ func saveURL(b *testing.B, url, path string) {
 	if err := os.WriteFile(path, body, 0o644); err != nil {
 		b.Fatal(err)
 	}
-	b.Logf("heap profile of the agent: %s", path)
+	b.Logf("profile of the agent: %s", path)
 }
 
 // buildAgent builds cmd/mountmedic into a temporary directory (with the

@@ -304,12 +304,18 @@ func hungScenario(t *testing.T, e *env, ns string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	stalls := e.metric(t, ctx, "mountmedic_stall_probes_total")
 	o := outage{start: time.Now()}
 	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
 		t.Fatalf("stop %s (pid %d): %v", e.mounterName(), pid, err)
 	}
 	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
 	e.detected(t, ctx, e.scenario, ns, o)
+	// Who found the hang: the stall watch (a probe it started on a
+	// request waiting in the connection) or a probe cycle of its own.
+	stalls = e.metric(t, ctx, "mountmedic_stall_probes_total") - stalls
+	e.figs.Value(e.scenario, "stall-watch probes, fault -> detected", "", stalls)
+	t.Logf("the stall watch started %v probes between the fault and the detection", stalls)
 	// The container's read blocks in the hung daemon; only the abort ends it
 	// (ECONNABORTED): the "bad" line proves the agent aborted the connection.
 	if o.bad, err = w.WaitLogTime(ctx, pod, "bad", o.start); err != nil {
