@@ -42,8 +42,6 @@ type podList struct {
 	done  chan struct{} // closed when pods and err are set
 	pods  map[types.NamespacedName]*corev1.Pod
 	err   error
-	// n counts the LISTs made so far (for tests).
-	n int
 }
 
 func newNodePods(client kubernetes.Interface, node string, timeout time.Duration) *nodePods {
@@ -70,11 +68,7 @@ func (n *nodePods) read(ctx context.Context) (*podList, error) {
 	l := n.last
 	now := n.now()
 	if l == nil || now.Sub(l.start) > n.maxAge || l.failed() {
-		count := 1
-		if l != nil {
-			count = l.n + 1
-		}
-		l = &podList{start: now, done: make(chan struct{}), n: count}
+		l = &podList{start: now, done: make(chan struct{})}
 		n.last = l
 		go n.fetch(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)), l)
 	}

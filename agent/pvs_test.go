@@ -9,7 +9,9 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
@@ -164,5 +166,54 @@ func TestPVStoreReadsAhead(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	if readsOf("gone") != 2 || readsOf("a") != 2 {
 		t.Fatalf("reads of untracked PVs went on: %v", reads)
+	}
+}
+
+// TestPVEntryKeepsWhatARepairReads: a PV kept by the store comes back with
+// every field kubelet.BuildVolumeRequest and its checks read, unchanged,
+// and nothing else; the entry shares no memory with what it returns.
+func TestPVEntryKeepsWhatARepairReads(t *testing.T) {
+	block := corev1.PersistentVolumeBlock
+	full := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "pv-1", UID: "u-1", ResourceVersion: "7", Labels: map[string]string{"a": "b"},
+			Annotations: map[string]string{"pv.kubernetes.io/provisioned-by": "d"}, Finalizers: []string{"kubernetes.io/pv-protection"}},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+				Driver: "d", VolumeHandle: "h", ReadOnly: true, FSType: "ext4",
+				VolumeAttributes:     map[string]string{"bucket": "b"},
+				NodeStageSecretRef:   &corev1.SecretReference{Namespace: "s", Name: "stage"},
+				NodePublishSecretRef: &corev1.SecretReference{Namespace: "s", Name: "publish"},
+			}},
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOncePod},
+			ClaimRef:         &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: "apps", Name: "c", UID: "cu", ResourceVersion: "3"},
+			MountOptions:     []string{"ro", "noatime"},
+			VolumeMode:       &block,
+			StorageClassName: "sc",
+			NodeAffinity:     &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{}},
+		},
+		Status: corev1.PersistentVolumeStatus{Phase: corev1.VolumeBound},
+	}
+	want := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "pv-1", UID: "u-1"},
+		Spec: corev1.PersistentVolumeSpec{
+			PersistentVolumeSource: *full.Spec.PersistentVolumeSource.DeepCopy(),
+			AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOncePod},
+			ClaimRef:               &corev1.ObjectReference{Namespace: "apps", Name: "c", UID: "cu"},
+			MountOptions:           []string{"ro", "noatime"},
+			VolumeMode:             &block,
+		},
+	}
+	e := newPVEntry(full.DeepCopy())
+	got := e.pv()
+	if !equality.Semantic.DeepEqual(got, want) {
+		t.Fatalf("PV from the store:\n%+v\nwant\n%+v", got, want)
+	}
+	got.Spec.CSI.VolumeAttributes["bucket"] = "changed"
+	got.Spec.MountOptions[0] = "rw"
+	*got.Spec.VolumeMode = corev1.PersistentVolumeFilesystem
+	got.Spec.ClaimRef.Name = "other"
+	if again := e.pv(); !equality.Semantic.DeepEqual(again, want) {
+		t.Fatalf("a change to a returned PV reached the store: %+v", again)
 	}
 }
