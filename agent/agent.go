@@ -511,7 +511,7 @@ func (a *Agent) afterProbe(ctx context.Context, p probed) {
 	broken := groupBroken(rep)
 	seen := make(map[string]sighting, len(broken))
 	for k, v := range broken {
-		seen[k] = sighting{driver: v.driver, certain: v.certain()}
+		seen[k] = sighting{driver: v.driver, certain: v.certain(), probed: start}
 	}
 	due := a.decider.observe(seen, end)
 	a.notes.keep(func(key string) bool { _, ok := a.decider.vols[key]; return ok })

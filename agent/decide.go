@@ -33,8 +33,9 @@ type volState struct {
 	// eviction, later runs go straight to it instead of re-running the
 	// tiers that already failed.
 	floor remount.Tier
-	// inflight: a repair run is under way.
+	// inflight: a repair run is under way; ended: when the last one ended.
 	inflight bool
+	ended    time.Time
 	// residual: the host is healed but running containers still see the
 	// dead mount through their own binds. The volume is kept (the probe no
 	// longer sees it broken) and comes due again until a tier heals the
@@ -71,13 +72,21 @@ type sighting struct {
 	// certain: the state cannot heal by itself (a FUSE connection that is
 	// gone never comes back), so strikes are not waited for.
 	certain bool
+	// probed is when the cycle began (its table read and probes); zero
+	// for "now".
+	probed time.Time
 }
 
 // observe records one probe cycle's broken volumes and returns, sorted, the
 // keys due for a repair run now. Volumes no longer broken are forgotten,
 // unless a run is still in flight for them. A volume first seen broken
 // within returnWindow of its driver registering again is treated as kicked:
-// the registration came before the probe that found the volume.
+// the registration came before the probe that found the volume. A sighting
+// from a cycle that began before the volume's last run ended says nothing
+// of the volume since: it is not counted (the state is kept). Its probes
+// may even be answers of the mount the run replaced: a probe stuck in a
+// hung daemon returns when the run aborts the connection, and that answer
+// must not send a healthy volume through a second re-stage.
 func (d *decider) observe(broken map[string]sighting, now time.Time) []string {
 	var due []string
 	for key, st := range d.vols {
@@ -99,6 +108,9 @@ func (d *decider) observe(broken map[string]sighting, now time.Time) []string {
 	}
 	for key, s := range broken {
 		st := d.vols[key]
+		if st != nil && !s.probed.IsZero() && st.ended.After(s.probed) {
+			continue
+		}
 		if st == nil {
 			st = &volState{driver: s.driver, since: now, backoff: d.backoffBase}
 			if _, ok := d.returned[s.driver]; ok && s.driver != "" {
@@ -168,7 +180,7 @@ func (d *decider) finish(key string, o outcome, reachedEvict bool, now time.Time
 	if st == nil {
 		return
 	}
-	st.inflight = false
+	st.inflight, st.ended = false, now
 	switch o {
 	case outcomeHealed:
 		// Probe again before anything else: strikes start over.

@@ -133,6 +133,37 @@ func TestDeciderHealedStartsOver(t *testing.T) {
 	}
 }
 
+// TestDeciderIgnoresCyclesOlderThanTheRun: a cycle that began before a
+// run ended (a probe stuck in the hung daemon the run aborted answers
+// "disconnected" after the repair) does not make the repaired volume due
+// again, however certain its sighting; a cycle begun after the run does,
+// and the state (backoff, attempts) is kept across the ignored one.
+func TestDeciderIgnoresCyclesOlderThanTheRun(t *testing.T) {
+	d := testDecider()
+	t0 := time.Unix(1000, 0)
+	hung := map[string]sighting{"v": {driver: "d", certain: true, probed: t0}}
+	if due := d.observe(hung, t0.Add(time.Second)); !slices.Contains(due, "v") {
+		t.Fatalf("certain sighting: due %v, want v", due)
+	}
+	d.start("v")
+	ended := t0.Add(3 * time.Second)
+	d.finish("v", outcomeHealed, false, ended)
+	// The cycle that began at 2.5 s ends after the run, 1.5 s later: past
+	// the backoff, but it began before the run ended.
+	stale := map[string]sighting{"v": {driver: "d", certain: true, probed: ended.Add(-500 * time.Millisecond)}}
+	if due := d.observe(stale, ended.Add(1500*time.Millisecond)); len(due) != 0 {
+		t.Fatalf("a cycle begun before the run ended made %v due, want none", due)
+	}
+	st := d.vols["v"]
+	if st == nil || st.attempts != 1 || st.strikes != 0 {
+		t.Fatalf("state after the ignored cycle: %+v, want kept with 1 attempt and no strike", st)
+	}
+	fresh := map[string]sighting{"v": {driver: "d", certain: true, probed: ended.Add(time.Second)}}
+	if due := d.observe(fresh, ended.Add(2*time.Second)); !slices.Contains(due, "v") {
+		t.Fatalf("a cycle begun after the run ended: due %v, want v (still broken)", due)
+	}
+}
+
 func TestDeciderEvictionFloor(t *testing.T) {
 	d := testDecider()
 	t0 := time.Unix(1000, 0)

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -343,6 +344,8 @@ type scaleResult struct {
 	podGets, podLists int
 	// pvGets counts the agent's GETs of PVs from the fault on.
 	pvGets int
+	// remounted lists the paths the driver mounted more than once.
+	remounted []string
 }
 
 // runScale breaks the node (dead or hung daemon), runs the agent (the
@@ -408,6 +411,20 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	}
 	res.took = time.Since(start)
 	time.Sleep(eventSummaryWait) // the agent's summary of held events
+	// Every path the driver mounted more than once: a volume staged or
+	// published again after its repair (by then it was healthy).
+	s.driver.mu.Lock()
+	mounts := map[string]int{}
+	for _, p := range s.driver.mounted {
+		mounts[p]++
+	}
+	s.driver.mu.Unlock()
+	for p, c := range mounts {
+		if c > 1 {
+			res.remounted = append(res.remounted, fmt.Sprintf("%s (%d times)", p, c))
+		}
+	}
+	sort.Strings(res.remounted)
 	counts := rec.snapshot()
 	res.eventWrites = eventWrites(counts) - before
 	res.pvGets = pvGets(counts) - pvsBefore
@@ -443,6 +460,12 @@ func checkScale(t *testing.T, n int, hang bool, s *scaleNode, a *runningAgent, r
 	}
 	if limit := 2 + int(secs/time.Second); res.podLists > limit {
 		t.Errorf("%d LISTs of the node's pods over %s, want at most %d (one a second, and the informer's)", res.podLists, secs.Round(time.Second), limit)
+	}
+	// Each broken volume is staged and published once: a repair never
+	// comes back to a volume it healed (a probe stuck in the hung daemon
+	// answers after the abort, with the replaced mount's error).
+	for _, p := range res.remounted {
+		t.Errorf("the driver mounted %s: re-staged or published again after its repair", p)
 	}
 	// The PVs were read ahead: a repair reads only the pods and claims.
 	if res.pvGets > 0 && os.Getenv("MOUNTMEDIC_SCALE_COLD") != "1" {
