@@ -242,7 +242,15 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 			case <-f.done:
 			default:
 				until := limit
-				if s := p.started(f); !s.IsZero() && s.Add(p.cfg.Timeout).Before(until) {
+				switch s := p.started(f); {
+				case s.IsZero():
+					// Not started yet (its goroutine has not run, or it
+					// waits for a lane): its deadline runs from its
+					// start, so look again soon. Waiting for the limit
+					// here held every cycle over a hang a quarter
+					// deadline past the hang's own deadline.
+					until = minTime(until, time.Now().Add(startPoll))
+				case s.Add(p.cfg.Timeout).Before(until):
 					until = s.Add(p.cfg.Timeout)
 				}
 				wait := time.Until(until)
@@ -299,6 +307,17 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 	}
 	rep.Mounts = derive(inv, func(b *Backend) Result { return byBackend[b] })
 	return rep
+}
+
+// startPoll is how soon a cycle looks again at a probe that has not started
+// its first call yet.
+const startPoll = 5 * time.Millisecond
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
 }
 
 // launch starts a probe under key unless one is in flight, which it returns

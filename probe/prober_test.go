@@ -421,3 +421,30 @@ func TestFreedDeviceLendsNoAnswer(t *testing.T) {
 		t.Errorf("the same mount after its late answer: %v, probed %d times; want Disconnected from that answer, probed once", r.State, fs2.count("/same"))
 	}
 }
+
+// BenchmarkHungCycle: how long after a hung backend's deadline a probe
+// cycle that started the probe reports it Hung (fake filesystem, 200 ms
+// deadline). A cycle used to wait for a probe that had not started its
+// first call when the cycle looked until its limit, a quarter deadline
+// more.
+//
+//	go test -run '^$' -bench HungCycle ./probe
+func BenchmarkHungCycle(b *testing.B) {
+	const timeout = 200 * time.Millisecond
+	inv := fuseInventory(1)
+	var past time.Duration
+	for range b.N {
+		fs := newFakeFS()
+		fs.hang["/staging/0"] = true
+		p := NewProberWith(Config{Timeout: timeout, Parallel: 4}, fs.syscalls())
+		start := time.Now()
+		rep := p.Probe(context.Background(), inv)
+		took := time.Since(start)
+		close(fs.release)
+		if r := rep.Backends[0]; r.State != Hung {
+			b.Fatalf("hung backend: %v %v, want Hung", r.State, r.Err)
+		}
+		past += took - timeout
+	}
+	b.ReportMetric(float64(past.Microseconds())/1000/float64(b.N), "ms-past-deadline")
+}
