@@ -7,11 +7,13 @@
 //   - the Kubernetes side, with the node's own identity (the kubelet's
 //     credentials, NewNodeClient; the Node authorizer and NodeRestriction
 //     confine it to this node's objects): a pod informer scoped to this
-//     node (field selector spec.nodeName), GETs of the PersistentVolumes,
+//     node (field selector spec.nodeName), a LIST of the same pods shared
+//     by the repair runs of a burst (their fresh read), the PVs of the
+//     node's CSI volumes read ahead of any repair, GETs of the
 //     PersistentVolumeClaims, CSIDrivers and VolumeAttachments a repair
-//     needs (kept in a small bounded cache so that a re-stage still works while the API server is
-//     unreachable), Secrets fetched for one repair and dropped after it,
-//     evictions through the Eviction API, and events.k8s.io events;
+//     needs (kept in a small bounded cache), Secrets fetched for one repair
+//     and dropped after it, evictions through the Eviction API, and
+//     events.k8s.io events;
 //   - the loop: the inventory refreshed when the mount table changes
 //     (poll(2) POLLPRI on the table) and on every resync, a probe cycle every
 //     probe interval, strikes and per-volume backoff, a re-stage attempt as
@@ -27,6 +29,6 @@
 // repairer interface; agent never touches a mount itself. probe and remount
 // must not import agent.
 //
-// How it behaves while the API server is unreachable, and across restarts:
-// docs/agent.md.
+// What a repair reads from the API server and when, how it behaves while
+// the API server is unreachable, and across restarts: docs/agent.md.
 package agent
