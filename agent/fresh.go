@@ -70,7 +70,7 @@ func (n *nodePods) read(ctx context.Context) (*podList, error) {
 	if l == nil || now.Sub(l.start) > n.maxAge || l.failed() {
 		l = &podList{start: now, done: make(chan struct{})}
 		n.last = l
-		go n.fetch(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)), l)
+		go n.fetch(context.WithoutCancel(ctx), l) // keeps the caller's logger
 	}
 	n.mu.Unlock()
 	select {

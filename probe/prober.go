@@ -128,8 +128,10 @@ type flight struct {
 	// Prober.mu) when its first syscall begins, after its wait for a lane.
 	queued time.Time
 	start  time.Time
-	done   chan struct{}
-	res    Result
+	// began is closed when start is first set.
+	began chan struct{}
+	done  chan struct{}
+	res   Result
 	// seen marks the flights of backends of the last Probe call, so that
 	// finished flights of vanished backends are dropped.
 	seen bool
@@ -242,16 +244,18 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 			case <-f.done:
 			default:
 				until := limit
-				switch s := p.started(f); {
-				case s.IsZero():
-					// Not started yet (its goroutine has not run, or it
-					// waits for a lane): its deadline runs from its
-					// start, so look again soon. Waiting for the limit
-					// here held every cycle over a hang a quarter
-					// deadline past the hang's own deadline.
-					until = minTime(until, time.Now().Add(startPoll))
-				case s.Add(p.cfg.Timeout).Before(until):
-					until = s.Add(p.cfg.Timeout)
+				// A probe that has not started its first call yet (its
+				// goroutine has not run, or it waits for a lane) is
+				// waited for until it starts: its deadline runs from
+				// then. Waiting for the limit instead held every cycle
+				// over a hang a quarter deadline past the hang's own
+				// deadline.
+				began := f.began
+				if s := p.started(f); !s.IsZero() {
+					began = nil
+					if s.Add(p.cfg.Timeout).Before(until) {
+						until = s.Add(p.cfg.Timeout)
+					}
 				}
 				wait := time.Until(until)
 				if wait <= 0 {
@@ -264,6 +268,8 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 				}
 				select {
 				case <-f.done:
+				case <-began:
+					continue // its deadline runs from now
 				case <-timer.C:
 					continue // the probe may have started meanwhile
 				case <-ctx.Done():
@@ -309,17 +315,6 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 	return rep
 }
 
-// startPoll is how soon a cycle looks again at a probe that has not started
-// its first call yet.
-const startPoll = 5 * time.Millisecond
-
-func minTime(a, b time.Time) time.Time {
-	if b.Before(a) {
-		return b
-	}
-	return a
-}
-
 // launch starts a probe under key unless one is in flight, which it returns
 // instead (fresh false). A finished flight is replaced, unless reuse is set
 // and no caller has taken its answer yet.
@@ -343,7 +338,7 @@ func (p *Prober) launch(key any, of flightOf, reuse bool, check func(mark func()
 	}
 	// A flight still running holds its filesystem, so its device number
 	// cannot have been reused: it is that backend's, whatever its path.
-	f = &flight{queued: time.Now(), done: make(chan struct{}), seen: true, of: of}
+	f = &flight{queued: time.Now(), began: make(chan struct{}), done: make(chan struct{}), seen: true, of: of}
 	p.inflight[key] = f
 	go p.fly(f, check)
 	return f, true
@@ -360,6 +355,9 @@ func (p *Prober) fly(f *flight, check func(mark func()) Result) {
 	t := time.AfterFunc(p.slowAfter, leave)
 	res := check(func() {
 		p.mu.Lock()
+		if f.start.IsZero() {
+			close(f.began)
+		}
 		f.start = time.Now()
 		p.mu.Unlock()
 	})
