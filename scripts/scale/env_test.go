@@ -71,6 +71,7 @@ type env struct {
 	shm     string // scratch directory on tmpfs: etcd data, audit log
 	audit   *auditLog
 	kwok    *lab.Process
+	ctrl    *controllerProc // the controller, once started
 
 	sim []*simNode // the nodes with a heartbeat, in name order
 

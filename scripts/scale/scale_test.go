@@ -44,6 +44,7 @@ func TestScale(t *testing.T) {
 	}()
 
 	ctrl := e.startController(t)
+	e.ctrl = ctrl
 	e.waitMetric(t, ctrl, "mountmedic_failover_leader", 1)
 	for _, n := range e.sim {
 		e.startAgent(t, n)
@@ -244,7 +245,7 @@ func (e *env) oneDies(t *testing.T, r *report, n *simNode) {
 	}
 	at, ok := e.waitTainted(t, n.name, 10*e.fenceWindow()+2*time.Minute)
 	if !ok {
-		t.Fatalf("one node dies: %s never tainted", n.name)
+		t.Fatalf("one node dies: %s never tainted\n%s", n.name, e.explainNotTainted(e.ctrl, n.name))
 	}
 	e.waitDeleted(t, "app-"+n.name, 2*time.Minute)
 	if got := e.taintedSince(died); len(got) != 1 {
@@ -281,7 +282,7 @@ func (e *env) partitioned(t *testing.T, r *report, n *simNode) {
 	n.proxy.Cut()
 	at, ok := e.waitTainted(t, n.name, 10*e.fenceWindow()+2*time.Minute)
 	if !ok {
-		t.Fatalf("partition: %s never tainted", n.name)
+		t.Fatalf("partition: %s never tainted\n%s", n.name, e.explainNotTainted(e.ctrl, n.name))
 	}
 	fences := n.fence.fencesSince(cut)
 	switch {
