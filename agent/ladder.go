@@ -494,6 +494,17 @@ func (a *Agent) evictRung(ctx context.Context, j *job, r *resolved) outcome {
 	return outcomeFailed
 }
 
+// stuck is remount.Volume.Stuck for a broken volume: whether the agent's
+// probe that found its backend Hung is still blocked in the daemon (nil for
+// a volume not found Hung).
+func (a *Agent) stuck(bv *brokenVolume) func() bool {
+	if !bv.hung || bv.backend == nil {
+		return nil
+	}
+	dev := bv.backend.Dev
+	return func() bool { return a.prober.Stuck(dev) }
+}
+
 // tier runs one node-side rung on the repairer.
 func (a *Agent) tier(ctx context.Context, rung remount.Tier, v *remount.Volume) remount.Outcome {
 	switch rung {
@@ -663,7 +674,7 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 					a.report.message("would lazily unmount %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
 			}
 		default:
-			v := &remount.Volume{Driver: j.vol.driver, VolumeHandle: j.vol.volumeHandle, Backend: j.vol.backend, Hung: j.vol.hung,
+			v := &remount.Volume{Driver: j.vol.driver, VolumeHandle: j.vol.volumeHandle, Backend: j.vol.backend, Hung: j.vol.hung, Stuck: a.stuck(j.vol),
 				Pods: []remount.PodVolume{{Dead: use.dead}}}
 			out := a.repairer.Unmount(ctx, v)
 			if out.Err != nil {

@@ -201,6 +201,27 @@ func (p *Prober) InFlight() int {
 	return n
 }
 
+// Stuck reports whether a probe of the backend with device dev is still
+// blocked in the kernel past its deadline. While it is, it holds the
+// filesystem it walked into, so the device number cannot pass to another
+// filesystem: a repair of a Hung backend asks this right before it aborts
+// the connection (remount.Volume.Stuck), and probes the mount again once it
+// is false.
+func (p *Prober) Stuck(dev Dev) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f := p.inflight[dev]
+	if f == nil || f.start.IsZero() {
+		return false
+	}
+	select {
+	case <-f.done:
+		return false
+	default:
+	}
+	return time.Since(f.start) >= p.cfg.Timeout
+}
+
 // Probe checks every backend of inv once and derives the state of every
 // mount. It starts the probes of every backend that has none in flight and
 // waits for all of them together: until each answered or passed its own

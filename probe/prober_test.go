@@ -154,12 +154,23 @@ func TestHungProbeIsNeverStartedTwice(t *testing.T) {
 	if n := fs.count(staging.Path); n != 1 {
 		t.Errorf("hung backend probed %d times, want 1 (no second probe while the first is stuck)", n)
 	}
+	// Past its deadline and not returned, the probe is Stuck: it holds
+	// the filesystem, so a repair may abort its connection.
+	if !p.Stuck(staging.Backend.Dev) {
+		t.Errorf("Stuck(%s) = false while its probe is blocked past the deadline", staging.Backend.Dev)
+	}
+	if other := (Dev{Major: 0, Minor: 9999}); p.Stuck(other) {
+		t.Errorf("Stuck(%s) = true for a device never probed", other)
+	}
 	// The stuck call returns: the next cycle takes its answer, healthy,
 	// and the one after probes again.
 	close(fs.release)
 	deadline := time.Now().Add(10 * time.Second)
 	for p.InFlight() != 0 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
+	}
+	if p.Stuck(staging.Backend.Dev) {
+		t.Errorf("Stuck(%s) = true after its probe returned", staging.Backend.Dev)
 	}
 	for i, want := range []int32{1, 2} {
 		rep := p.Probe(context.Background(), inv)

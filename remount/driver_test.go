@@ -494,6 +494,74 @@ func testRepairs(t *testing.T, d *driverLab) {
 		}
 	})
 
+	// What the agent acts on when its probe's report is older than a mount
+	// made since at the same path that got the dead mount's device number
+	// (and mount ID): the kernel hands out the lowest free ones. Here the
+	// report names the healthy mount's own device, as dead, and as hung
+	// with the probe that found the hang returned since.
+	for _, tc := range []struct {
+		name  string
+		hung  bool
+		stuck func() bool
+	}{
+		{"a report naming the fresh mount's device dead changes nothing", false, nil},
+		{"a report naming it hung, its probe returned, changes nothing", true, func() bool { return false }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: d.root, Live: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			stale := *rv.vol
+			stale.Pods = slices.Clone(rv.vol.Pods)
+			stale.Backend, stale.Hung, stale.Stuck = nil, tc.hung, tc.stuck
+			for _, m := range inv.Mounts {
+				if m.Path == rv.staging && !m.Covered {
+					stale.Backend = m.Backend
+				}
+			}
+			if stale.Backend == nil {
+				t.Fatalf("no staging mount at %s", rv.staging)
+			}
+			for i, rp := range rv.pods {
+				stale.Pods[i].Dead = nil
+				for _, m := range inv.Mounts {
+					if m.Backend == stale.Backend && m.Target.PodUID == string(rp.uid) {
+						stale.Pods[i].Dead = append(stale.Pods[i].Dead, m)
+					}
+				}
+			}
+			before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
+			o := r.Restage(ctx, &stale)
+			logOutcome(t, "restage", o)
+			if !o.Healed || o.Err != nil {
+				t.Fatalf("Restage of a healthy volume reported broken: healed %t, err %v", o.Healed, o.Err)
+			}
+			n := ops(o.Actions)
+			for op, c := range n {
+				if op != opVerify && op != opSkip {
+					t.Errorf("Restage took %d %s actions on a healthy mount reported broken", c, op)
+				}
+			}
+			if n[opSkip] == 0 {
+				t.Errorf("Restage did not say it left the answering mount alone: %v", n)
+			}
+			// The unmount tier (a terminating pod's dead mounts) leaves
+			// them alone too.
+			u := r.Unmount(ctx, &stale)
+			logOutcome(t, "unmount", u)
+			for op, c := range ops(u.Actions) {
+				if op != opSkip {
+					t.Errorf("Unmount took %d %s actions on a healthy mount reported broken", c, op)
+				}
+			}
+			if after := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...); after != before {
+				t.Errorf("a repair of a healthy mount reported broken changed the mount tables")
+			}
+			wantViews(t, views)
+		})
+	}
+
 	t.Run("driver still down: nothing unmounted", func(t *testing.T) {
 		d.drv.Kill()
 		d.markDead(t, rv)

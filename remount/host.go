@@ -189,8 +189,10 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 		}
 	}
 
+	h.confirmDead(ctx)
+
 	// What is dead: tops on a known dead device, or tops that fail a probe.
-	// A top on a dead device is never probed (it may hang).
+	// A top on a dead device is not probed again (it may hang).
 	needs := func(path string) bool {
 		top := h.table.top(path)
 		switch {
@@ -289,6 +291,72 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 		}
 	}
 	return h, nil
+}
+
+// confirmDead probes again, before anything is changed, one mount of each
+// device the caller found dead that is on top at the volume's own paths
+// (its staging path, then its pods' targets), and forgets a device whose
+// mount answers: it is not the dead mount the caller's probe found. A
+// device number (and, in one mount namespace, a mount ID) is free for reuse
+// once the dead filesystem is gone, and the kernel hands out the lowest
+// free one: a mount that someone else (a CSI driver recovering its own
+// mounts, an earlier run) made at the same path since the caller's probe
+// can carry both, and without this probe would be unmounted and staged
+// again. A dead FUSE connection answers at once (ENOTCONN), so the probe
+// costs nothing on a volume that is still dead. mountmedic's guard, which
+// answers, goes like a dead mount and is not probed.
+func (h *hostRun) confirmDead(ctx context.Context) {
+	for _, dev := range h.dead.list() {
+		if path, top := h.ownTop(dev); top != nil && !top.Guard && !h.r.stillBroken(ctx, h.v, path) {
+			h.leaveAnswering(path, top)
+		}
+	}
+}
+
+// stillBroken says whether the mount at path, on a device v names broken,
+// is still the broken one the caller found. A hung volume whose probe is
+// still stuck is (see Volume.Stuck), and so is one whose caller cannot say
+// (probing it would hang for the deadline); any other is probed, and is
+// broken unless it answers.
+func (r *Repairer) stillBroken(ctx context.Context, v *Volume, path string) bool {
+	if v.Hung && (v.Stuck == nil || v.Stuck()) {
+		return true
+	}
+	_, err := r.check(ctx, path)
+	return err != nil
+}
+
+// answering is the action of a tier that left a mount on a device reported
+// broken alone because it answered.
+func answering(path string, top *probe.Mount, dryRun bool) Action {
+	return Action{Op: opSkip, Path: path, DryRun: dryRun,
+		Detail: fmt.Sprintf("mount %d on device %s answers: not the broken mount that was found (its device was reused, or it recovered); left alone", top.ID, top.Dev)}
+}
+
+// ownTop returns the first of the volume's own paths (staging path, then
+// the pods' targets) whose top mount is on dev, and that mount.
+func (h *hostRun) ownTop(dev probe.Dev) (string, *probe.Mount) {
+	if h.staging != "" {
+		if top := h.table.top(h.staging); top != nil && top.Dev == dev {
+			return h.staging, top
+		}
+	}
+	for _, p := range h.pods {
+		if p.refused != nil {
+			continue
+		}
+		if top := h.table.top(p.target); top != nil && top.Dev == dev {
+			return p.target, top
+		}
+	}
+	return "", nil
+}
+
+// leaveAnswering forgets the dead device of top, a mount that answered.
+func (h *hostRun) leaveAnswering(path string, top *probe.Mount) {
+	delete(h.dead, top.Dev)
+	h.add(answering(path, top, h.r.cfg.DryRun))
+	h.logger.Info("A mount on a device reported broken answers: left alone", "path", path, "mountID", top.ID, "dev", top.Dev.String())
 }
 
 // checkPlace proves that path, or its closest existing ancestor, lies below
@@ -412,6 +480,13 @@ func (h *hostRun) abortHung(ctx context.Context) {
 	for _, dev := range h.dead.list() {
 		at := h.table.fuseMountOn(dev, own)
 		if at == nil {
+			continue
+		}
+		// The probe that found the hang may have returned since
+		// confirmDead: then the connection on this number may be
+		// another's, and it is probed before it is aborted.
+		if !h.r.stillBroken(ctx, h.v, at.Path) {
+			h.leaveAnswering(at.Path, at)
 			continue
 		}
 		acts, _ := u.AbortFUSE(ctx, dev, at)
