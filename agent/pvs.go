@@ -158,6 +158,9 @@ func (s *pvStore) poke() {
 // lookup returns the stored PV of that name (a new object, with the
 // fields a repair reads), or nil.
 func (s *pvStore) lookup(name string) *corev1.PersistentVolume {
+	if s == nil {
+		return nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if e := s.pvs[name]; e != nil {

@@ -56,6 +56,25 @@ func (a *Agent) podVolume(ctx context.Context, pod *corev1.Pod, use *podUse) (*c
 			return v, nil, nil // an inline volume
 		}
 	}
+	// The PV read ahead names its claim: read that one first. A pod with
+	// many claims then costs one claim read, not one per claim before
+	// it. The claim must still name the PV (a PV released and bound
+	// again names another claim).
+	if pv := a.kube.pvs.lookup(use.specName); pv != nil && pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == pod.Namespace {
+		for i := range pod.Spec.Volumes {
+			v := &pod.Spec.Volumes[i]
+			if claim, ok := kubelet.ClaimName(pod, v); ok && claim == pv.Spec.ClaimRef.Name {
+				pvc, err := a.kube.pvc(ctx, pod.Namespace, claim)
+				if err != nil {
+					return v, nil, fmt.Errorf("get PersistentVolumeClaim %s/%s: %w", pod.Namespace, claim, err)
+				}
+				if pvc.Spec.VolumeName == use.specName {
+					return v, pvc, nil
+				}
+				break
+			}
+		}
+	}
 	var errs []error
 	for i := range pod.Spec.Volumes {
 		v := &pod.Spec.Volumes[i]

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"slices"
 	"testing"
 	"time"
@@ -8,6 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/kubelet"
@@ -263,5 +265,60 @@ func TestResidualWaitsForUnseenContainers(t *testing.T) {
 	}
 	if out, waiting := rs.holders(get, now.Add(unseenWait)); len(out) != 0 || waiting {
 		t.Errorf("holders past unseenWait: %d pods, waiting %t; want none, not waiting", len(out), waiting)
+	}
+}
+
+// TestMultiClaimPodReadsTheBoundClaim: a pod with three claims whose
+// broken volume's PV was read ahead reads only the claim that PV names;
+// without the PV, or when the claim it names is bound to another PV, the
+// claims are read in order until the bound one. (A fake clientset: which
+// requests are made is the logic under test.)
+func TestMultiClaimPodReadsTheBoundClaim(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Name: "p"}}
+	for _, c := range []string{"c1", "c2", "c3"} {
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "v-" + c,
+			VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: c}}})
+	}
+	claim := func(name, pv string) *corev1.PersistentVolumeClaim {
+		return &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Name: name}, Spec: corev1.PersistentVolumeClaimSpec{VolumeName: pv}}
+	}
+	pv := func(claim string) *corev1.PersistentVolume {
+		return &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv-3"},
+			Spec: corev1.PersistentVolumeSpec{ClaimRef: &corev1.ObjectReference{Namespace: "apps", Name: claim}}}
+	}
+	for name, tc := range map[string]struct {
+		pv     *corev1.PersistentVolume // read ahead; nil: not
+		c1PV   string                   // the PV claim c1 is bound to
+		claims int                      // claim GETs wanted
+	}{
+		"PV read ahead":             {pv("c3"), "pv-1", 1},
+		"no PV read ahead":          {nil, "pv-1", 3},
+		"PV names a claim rebound":  {pv("c1"), "pv-other", 3},
+		"PV names another claim ns": {&corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv-3"}, Spec: corev1.PersistentVolumeSpec{ClaimRef: &corev1.ObjectReference{Namespace: "other", Name: "c3"}}}, "pv-1", 3},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cs := fake.NewClientset(claim("c1", tc.c1PV), claim("c2", "pv-2"), claim("c3", "pv-3"))
+			store := newPVStore(cs, time.Second)
+			if tc.pv != nil {
+				store.pvs["pv-3"] = newPVEntry(tc.pv)
+			}
+			a := &Agent{kube: &kube{client: cs, cache: newObjectCache(100, time.Minute, nil), timeout: time.Second, pvs: store}}
+			v, pvc, err := a.podVolume(context.Background(), pod, &podUse{specName: "pv-3"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if v.Name != "v-c3" || pvc == nil || pvc.Name != "c3" {
+				t.Fatalf("podVolume = volume %s, claim %v; want v-c3, c3", v.Name, pvc)
+			}
+			gets := 0
+			for _, act := range cs.Actions() {
+				if act.GetVerb() == "get" && act.GetResource().Resource == "persistentvolumeclaims" {
+					gets++
+				}
+			}
+			if gets != tc.claims {
+				t.Errorf("%d claim GETs, want %d", gets, tc.claims)
+			}
+		})
 	}
 }
