@@ -71,10 +71,13 @@ func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current fu
 		// within a cycle.
 		next := poll
 		if inv := current(); inv != nil {
-			fuse, err := w.poll(inv)
+			reads, fuse, err := w.poll(inv)
 			if !fuse || err != nil {
 				next = idlePoll
 			}
+			// At most maxStallReads a second: on a node with more FUSE
+			// backends than a poll's share, the polls stretch.
+			next = max(next, time.Duration(reads)*(time.Second/maxStallReads))
 			if err != nil && !w.warned {
 				w.warned = true
 				logger.V(2).Info("Cannot read FUSE connections' waiting requests: hangs are found by the probe cycles only", "dir", w.dir, "err", err)
@@ -83,6 +86,15 @@ func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current fu
 		t.Reset(max(next, poll))
 	}
 }
+
+// maxStallReads bounds the waiting counters WatchStalls reads a second.
+// Each read is an open, a read and a close of a fusectl file: at the
+// default poll, more than 250 FUSE backends would cost more than the probe
+// cycles do (at 1,000, over half the agent's CPU). Past that the poll
+// stretches, and a hang is found up to a poll later: at 1,000 backends,
+// one second after its deadline instead of a quarter, still before the
+// next probe cycle would find it.
+const maxStallReads = 1000
 
 // idlePoll is how often WatchStalls looks for FUSE backends on a node that
 // has none, or for the fuse control filesystem where it is missing.
@@ -106,7 +118,7 @@ var errNoFusectl = errors.New("the fuse control filesystem is not mounted there"
 // always has requests waiting, gets at most one extra probe per stallGap),
 // and probes the ones with requests waiting. fuse: inv has a FUSE backend
 // to probe; fusectl is opened only then.
-func (w *stallWatch) poll(inv *Inventory) (fuse bool, err error) {
+func (w *stallWatch) poll(inv *Inventory) (reads int, fuse bool, err error) {
 	dir := -1
 	defer func() {
 		if dir >= 0 {
@@ -125,7 +137,7 @@ func (w *stallWatch) poll(inv *Inventory) (fuse bool, err error) {
 		if !fuse {
 			fuse = true
 			if dir, err = openFusectl(w.dir); err != nil {
-				return true, err
+				return 0, true, err
 			}
 		}
 		f, running, recent := w.p.lastFlight(b.Dev)
@@ -138,6 +150,7 @@ func (w *stallWatch) poll(inv *Inventory) (fuse bool, err error) {
 			continue
 		}
 		name = append(strconv.AppendUint(name[:0], uint64(b.Conn), 10), "/waiting"...)
+		reads++
 		if n, ok := waiting(dir, string(name)); ok && n > 0 {
 			if sameDev(path, b.Dev) != nil {
 				continue // the inventory is older than the table: the next cycle probes
@@ -159,7 +172,7 @@ func (w *stallWatch) poll(inv *Inventory) (fuse bool, err error) {
 		default:
 		}
 	}
-	return fuse, nil
+	return reads, fuse, nil
 }
 
 // openFusectl opens the fuse control filesystem's directory dir (O_PATH),

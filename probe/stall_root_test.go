@@ -84,7 +84,7 @@ func TestStallWatchWithoutFusectl(t *testing.T) {
 	p := NewProber(Config{SysfsDir: t.TempDir()})
 	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"), armed: map[*flight]bool{}, hung: func() { t.Error("hung called") }}
 	inv := &Inventory{Backends: []*Backend{{Kind: BackendFUSE, Dev: Dev{Minor: 77}, Mounts: []*Mount{{Path: "/nonexistent", ID: 1}}}}}
-	if _, err := w.poll(inv); err == nil {
+	if _, _, err := w.poll(inv); err == nil {
 		t.Fatal("poll without fusectl: no error")
 	}
 	if p.InFlight() != 0 {
@@ -127,8 +127,12 @@ func BenchmarkStallPoll(b *testing.B) {
 	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"), armed: map[*flight]bool{}, hung: func() {}}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		if _, err := w.poll(inv); err != nil {
+		reads, _, err := w.poll(inv)
+		if err != nil {
 			b.Fatal(err)
+		}
+		if reads != n {
+			b.Fatalf("poll read %d waiting counters, want %d", reads, n)
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/n, "µs/conn")
