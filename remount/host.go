@@ -303,11 +303,15 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 // mounts, an earlier run) made at the same path since the caller's probe
 // can carry both, and without this probe would be unmounted and staged
 // again. A dead FUSE connection answers at once (ENOTCONN), so the probe
-// costs nothing on a volume that is still dead. mountmedic's guard, which
-// answers, goes like a dead mount and is not probed.
+// costs nothing on a volume that is still dead. Only FUSE filesystems are
+// probed again: a filesystem on a dead block device answers statfs and
+// statx from memory (the agent's probe found it by reading the device or
+// its error counter), and its device number is the block device's, not one
+// handed out to the next mount. mountmedic's guard, which answers, goes
+// like a dead mount and is not probed.
 func (h *hostRun) confirmDead(ctx context.Context) {
 	for _, dev := range h.dead.list() {
-		if path, top := h.ownTop(dev); top != nil && !top.Guard && !h.r.stillBroken(ctx, h.v, path) {
+		if path, top := h.ownTop(dev); top != nil && !top.Guard && h.table.fuse(dev) && !h.r.stillBroken(ctx, h.v, path) {
 			h.leaveAnswering(path, top)
 		}
 	}

@@ -583,12 +583,13 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			}
 		}
 		// A mount on a device reported broken that answers now is not
-		// the broken one (Repairer.stillBroken): it is left alone. The
-		// guard answers, and goes like a dead mount.
+		// the broken one (Repairer.stillBroken): it is left alone. Only
+		// FUSE filesystems, as in confirmDead; the guard answers, and
+		// goes like a dead mount.
 		for _, dev := range dead.list() {
 			for _, path := range paths {
 				if top := table.top(path); top != nil && top.Dev == dev {
-					if !top.Guard && !r.stillBroken(ctx, v, path) {
+					if !top.Guard && table.fuse(dev) && !r.stillBroken(ctx, v, path) {
 						delete(dead, dev)
 						o.Actions = append(o.Actions, answering(path, top, r.cfg.DryRun))
 					}
