@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -25,12 +26,15 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	coordinationlisters "k8s.io/client-go/listers/coordination/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // ReportingController names the duty in the events it writes.
@@ -80,8 +84,10 @@ type eventRecorder interface {
 // server (the taint or mark on the node), so a leader change mid-failover
 // repeats nothing.
 type Controller struct {
-	cfg      ControllerConfig
-	client   kubernetes.Interface
+	cfg    ControllerConfig
+	client kubernetes.Interface
+	// leases renews the leader Lease (NewLeaderElectionClient).
+	leases   kubernetes.Interface
 	metrics  *controllerMetrics
 	selector labels.Selector
 	now      func() time.Time
@@ -93,14 +99,57 @@ type Controller struct {
 	watchHook func(kind string, lw cache.ListerWatcher) cache.ListerWatcher
 }
 
-// NewController prepares the cluster side; reg receives the metrics (nil:
-// none).
-func NewController(cfg ControllerConfig, client kubernetes.Interface, reg prometheus.Registerer) (*Controller, error) {
+// The controller's client rate, `mountmedic controller`'s --kube-api-qps
+// and --kube-api-burst defaults: leader election has a client of its own
+// (NewLeaderElectionClient), so this is the events, fresh reads, lists of a
+// dead node's pods, taints and deletions.
+const (
+	DefaultControllerQPS   = 20
+	DefaultControllerBurst = 40
+)
+
+// NewLeaderElectionClient returns the client the controller renews its
+// leader Lease with: a copy of rc with its own rate limiter (QPS 5, burst
+// 10: a renewal every RetryPeriod) and its own connections, so that a
+// renewal never waits behind the leader's own work. Sharing one rate
+// limiter, a burst of work (a new term announcing every node that is not
+// Ready after an API-server outage, with fresh reads and events) queued
+// the renewals behind it; a renewal late past RenewDeadline loses the
+// lease, and the next term announces every node again. kube-controller-
+// manager gives its leader election a client of its own for the same
+// reason.
+func NewLeaderElectionClient(rc *rest.Config) (kubernetes.Interface, error) {
+	cl, err := ownClient(rc, "leader-election")
+	if err != nil {
+		return nil, fmt.Errorf("leader election client: %w", err)
+	}
+	return cl, nil
+}
+
+// ownClient is a copy of rc with a rate limiter of its own (QPS 5, burst
+// 10) and connections of its own; suffix is added to its user agent.
+func ownClient(rc *rest.Config, suffix string) (kubernetes.Interface, error) {
+	c := rest.CopyConfig(rc)
+	c.QPS, c.Burst, c.RateLimiter = 5, 10, nil
+	// A dialer of its own gives the client its own transport (client-go
+	// shares one transport between configs with the same TLS settings).
+	c.Dial = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext
+	if c.UserAgent != "" {
+		c.UserAgent += " " + suffix
+	}
+	return kubeclient.New(c)
+}
+
+// NewController prepares the cluster side. client makes its calls (watches,
+// events, fresh reads, pod lists, taints, deletions); leases, made by
+// NewLeaderElectionClient, renews the leader Lease. reg receives the
+// metrics (nil: none).
+func NewController(cfg ControllerConfig, client, leases kubernetes.Interface, reg prometheus.Registerer) (*Controller, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if client == nil {
-		return nil, errors.New("failover controller needs a Kubernetes client")
+	if client == nil || leases == nil {
+		return nil, errors.New("failover controller needs a Kubernetes client and a leader election client (NewLeaderElectionClient)")
 	}
 	sel, err := labels.Parse(cfg.NodeSelector)
 	if err != nil {
@@ -110,7 +159,7 @@ func NewController(cfg ControllerConfig, client kubernetes.Interface, reg promet
 	if err != nil {
 		return nil, err
 	}
-	return &Controller{cfg: cfg, client: client, metrics: m, selector: sel, now: time.Now,
+	return &Controller{cfg: cfg, client: client, leases: leases, metrics: m, selector: sel, now: time.Now,
 		claims: newClaimCache(claimReader{client: client, timeout: cfg.APITimeout})}, nil
 }
 
@@ -157,7 +206,7 @@ func (c *Controller) campaign(ctx context.Context) error {
 	var le *leaderelection.LeaderElector
 	lock := &resourcelock.LeaseLock{
 		LeaseMeta:  metav1.ObjectMeta{Namespace: c.cfg.Namespace, Name: c.cfg.LeaderLease},
-		Client:     c.client.CoordinationV1(),
+		Client:     c.leases.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: c.cfg.Identity},
 	}
 	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{

@@ -377,3 +377,33 @@ func testRBAC(t *testing.T, h *harness) {
 		t.Errorf("the controller's ServiceAccount reading a Secret: err = %v, want forbidden", err)
 	}
 }
+
+// testLeaseOverThrottledWork: a leader whose work client is throttled
+// hard (one request per 5 s: its informers' lists alone queue 15 s of
+// requests) keeps its lease, renewed every second on a client of its own.
+// Sharing one rate limiter, the renewals queued behind the work past
+// RenewDeadline and the leader lost the lease; in the scale test after an
+// API-server outage, a new term's burst of announcements and fresh reads
+// did the same at the controller's rate.
+func testLeaseOverThrottledWork(t *testing.T, h *harness) {
+	s := h.scenario(t, "throttled")
+	s.addNode("throttled-a", true)
+	cfg := s.ctl
+	_, reg, _ := s.controllerWith(cfg, "throttled-ctl", ctlOptions{qps: 0.2, burst: 1})
+	s.waitFor("the controller to lead", 20*time.Second, func(context.Context) (bool, error) {
+		return metric(t, reg, "mountmedic_failover_leader", nil) == 1, nil
+	})
+	watch := 3*cfg.RenewDeadline + cfg.LeaseDuration
+	for end := time.Now().Add(watch); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if metric(t, reg, "mountmedic_failover_leader", nil) != 1 {
+			t.Fatalf("the leader lost its lease while its work client was throttled (renew deadline %s)", cfg.RenewDeadline)
+		}
+	}
+	l, err := h.admin.CoordinationV1().Leases(agentNS).Get(h.ctx, cfg.LeaderLease, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Spec.LeaseTransitions != nil && *l.Spec.LeaseTransitions != 0 {
+		t.Errorf("leader Lease changed hands %d times, want 0", *l.Spec.LeaseTransitions)
+	}
+}

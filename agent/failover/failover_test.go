@@ -44,6 +44,7 @@ func TestFailover(t *testing.T) {
 		t.Run("cached dead, fresh alive", func(t *testing.T) { t.Parallel(); testFreshRead(t, h) })
 		t.Run("three of four die: stand-down", func(t *testing.T) { t.Parallel(); testStandDown(t, h) })
 		t.Run("RBAC of agents and controller", func(t *testing.T) { t.Parallel(); testRBAC(t, h) })
+		t.Run("leader keeps its lease over throttled work", func(t *testing.T) { t.Parallel(); testLeaseOverThrottledWork(t, h) })
 	})
 }
 

@@ -746,6 +746,10 @@ type ctlOptions struct {
 	wrap func(http.RoundTripper) http.RoundTripper
 	// watchHook wraps the informers' list-watches (Controller.watchHook).
 	watchHook func(kind string, lw cache.ListerWatcher) cache.ListerWatcher
+	// qps and burst, when qps is set, replace the work client's rate
+	// (the leader election client keeps its own).
+	qps   float32
+	burst int
 }
 
 func (s *scenario) controllerWith(cfg ControllerConfig, identity string, o ctlOptions) (*Controller, *prometheus.Registry, func()) {
@@ -757,11 +761,20 @@ func (s *scenario) controllerWith(cfg ControllerConfig, identity string, o ctlOp
 		rc.Host = o.host
 	}
 	rc.WrapTransport = o.wrap
-	client, err := kubernetes.NewForConfig(rc)
+	// The clients `mountmedic controller` makes (cmd/mountmedic).
+	rc.QPS, rc.Burst = DefaultControllerQPS, DefaultControllerBurst
+	if o.qps > 0 {
+		rc.QPS, rc.Burst = o.qps, o.burst
+	}
+	client, err := kubeclient.New(rc)
 	if err != nil {
 		s.t.Fatalf("controller client: %v", err)
 	}
-	c, err := NewController(cfg, client, reg)
+	leases, err := NewLeaderElectionClient(rc)
+	if err != nil {
+		s.t.Fatalf("controller leader election client: %v", err)
+	}
+	c, err := NewController(cfg, client, leases, reg)
 	if err != nil {
 		s.t.Fatalf("NewController: %v", err)
 	}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -24,8 +23,6 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
-
-	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // fenceTarget is a pod the fence stops, as it was known before the fence
@@ -125,15 +122,7 @@ const heartbeatJitter = 0.1
 // a renewal never waits behind the agent's other calls. rc is the identity
 // the Lease is written with (the agent's ServiceAccount).
 func NewHeartbeatClient(rc *rest.Config) (kubernetes.Interface, error) {
-	c := rest.CopyConfig(rc)
-	c.QPS, c.Burst, c.RateLimiter = 5, 10, nil
-	// A dialer of its own gives the client its own transport (client-go
-	// shares one transport between configs with the same TLS settings).
-	c.Dial = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext
-	if c.UserAgent != "" {
-		c.UserAgent += " heartbeat"
-	}
-	cl, err := kubeclient.New(c)
+	cl, err := ownClient(rc, "heartbeat")
 	if err != nil {
 		return nil, fmt.Errorf("heartbeat client: %w", err)
 	}

@@ -30,7 +30,7 @@ type controllerFlags struct {
 }
 
 func newControllerCommand() *cobra.Command {
-	f := &controllerFlags{cfg: failover.DefaultControllerConfig(), metricsAddr: ":9810", qps: 20, burst: 40}
+	f := &controllerFlags{cfg: failover.DefaultControllerConfig(), metricsAddr: ":9810", qps: failover.DefaultControllerQPS, burst: failover.DefaultControllerBurst}
 	cmd := &cobra.Command{
 		Use:   "controller",
 		Short: "Run the cluster side of node failover: move pods with ReadWriteOnce volumes off dead nodes",
@@ -64,25 +64,28 @@ metrics, and changes nothing. See agent/failover and deploy/README.md.`,
 	f.cfg.AddFlags(fl)
 	fl.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; empty uses the in-cluster service account")
 	fl.StringVar(&f.metricsAddr, "metrics-addr", f.metricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
-	fl.Float32Var(&f.qps, "kube-api-qps", f.qps, "steady requests per second to the API server (leader election, events, fresh reads, taints and deletions; watches are not counted)")
+	fl.Float32Var(&f.qps, "kube-api-qps", f.qps, "steady requests per second to the API server (events, fresh reads, taints and deletions; watches are not counted, and leader election has a rate of its own)")
 	fl.IntVar(&f.burst, "kube-api-burst", f.burst, "burst of requests to the API server above --kube-api-qps")
 	return cmd
 }
 
-// controllerClient makes the controller's client from the kubeconfig file
-// or the in-cluster configuration.
-func controllerClient(f *controllerFlags) (kubernetes.Interface, error) {
+// controllerClients makes the controller's clients from the kubeconfig
+// file or the in-cluster configuration: its work's, at --kube-api-qps, and
+// its leader election's, with a rate limiter of its own.
+func controllerClients(f *controllerFlags) (client, leases kubernetes.Interface, err error) {
 	rc, err := restConfig(f.kubeconfig)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	rc.UserAgent = "mountmedic-controller/" + version
 	rc.QPS, rc.Burst = f.qps, f.burst
-	c, err := kubeclient.New(rc)
-	if err != nil {
-		return nil, fmt.Errorf("kubernetes client: %w", err)
+	if client, err = kubeclient.New(rc); err != nil {
+		return nil, nil, fmt.Errorf("kubernetes client: %w", err)
 	}
-	return c, nil
+	if leases, err = failover.NewLeaderElectionClient(rc); err != nil {
+		return nil, nil, err
+	}
+	return client, leases, nil
 }
 
 func runController(ctx context.Context, f *controllerFlags) error {
@@ -92,13 +95,13 @@ func runController(ctx context.Context, f *controllerFlags) error {
 	if f.qps <= 0 || f.burst < 1 {
 		return fmt.Errorf("--kube-api-qps %v and --kube-api-burst %d: both must be positive", f.qps, f.burst)
 	}
-	client, err := controllerClient(f)
+	client, leases, err := controllerClients(f)
 	if err != nil {
 		return err
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	ctl, err := failover.NewController(f.cfg, client, reg)
+	ctl, err := failover.NewController(f.cfg, client, leases, reg)
 	if err != nil {
 		return err
 	}

@@ -36,6 +36,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
@@ -125,15 +126,21 @@ func runController(specFile string) error {
 	if err := json.Unmarshal(data, &spec); err != nil {
 		return err
 	}
+	// The clients `mountmedic controller` makes (cmd/mountmedic), at its
+	// default rates.
 	cfg := &rest.Config{Host: spec.Host, BearerToken: spec.Token, TLSClientConfig: rest.TLSClientConfig{CAData: spec.CAData},
-		UserAgent: "mountmedic-controller"}
-	client, err := kubernetes.NewForConfig(cfg)
+		UserAgent: "mountmedic-controller", QPS: failover.DefaultControllerQPS, Burst: failover.DefaultControllerBurst}
+	client, err := kubeclient.New(cfg)
+	if err != nil {
+		return err
+	}
+	leases, err := failover.NewLeaderElectionClient(cfg)
 	if err != nil {
 		return err
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	c, err := failover.NewController(spec.Config, client, reg)
+	c, err := failover.NewController(spec.Config, client, leases, reg)
 	if err != nil {
 		return err
 	}
