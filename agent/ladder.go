@@ -443,6 +443,14 @@ func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.
 				a.report.message("re-staged on the host in %.2fs, but running containers hold their own bind of the dead mount and no further tier (liveswap, restart, evict) is enabled: restart the pods", out.Took.Seconds()))
 			res.outcome = outcomeIgnored
 			return res
+		case out.Healed && !remount.Changed(out.Actions):
+			// The mounts answer again: the report the run acted on was
+			// older than them (someone else mounted the volume again).
+			a.notes.clearAll(j.key)
+			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
+				a.report.message("answers again: %s changed nothing (broken for %.1fs)", tier, time.Since(j.since).Seconds()))
+			res.outcome = outcomeHealed
+			return res
 		case out.Healed:
 			a.notes.clearAll(j.key)
 			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,

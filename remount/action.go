@@ -82,6 +82,22 @@ func (a Action) String() string {
 	return s
 }
 
+// Changed reports whether actions changed anything (a mount, a FUSE
+// connection, a driver's volume, a container), or in a dry run would have:
+// false for a tier that only checked, probed and left things alone, as one
+// does for a mount that answers again (its report was older than it).
+func Changed(actions []Action) bool {
+	for _, a := range actions {
+		switch a.Op {
+		case opAbortFUSE, opMountFusectl, opUnmount, opOverMount, opSwap, opStopContainer, opStage, opPublish, opBind:
+			if a.Err == nil {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // actionsErr joins the errors of actions, nil when every action succeeded.
 func actionsErr(actions []Action) error {
 	var errs []error

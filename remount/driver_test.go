@@ -457,6 +457,9 @@ func testRepairs(t *testing.T, d *driverLab) {
 		if n[opOverMount] != 1 || n[opStage] != 1 || n[opPublish] != 2 {
 			t.Errorf("Restage actions %v: want one stage, one publish per pod and one over-mount", n)
 		}
+		if !Changed(re.Actions) {
+			t.Errorf("Changed says a re-stage changed nothing")
+		}
 		wantFile(t, rv.pods[0].ctrs["sidecar"].Path("/data/data.txt"), "data of "+prefix)
 		if !ls.Healed || ls.Err != nil {
 			t.Fatalf("LiveSwap: healed %t, err %v", ls.Healed, ls.Err)
@@ -546,8 +549,21 @@ func testRepairs(t *testing.T, d *driverLab) {
 			if n[opSkip] == 0 {
 				t.Errorf("Restage did not say it left the answering mount alone: %v", n)
 			}
-			// The unmount tier (a terminating pod's dead mounts) leaves
-			// them alone too.
+			// So do the live swap (the containers' views) and the unmount
+			// tier (a terminating pod's dead mounts).
+			ls := r.LiveSwap(ctx, &stale)
+			logOutcome(t, "liveswap", ls)
+			if !ls.Healed || ls.Err != nil {
+				t.Errorf("LiveSwap of a healthy volume reported broken: healed %t, err %v", ls.Healed, ls.Err)
+			}
+			for op, c := range ops(ls.Actions) {
+				if op != opVerify && op != opSkip && op != opFindProcesses {
+					t.Errorf("LiveSwap took %d %s actions on a healthy mount reported broken", c, op)
+				}
+			}
+			if Changed(o.Actions) || Changed(ls.Actions) {
+				t.Errorf("Changed says a tier that left everything alone changed something")
+			}
 			u := r.Unmount(ctx, &stale)
 			logOutcome(t, "unmount", u)
 			for op, c := range ops(u.Actions) {
