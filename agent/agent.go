@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 
+	"github.com/mountmedic/mountmedic/agent/coldpages"
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
@@ -56,6 +57,10 @@ type Deps struct {
 	// put the volume back under a node that must not write to it. Nil
 	// fences nothing.
 	Fenced func(podUID string) bool
+	// ReleaseCode gives the kernel back the pages of the executable the
+	// process no longer uses (Config.ReleaseCode); nil is
+	// coldpages.Release.
+	ReleaseCode func() (coldpages.Result, error)
 }
 
 // Agent is the node agent. Make it with New, start it with Run.
@@ -87,6 +92,8 @@ type Agent struct {
 	lastScan atomic.Int64 // unix nanoseconds
 
 	fenced func(podUID string) bool
+	// release is Deps.ReleaseCode.
+	release func() (coldpages.Result, error)
 
 	driverMu sync.Mutex
 	driverOK map[string]bool
@@ -131,6 +138,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 			deps.DriverCaps = DialDriverCaps(cfg.KubeletRoot)
 		}
 	}
+	if deps.ReleaseCode == nil {
+		deps.ReleaseCode = coldpages.Release
+	}
 	if deps.Prober == nil {
 		pc := probe.DefaultConfig()
 		pc.Timeout, pc.Parallel = cfg.ProbeTimeout, cfg.ProbeParallel
@@ -154,6 +164,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		stalled:  make(chan struct{}, 1),
 		fenced:   deps.Fenced,
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
+		release:  deps.ReleaseCode,
 	}
 	a.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "mountmedic_stall_probes_total",
@@ -329,6 +340,15 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	summary := time.NewTicker(eventSummaryEvery)
 	defer summary.Stop()
 	defer a.limiter.flush(a.cfg.DryRun)
+	// The executable's pages that only start-up used go back to the
+	// kernel once it is done, then every ReleaseCode while no repair runs.
+	var release <-chan time.Time
+	releaseTimer := time.NewTimer(min(releaseCodeFirst, a.cfg.ReleaseCode))
+	defer releaseTimer.Stop()
+	if a.cfg.ReleaseCode > 0 {
+		release = releaseTimer.C
+	}
+	released := 0
 	kick := func(driver string) {
 		a.caps.forget(driver)
 		for _, key := range a.decider.kick(driver, time.Now()) {
@@ -345,6 +365,14 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			dirty = true
 		case <-summary.C:
 			a.limiter.flush(a.cfg.DryRun)
+		case <-release:
+			if a.running > 0 {
+				releaseTimer.Reset(releaseCodeFirst)
+				continue
+			}
+			a.releaseCode(ctx, released)
+			released++
+			releaseTimer.Reset(a.cfg.ReleaseCode)
 		case <-resync.C:
 			dirty = true
 			a.decider.resync()
@@ -407,6 +435,29 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			}
 		}
 	}
+}
+
+// releaseCodeFirst is when the agent first gives back the pages of its
+// executable it no longer uses: start-up is done by then (the pod
+// informer has synced on any API server that answers), and it is when the
+// agent retries a release that a repair put off.
+const releaseCodeFirst = 30 * time.Second
+
+// releaseCode gives the kernel back the pages of the agent's executable it
+// no longer uses (coldpages.Release); n counts the earlier releases.
+func (a *Agent) releaseCode(ctx context.Context, n int) {
+	logger := klog.FromContext(ctx)
+	res, err := a.release()
+	if err != nil {
+		logger.Info("Cannot give back the pages of the executable the agent no longer uses", "err", err)
+		return
+	}
+	v := 4
+	if n == 0 {
+		v = 2
+	}
+	logger.V(v).Info("Gave back the pages of the executable the agent no longer uses (mapped again when used)",
+		"mappings", res.Advised, "skipped", res.Skipped, "residentBytes", res.Resident)
 }
 
 // watchStalls starts the prober's stall watch (Config.StallPoll) over the

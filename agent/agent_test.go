@@ -2,11 +2,13 @@ package agent_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/coldpages"
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
@@ -274,7 +277,24 @@ func TestAgentAPIFootprint(t *testing.T) {
 	}
 	client, rec := e.countingClient()
 	cfg := e.config()
-	a := e.startAgent(cfg, agent.Deps{Client: client})
+	// The executable's unused pages are given back all along (the
+	// default is 30 s after start, then every 5 minutes): the agent
+	// keeps its steady state, asking nothing of the API server.
+	cfg.ReleaseCode = 300 * time.Millisecond
+	var releases atomic.Int32
+	var releaseErr atomic.Value
+	release := func() (coldpages.Result, error) {
+		res, err := coldpages.Release()
+		if err == nil && res.Advised == 0 {
+			err = fmt.Errorf("no mapping of the executable advised: %+v", res)
+		}
+		if err != nil {
+			releaseErr.Store(err)
+		}
+		releases.Add(1)
+		return res, err
+	}
+	a := e.startAgent(cfg, agent.Deps{Client: client, ReleaseCode: release})
 	// The node condition's first write (a GET of its Node, then a PATCH of
 	// its status) comes with the first cycle; it is written again only on a
 	// change or every 5 minutes.
@@ -308,6 +328,12 @@ func TestAgentAPIFootprint(t *testing.T) {
 	}
 	if n, _ := a.metric(`mountmedic_kubelet_mounts{kind="publish"}`); n != 5 {
 		t.Errorf("mountmedic_kubelet_mounts{publish} = %v, want 5", n)
+	}
+	if n := releases.Load(); n < 2 {
+		t.Errorf("the agent gave back its executable's unused pages %d times in over 3s, want one every %s", n, cfg.ReleaseCode)
+	}
+	if err := releaseErr.Load(); err != nil {
+		t.Errorf("coldpages.Release in the agent: %v", err)
 	}
 	t.Logf("requests by the agent: %v", end)
 }

@@ -57,6 +57,11 @@ type Config struct {
 	// Resync re-reads the mount table and retries volumes whose driver is
 	// down even when nothing woke the agent.
 	Resync time.Duration
+	// ReleaseCode is how often the agent gives the kernel back the pages
+	// of its own executable it no longer uses (coldpages.Release): first
+	// releaseCodeFirst after start, then at this interval, never while a
+	// repair runs; 0 never.
+	ReleaseCode time.Duration
 	// BackoffBase and BackoffMax bound the per-volume exponential backoff
 	// between repair attempts.
 	BackoffBase time.Duration
@@ -124,6 +129,7 @@ func DefaultConfig() Config {
 		StallPoll:            probe.DefaultStallPoll,
 		Strikes:              2,
 		Resync:               30 * time.Second,
+		ReleaseCode:          5 * time.Minute,
 		BackoffBase:          time.Second,
 		BackoffMax:           5 * time.Minute,
 		Tiers:                DefaultTiers,
@@ -190,6 +196,9 @@ func (c Config) Validate() error {
 	}
 	if c.Strikes < 1 {
 		bad("--strikes %d: must be at least 1", c.Strikes)
+	}
+	if c.ReleaseCode < 0 {
+		bad("--release-code-interval %s: must not be negative (0 never releases)", c.ReleaseCode)
 	}
 	if c.StallPoll < 0 {
 		bad("--stall-poll %s: must not be negative (0 turns the stall watch off)", c.StallPoll)

@@ -50,6 +50,7 @@ func TestConfigValidate(t *testing.T) {
 		"negative evictions":  {func(c *Config) { c.MaxEvictions = -1 }, "--max-evictions"},
 		"no api rate":         {func(c *Config) { c.APIQPS = 0 }, "--kube-api-qps"},
 		"no api burst":        {func(c *Config) { c.APIBurst = 0 }, "--kube-api-burst"},
+		"negative release":    {func(c *Config) { c.ReleaseCode = -time.Second }, "--release-code-interval"},
 		"daemonset evictable": {func(c *Config) { c.EvictOwnerKinds = []string{"DaemonSet"} }, "DaemonSet"},
 		"bad driver":          {func(c *Config) { c.Drivers = []string{"a/b"} }, "--drivers"},
 		"bad namespace":       {func(c *Config) { c.IncludeNamespaces = []string{"Kube_System"} }, "Kube_System"},

@@ -288,6 +288,10 @@ type ControllerConfig struct {
 	// at again (the other nodes are judged on their own events and when
 	// their evidence comes of age).
 	Recheck time.Duration
+	// ReleaseCode is how often the controller gives the kernel back the
+	// pages of its own executable it no longer uses (coldpages.Release),
+	// the first time 30 s after start; 0 never.
+	ReleaseCode time.Duration
 }
 
 // DefaultControllerConfig returns the defaults the controller's flags
@@ -312,6 +316,7 @@ func DefaultControllerConfig() ControllerConfig {
 		StandDownShare: DefaultStandDownShare,
 		APITimeout:     10 * time.Second,
 		Recheck:        2 * time.Second,
+		ReleaseCode:    5 * time.Minute,
 	}
 }
 
@@ -335,6 +340,7 @@ func (c *ControllerConfig) AddFlags(fl *pflag.FlagSet) {
 	c.Policy.addFlags(fl)
 	fl.BoolVar(&c.DryRun, "failover-dry-run", c.DryRun, "decide and report (events, logs, metrics), taint and delete nothing")
 	fl.DurationVar(&c.APITimeout, "failover-api-timeout", c.APITimeout, "deadline of each API call of the controller")
+	fl.DurationVar(&c.ReleaseCode, "release-code-interval", c.ReleaseCode, "how often to give the kernel back the pages of the controller's own executable that it no longer uses (most of its start-up's: they stay in the page cache), first 30s after start (0: never)")
 }
 
 // modeValue is a pflag.Value for Mode.
@@ -450,6 +456,9 @@ func (c ControllerConfig) Validate() error {
 	positive("failover-leader-renew-deadline", c.RenewDeadline)
 	positive("failover-leader-retry-period", c.RetryPeriod)
 	positive("failover-api-timeout", c.APITimeout)
+	if c.ReleaseCode < 0 {
+		bad("--release-code-interval %s: must not be negative (0 never releases)", c.ReleaseCode)
+	}
 	if c.Recheck <= 0 {
 		bad("failover Recheck %s: must be positive", c.Recheck)
 	}

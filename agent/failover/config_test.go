@@ -86,6 +86,9 @@ func TestValidateController(t *testing.T) {
 		"share zero":    {edit: func(c *ControllerConfig) { c.StandDownShare = 0 }, want: "--failover-stand-down-share"},
 		"share above 1": {edit: func(c *ControllerConfig) { c.StandDownShare = 1.2 }, want: "--failover-stand-down-share"},
 		"bad selector":  {edit: func(c *ControllerConfig) { c.NodeSelector = "a in (" }, want: "--failover-node-selector"},
+		"negative release": {
+			edit: func(c *ControllerConfig) { c.ReleaseCode = -time.Second }, want: "--release-code-interval",
+		},
 		"sc both lists": {edit: func(c *ControllerConfig) {
 			c.IncludeStorageClasses = []string{"ssd"}
 			c.ExcludeStorageClasses = []string{"ssd"}

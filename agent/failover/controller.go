@@ -34,6 +34,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 
+	"github.com/mountmedic/mountmedic/agent/coldpages"
 	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
@@ -181,6 +182,28 @@ func (c *Controller) Run(ctx context.Context) error {
 		defer b.Shutdown()
 		c.rec = b.NewRecorder(scheme.Scheme, ReportingController)
 	}
+	if c.cfg.ReleaseCode > 0 {
+		rctx, stop := context.WithCancel(ctx)
+		released := make(chan struct{})
+		defer func() {
+			stop()
+			<-released
+		}()
+		go func() {
+			defer close(released)
+			first := true
+			coldpages.Every(rctx, releaseCodeFirst, c.cfg.ReleaseCode, func(res coldpages.Result, err error) {
+				switch {
+				case err != nil:
+					logger.Info("Cannot give back the pages of the executable the controller no longer uses", "err", err)
+				case first:
+					logger.V(2).Info("Gave back the pages of the executable the controller no longer uses (mapped again when used)",
+						"mappings", res.Advised, "skipped", res.Skipped, "residentBytes", res.Resident)
+				}
+				first = false
+			})
+		}()
+	}
 	for ctx.Err() == nil {
 		if err := c.campaign(ctx); err != nil {
 			return err
@@ -192,6 +215,11 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	return nil
 }
+
+// releaseCodeFirst is when the controller first gives back the pages of its
+// executable it no longer uses: start-up, and the first list of every
+// node and Lease, are done by then.
+const releaseCodeFirst = 30 * time.Second
 
 // campaign runs one leader election until leadership is lost or ctx ends.
 func (c *Controller) campaign(ctx context.Context) error {
