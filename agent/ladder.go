@@ -443,22 +443,27 @@ func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.
 				a.report.message("re-staged on the host in %.2fs, but running containers hold their own bind of the dead mount and no further tier (liveswap, restart, evict) is enabled: restart the pods", out.Took.Seconds()))
 			res.outcome = outcomeIgnored
 			return res
-		case out.Healed && !remount.Changed(out.Actions):
-			// The mounts answer again: the report the run acted on was
-			// older than them (someone else mounted the volume again).
-			a.notes.clearAll(j.key)
-			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
-				a.report.message("answers again: %s changed nothing (broken for %.1fs)", tier, time.Since(j.since).Seconds()))
-			res.outcome = outcomeHealed
-			return res
 		case out.Healed:
 			a.notes.clearAll(j.key)
-			a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
-				a.report.message("repaired by %s in %.2fs (broken for %.1fs)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
 			res.outcome = outcomeHealed
-			if len(r.unseen) > 0 && a.cfg.Tiers.Has(remount.TierLiveSwap) {
-				// Containers not reported running yet may run on the
-				// dead mount: look again once kubelet reports them.
+			// Containers not reported running yet may run on the dead
+			// mount: look again once kubelet reports them.
+			unseen := len(r.unseen) > 0 && a.cfg.Tiers.Has(remount.TierLiveSwap)
+			switch {
+			case remount.Changed(out.Actions):
+				a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
+					a.report.message("repaired by %s in %.2fs (broken for %.1fs)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
+			case j.resume != nil && unseen:
+				// A resume that found no container to swap yet: the
+				// host's repair was reported, the swap will be.
+			default:
+				// The mounts answer again: the report the run acted on
+				// was older than them (someone else mounted the volume
+				// again).
+				a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
+					a.report.message("answers again: %s changed nothing (broken for %.1fs)", tier, time.Since(j.since).Seconds()))
+			}
+			if unseen {
 				until := time.Now().Add(unseenWait)
 				if j.resume != nil {
 					until = j.resume.unseenUntil
