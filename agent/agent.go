@@ -298,6 +298,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		logger.Error(err, "Cannot watch driver registrations; a driver's return is noticed at resync only")
 	}
 
+	a.nodePods.live(ctx)
 	a.workers.Add(1)
 	go func() {
 		defer a.workers.Done()
@@ -308,6 +309,7 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	cancel()
 	a.workers.Wait()
+	a.nodePods.wait()
 	tw.Close()
 	pw.Close()
 	<-informerDone

@@ -34,6 +34,10 @@ type nodePods struct {
 
 	mu   sync.Mutex
 	last *podList // the newest LIST, in flight or done
+	// life ends the LISTs in flight (the agent's Run); fetches counts
+	// them, for Run to wait for.
+	life    context.Context
+	fetches sync.WaitGroup
 }
 
 // podList is one LIST of the node's pods.
@@ -55,8 +59,19 @@ func newNodePods(client kubernetes.Interface, node string, timeout time.Duration
 		maxAge:  freshAge,
 		timeout: timeout,
 		now:     time.Now,
+		life:    context.Background(),
 	}
 }
+
+// live makes the LISTs started from now on end with ctx (the agent's Run);
+// wait waits for those in flight to end.
+func (n *nodePods) live(ctx context.Context) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.life = ctx
+}
+
+func (n *nodePods) wait() { n.fetches.Wait() }
 
 // read returns a LIST of the node's pods that started at most maxAge
 // before the call: the newest one when it is young enough and did not fail,
@@ -70,7 +85,21 @@ func (n *nodePods) read(ctx context.Context) (*podList, error) {
 	if l == nil || now.Sub(l.start) > n.maxAge || l.failed() {
 		l = &podList{start: now, done: make(chan struct{})}
 		n.last = l
-		go n.fetch(context.WithoutCancel(ctx), l) // keeps the caller's logger
+		// Not the caller's deadline, but its logger, and the agent's
+		// life: a LIST in flight at shutdown ends with it.
+		life := n.life
+		if life == nil {
+			life = context.Background()
+		}
+		fctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		stop := context.AfterFunc(life, cancel)
+		n.fetches.Add(1)
+		go func() {
+			defer n.fetches.Done()
+			defer stop()
+			defer cancel()
+			n.fetch(fctx, l)
+		}()
 	}
 	n.mu.Unlock()
 	select {

@@ -231,3 +231,41 @@ func TestNodePodsSharesAList(t *testing.T) {
 		t.Fatalf("read right after a failed LIST: err %v, %d LISTs; want a new LIST (4)", err, listed())
 	}
 }
+
+// TestNodePodsListEndsWithTheAgent: a LIST in flight when the agent stops
+// ends with it, not at its own deadline (an hour here), and the agent can
+// wait for it. The runs' own deadlines still do not end it.
+func TestNodePodsListEndsWithTheAgent(t *testing.T) {
+	started := make(chan struct{})
+	n := &nodePods{
+		maxAge:  time.Second,
+		timeout: time.Hour,
+		now:     time.Now,
+		list: func(ctx context.Context) (*corev1.PodList, error) {
+			close(started)
+			<-ctx.Done()
+			return nil, ctx.Err()
+		},
+	}
+	life, stop := context.WithCancel(context.Background())
+	n.live(life)
+	run, giveUp := context.WithCancel(context.Background())
+	read := make(chan error, 1)
+	go func() { _, err := n.read(run); read <- err }()
+	<-started
+	giveUp()
+	if err := <-read; !errors.Is(err, context.Canceled) {
+		t.Fatalf("read after its run gave up = %v, want context.Canceled", err)
+	}
+	stop()
+	n.wait()
+	l := n.last
+	select {
+	case <-l.done:
+	default:
+		t.Fatal("nodePods.wait returned with the LIST in flight")
+	}
+	if !errors.Is(l.err, context.Canceled) {
+		t.Errorf("the LIST ended with %v, want the agent's end (context.Canceled)", l.err)
+	}
+}
