@@ -14,6 +14,11 @@
 // as every agent does on main), mountmedic-controller, kwok,
 // kube-controller-manager, and the harness itself.
 //
+// A node's kubelet dies when the harness relabels its Node out of kwok's
+// selector (no more status) and freezes its kubelet Lease (the renew time
+// kept, the Lease passed to a holder that never renews): kwok does not
+// always stop renewing a relabelled node (see env.freezeLease).
+//
 // The test (go test ./scripts/scale) runs the cases in order on one
 // cluster and asserts behaviour only (what was tainted, fenced, deleted,
 // and in which order), never a duration: steady state, one node dies, one

@@ -33,6 +33,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
@@ -518,8 +519,44 @@ func (e *env) taintedSince(since time.Time) map[string]time.Time {
 // status, as when its kubelet (or the whole machine) stops.
 func (e *env) killKubelet(node string) error {
 	patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%q}}}`, kwokLabel, kwokDead)
-	_, err := e.admin.CoreV1().Nodes().Patch(e.ctx, node, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
-	return err
+	if _, err := e.admin.CoreV1().Nodes().Patch(e.ctx, node, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		return err
+	}
+	return e.freezeLease(node)
+}
+
+// deadHolder holds the kubelet Lease of a node whose kubelet the harness
+// killed.
+const deadHolder = "harness-dead-kubelet"
+
+// freezeLease stops node's kubelet Lease from being renewed, as a dead
+// kubelet's is: renewed one last time now, by a holder that never renews
+// and holds it for an hour. The relabel alone does not always stop kwok:
+// it renews the Leases it holds until its node watch tells it a node is no
+// longer managed, and it takes a node up again when it reads it by name,
+// without its label selector (kwok 0.8's lease sync). After an API server
+// restart a relabelled node's Lease was renewed by kwok every 2 s for the
+// whole wait, so kube-controller-manager kept it Ready and the controller
+// rightly saw a living kubelet ("one node dies: node-00099 never tainted",
+// the last CI runs of stops 19 and 21). kwok renews only a Lease it holds
+// or one that expired: it leaves this one alone. The renew time moves:
+// kube-controller-manager's lease circuit breaker (1.37) stops judging
+// every node while a Lease it sees expired has a newer version than the
+// one it saved when the renew time last moved, and a change that kept the
+// renew time would stay such a version for good.
+func (e *env) freezeLease(node string) error {
+	leases := e.admin.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		l, err := leases.Get(e.ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return fmt.Errorf("kubelet Lease of %s: %w", node, err)
+		}
+		l.Spec.HolderIdentity = ptr.To(deadHolder)
+		l.Spec.LeaseDurationSeconds = ptr.To(int32(3600))
+		l.Spec.RenewTime = ptr.To(metav1.NewMicroTime(time.Now()))
+		_, err = leases.Update(e.ctx, l, metav1.UpdateOptions{})
+		return err
+	})
 }
 
 // kill makes a heartbeat node die: kubelet silent, the agent cut off and
