@@ -343,7 +343,8 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	defer summary.Stop()
 	defer a.limiter.flush(a.cfg.DryRun)
 	// The executable's pages that only start-up used go back to the
-	// kernel once it is done, then every ReleaseCode while no repair runs.
+	// kernel once it is done, a minute after the last repair run of a
+	// burst, and every ReleaseCode while no repair runs.
 	var release <-chan time.Time
 	releaseTimer := time.NewTimer(min(releaseCodeFirst, a.cfg.ReleaseCode))
 	defer releaseTimer.Stop()
@@ -401,6 +402,11 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			}
 		case r := <-a.results:
 			a.running--
+			if a.running == 0 && release != nil {
+				// What the runs touched (CSI and CRI clients, events)
+				// goes back a while after the last of a burst.
+				releaseTimer.Reset(releaseAfterRepairs)
+			}
 			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
 			a.decider.setResidual(r.key, r.residual)
 			if a.synced() {
@@ -444,6 +450,10 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 // informer has synced on any API server that answers), and it is when the
 // agent retries a release that a repair put off.
 const releaseCodeFirst = 30 * time.Second
+
+// releaseAfterRepairs is how long after the last repair run of a burst the
+// agent gives back the pages of its executable it no longer uses.
+const releaseAfterRepairs = time.Minute
 
 // releaseCode gives the kernel back the pages of the agent's executable it
 // no longer uses (coldpages.Release); n counts the earlier releases.

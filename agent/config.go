@@ -59,8 +59,9 @@ type Config struct {
 	Resync time.Duration
 	// ReleaseCode is how often the agent gives the kernel back the pages
 	// of its own executable it no longer uses (coldpages.Release): first
-	// releaseCodeFirst after start, then at this interval, never while a
-	// repair runs; 0 never.
+	// releaseCodeFirst after start, releaseAfterRepairs after the last
+	// repair run of a burst, and at this interval, never while a repair
+	// runs; 0 never.
 	ReleaseCode time.Duration
 	// BackoffBase and BackoffMax bound the per-volume exponential backoff
 	// between repair attempts.

@@ -88,7 +88,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.DurationVar(&c.StallPoll, "stall-poll", c.StallPoll, "how often to read each FUSE connection's waiting requests between cycles and probe a backend with requests waiting at once; at most 1,000 reads a second, so past 250 FUSE backends the polls stretch (0: off)")
 	fl.IntVar(&c.Strikes, "strikes", c.Strikes, "consecutive broken probe cycles before a repair (a definitely dead FUSE connection, and a driver that just came back, act at once)")
 	fl.DurationVar(&c.Resync, "resync", c.Resync, "re-read the mount table and retry volumes waiting for their driver at least this often")
-	fl.DurationVar(&c.ReleaseCode, "release-code-interval", c.ReleaseCode, "how often to give the kernel back the pages of the agent's own executable that it no longer uses (most of its start-up's: they stay in the page cache), first 30s after start, never during a repair (0: never)")
+	fl.DurationVar(&c.ReleaseCode, "release-code-interval", c.ReleaseCode, "how often to give the kernel back the pages of the agent's own executable that it no longer uses (most of its start-up's: they stay in the page cache), first 30s after start and 1m after the last repair of a burst, never during a repair (0: never)")
 	fl.DurationVar(&c.BackoffBase, "backoff-base", c.BackoffBase, "first wait after a failed repair of a volume (doubles per failure)")
 	fl.DurationVar(&c.BackoffMax, "backoff-max", c.BackoffMax, "longest wait between repairs of a volume")
 	fl.StringSliceVar(&f.tiers, "tiers", f.tiers, "repair tiers to enable, comma-separated: "+strings.Join(remount.NewTierSet(remount.AllTiers()...).Names(), ", "))
