@@ -458,18 +458,8 @@ const releaseAfterRepairs = time.Minute
 // releaseCode gives the kernel back the pages of the agent's executable it
 // no longer uses (coldpages.Release); n counts the earlier releases.
 func (a *Agent) releaseCode(ctx context.Context, n int) {
-	logger := klog.FromContext(ctx)
 	res, err := a.release()
-	if err != nil {
-		logger.Info("Cannot give back the pages of the executable the agent no longer uses", "err", err)
-		return
-	}
-	v := 4
-	if n == 0 {
-		v = 2
-	}
-	logger.V(v).Info("Gave back the pages of the executable the agent no longer uses (mapped again when used)",
-		"mappings", res.Advised, "skipped", res.Skipped, "residentBytes", res.Resident)
+	coldpages.Log(klog.FromContext(ctx), n, res, err)
 }
 
 // watchStalls starts the prober's stall watch (Config.StallPoll) over the

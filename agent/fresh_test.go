@@ -258,7 +258,13 @@ func TestNodePodsListEndsWithTheAgent(t *testing.T) {
 		t.Fatalf("read after its run gave up = %v, want context.Canceled", err)
 	}
 	stop()
-	n.wait()
+	waited := make(chan struct{})
+	go func() { n.wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(time.Minute):
+		t.Fatal("the LIST was still in flight a minute after the agent stopped (its own deadline is an hour)")
+	}
 	l := n.last
 	select {
 	case <-l.done:

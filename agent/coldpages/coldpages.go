@@ -38,6 +38,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
 )
 
 // Mapping is one mapping of a process, as /proc/<pid>/smaps lists it.
@@ -56,6 +57,27 @@ type Mapping struct {
 // and with no private copy of a page.
 func (m Mapping) cold() bool {
 	return len(m.Perms) == 4 && m.Perms[0] == 'r' && m.Perms[1] == '-' && m.Perms[3] == 'p' && m.Anonymous == 0 && m.End > m.Start
+}
+
+// of reports whether m maps the file st describes.
+func (m Mapping) of(st *unix.Stat_t) bool {
+	return m.Inode == st.Ino && m.Major == unix.Major(st.Dev) && m.Minor == unix.Minor(st.Dev)
+}
+
+// Log logs what the nth Release of a process did: its first at V(2), the
+// later ones at V(4), a failure at V(0) as an Info (a kernel without
+// MADV_COLD or MADV_DONTNEED is no bug).
+func Log(logger klog.Logger, n int, res Result, err error) {
+	if err != nil {
+		logger.Info("Cannot give back the pages of the executable the process no longer uses", "err", err)
+		return
+	}
+	v := 4
+	if n == 0 {
+		v = 2
+	}
+	logger.V(v).Info("Gave back the pages of the executable the process no longer uses (mapped again when used)",
+		"mappings", res.Advised, "skipped", res.Skipped, "residentBytes", res.Resident)
 }
 
 // ParseSmaps reads the mappings of a /proc/<pid>/smaps file.
@@ -185,7 +207,7 @@ func releaseFile(path string) (Result, error) {
 	var res Result
 	var errs []error
 	for _, m := range maps {
-		if m.Inode != st.Ino || m.Major != unix.Major(st.Dev) || m.Minor != unix.Minor(st.Dev) {
+		if !m.of(&st) {
 			continue
 		}
 		if !m.cold() {

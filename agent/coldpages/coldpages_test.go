@@ -97,7 +97,7 @@ func exeResident(t *testing.T, pid int) int64 {
 	}
 	var n int64
 	for _, m := range maps {
-		if m.Inode == st.Ino && m.Major == unix.Major(st.Dev) && m.Minor == unix.Minor(st.Dev) && m.cold() {
+		if m.of(&st) && m.cold() {
 			n += m.Rss
 		}
 	}

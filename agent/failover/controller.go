@@ -191,16 +191,10 @@ func (c *Controller) Run(ctx context.Context) error {
 		}()
 		go func() {
 			defer close(released)
-			first := true
+			n := 0
 			coldpages.Every(rctx, releaseCodeFirst, c.cfg.ReleaseCode, func(res coldpages.Result, err error) {
-				switch {
-				case err != nil:
-					logger.Info("Cannot give back the pages of the executable the controller no longer uses", "err", err)
-				case first:
-					logger.V(2).Info("Gave back the pages of the executable the controller no longer uses (mapped again when used)",
-						"mappings", res.Advised, "skipped", res.Skipped, "residentBytes", res.Resident)
-				}
-				first = false
+				coldpages.Log(logger, n, res, err)
+				n++
 			})
 		}()
 	}
