@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"path/filepath"
 	"strconv"
 	"time"
@@ -151,7 +152,7 @@ func (w *stallWatch) poll(inv *Inventory) (reads int, fuse bool, err error) {
 		}
 		name = append(strconv.AppendUint(name[:0], uint64(b.Conn), 10), "/waiting"...)
 		reads++
-		if n, ok := waiting(dir, string(name)); ok && n > 0 {
+		if n, err := FusectlWaiting(dir, string(name)); err == nil && n > 0 {
 			if sameDev(path, b.Dev) != nil {
 				continue // the inventory is older than the table: the next cycle probes
 			}
@@ -216,23 +217,28 @@ func sameDev(path string, dev Dev) error {
 	return nil
 }
 
-// waiting reads a connection's count of waiting requests from its file
-// name (<conn>/waiting) under the fusectl directory dir. The file is opened
-// for each read: fusectl files cannot seek (no pread), and a connection's
-// number may be another connection's by the next poll.
-func waiting(dir int, name string) (int, bool) {
-	fd, err := unix.Openat(dir, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+// FusectlWaiting reads a FUSE connection's count of requests waiting for
+// its daemon from its fusectl file name (<conn>/waiting), relative to the
+// directory dirfd (unix.AT_FDCWD: name is a path). The read asks no
+// daemon. The file is opened for each read: fusectl files cannot seek (no
+// pread), and a connection's number may be another connection's by the
+// next read. A connection gone (no such file) reads as fs.ErrNotExist.
+func FusectlWaiting(dirfd int, name string) (int, error) {
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
 	if err != nil {
-		return 0, false
+		return 0, &fs.PathError{Op: "open", Path: name, Err: err}
 	}
 	defer unix.Close(fd)
 	var buf [24]byte
 	n, err := unix.Read(fd, buf[:])
-	if err != nil || n == 0 {
-		return 0, false
+	if err != nil {
+		return 0, &fs.PathError{Op: "read", Path: name, Err: err}
 	}
 	v, err := strconv.Atoi(string(bytes.TrimSpace(buf[:n])))
-	return v, err == nil
+	if err != nil {
+		return 0, fmt.Errorf("requests waiting in %s: %w", name, err)
+	}
+	return v, nil
 }
 
 // lastFlight is the last probe of the backend with device dev: whether it

@@ -429,14 +429,10 @@ func (u *Unmounter) recheckConn(pin *safePath, dev probe.Dev, connDir string) (i
 	if got != dev {
 		return 0, fmt.Errorf("mount %d at %s is of device %s in our mount table now, not %s: %w", pin.MountID, pin.Path, got, dev, ErrMountChanged)
 	}
-	b, err := os.ReadFile(filepath.Join(connDir, "waiting"))
+	n, err := probe.FusectlWaiting(unix.AT_FDCWD, filepath.Join(connDir, "waiting"))
 	if errors.Is(err, fs.ErrNotExist) {
 		return 0, nil
 	}
-	if err != nil {
-		return 0, fmt.Errorf("requests waiting on %s: %w", connDir, err)
-	}
-	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
 	if err != nil {
 		return 0, fmt.Errorf("requests waiting on %s: %w", connDir, err)
 	}
