@@ -345,10 +345,11 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	// The executable's pages that only start-up used go back to the
 	// kernel once it is done, a minute after the last repair run of a
 	// burst, and every ReleaseCode while no repair runs.
+	plan := releasePlan{every: a.cfg.ReleaseCode}
 	var release <-chan time.Time
-	releaseTimer := time.NewTimer(min(releaseCodeFirst, a.cfg.ReleaseCode))
+	releaseTimer := time.NewTimer(plan.first())
 	defer releaseTimer.Stop()
-	if a.cfg.ReleaseCode > 0 {
+	if plan.on() {
 		release = releaseTimer.C
 	}
 	released := 0
@@ -369,13 +370,12 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 		case <-summary.C:
 			a.limiter.flush(a.cfg.DryRun)
 		case <-release:
-			if a.running > 0 {
-				releaseTimer.Reset(releaseCodeFirst)
-				continue
+			now, next := plan.due(a.running)
+			if now {
+				a.releaseCode(ctx, released)
+				released++
 			}
-			a.releaseCode(ctx, released)
-			released++
-			releaseTimer.Reset(a.cfg.ReleaseCode)
+			releaseTimer.Reset(next)
 		case <-resync.C:
 			dirty = true
 			a.decider.resync()
@@ -402,10 +402,8 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			}
 		case r := <-a.results:
 			a.running--
-			if a.running == 0 && release != nil {
-				// What the runs touched (CSI and CRI clients, events)
-				// goes back a while after the last of a burst.
-				releaseTimer.Reset(releaseAfterRepairs)
+			if a.running == 0 && plan.on() {
+				releaseTimer.Reset(plan.afterRuns())
 			}
 			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
 			a.decider.setResidual(r.key, r.residual)
@@ -454,6 +452,33 @@ const releaseCodeFirst = 30 * time.Second
 // releaseAfterRepairs is how long after the last repair run of a burst the
 // agent gives back the pages of its executable it no longer uses.
 const releaseAfterRepairs = time.Minute
+
+// releasePlan is when the agent's loop gives back the pages of its
+// executable it no longer uses (Config.ReleaseCode every, 0: never): once
+// start-up is over, then every interval, a minute after the last repair
+// run of a burst (what the runs touched, CSI and CRI clients and events,
+// goes back; sooner when the interval is shorter), and never while a run
+// is in flight: a release then is put off by releaseCodeFirst. Its times
+// are for the loop's one timer.
+type releasePlan struct{ every time.Duration }
+
+// on: the agent releases at all.
+func (p releasePlan) on() bool { return p.every > 0 }
+
+// first is the timer's first wait.
+func (p releasePlan) first() time.Duration { return min(releaseCodeFirst, p.every) }
+
+// due is the timer's firing with running repair runs in flight: whether
+// to release now, and the timer's next wait.
+func (p releasePlan) due(running int) (now bool, next time.Duration) {
+	if running > 0 {
+		return false, releaseCodeFirst
+	}
+	return true, p.every
+}
+
+// afterRuns is the timer's wait once the last run in flight has ended.
+func (p releasePlan) afterRuns() time.Duration { return min(releaseAfterRepairs, p.every) }
 
 // releaseCode gives the kernel back the pages of the agent's executable it
 // no longer uses (coldpages.Release); n counts the earlier releases.

@@ -93,3 +93,29 @@ func TestNamespaceAndDriverFilters(t *testing.T) {
 		t.Error("no --drivers must allow every driver")
 	}
 }
+
+// TestReleasePlan: the executable's unused pages go back once start-up is
+// over, at the interval, a minute after the last repair run of a burst,
+// and never while a run is in flight.
+func TestReleasePlan(t *testing.T) {
+	if (releasePlan{}).on() {
+		t.Error("--release-code-interval=0 releases, want never")
+	}
+	p := releasePlan{every: 5 * time.Minute}
+	if !p.on() || p.first() != 30*time.Second {
+		t.Errorf("default plan: on %v, first after %s; want on, 30s after start", p.on(), p.first())
+	}
+	if now, next := p.due(0); !now || next != 5*time.Minute {
+		t.Errorf("due with no run in flight = %v, %s; want a release now, the next in 5m", now, next)
+	}
+	if now, next := p.due(3); now || next != 30*time.Second {
+		t.Errorf("due with 3 runs in flight = %v, %s; want none now, a retry in 30s", now, next)
+	}
+	if got := p.afterRuns(); got != time.Minute {
+		t.Errorf("after the last run of a burst: release in %s, want 1m", got)
+	}
+	short := releasePlan{every: 10 * time.Second}
+	if short.first() != 10*time.Second || short.afterRuns() != 10*time.Second {
+		t.Errorf("10s plan: first %s, after runs %s; want both within the interval", short.first(), short.afterRuns())
+	}
+}
