@@ -48,6 +48,10 @@ var scenarios = []scenario{
 	{name: "live-rclone", mounter: "rclone", run: liveScenario},
 	{name: "hung-rclone", mounter: "rclone", run: hungScenario},
 	{name: "driver-down-rclone", mounter: "rclone", run: driverDownScenario},
+	// 15 FUSE daemons die (or hang) at once, one shared by 4 pods, beside
+	// 10 healthy volumes; 2 of the 15 opted out (many_test.go).
+	{name: "many", run: manyScenario},
+	{name: "many-hung", run: manyHungScenario},
 	// A publish target loses its mount while the plugin is down; its
 	// last part SIGKILLs the agent, and deploys it again.
 	{name: "guard", run: guardScenario},

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -97,6 +98,12 @@ type WorkloadOptions struct {
 	// Mounter is the volume's FUSE daemon (k8s-csi-s3's mounter attribute):
 	// s3fs when empty, or rclone.
 	Mounter string
+	// Replicas of the Deployment (1 when 0). Its pods share the claim, so
+	// they share one staging mount and one FUSE daemon on the node. With
+	// more than one, DeployWorkloadWith waits for none of them (WaitPods).
+	Replicas int32
+	// ClaimAnnotations are the claim's annotations.
+	ClaimAnnotations map[string]string
 }
 
 // volumeAttributes are the PV's CSI attributes for mounter. Debian's rclone
@@ -170,7 +177,7 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 		return nil, fmt.Errorf("create PV: %w", err)
 	}
 	pvc := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: w.Name, Namespace: ns},
+		ObjectMeta: metav1.ObjectMeta{Name: w.Name, Namespace: ns, Annotations: opts.ClaimAnnotations},
 		Spec: corev1.PersistentVolumeClaimSpec{
 			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
 			StorageClassName: ptr.To(""),
@@ -185,7 +192,7 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 	dep := &appsv1.Deployment{
 		ObjectMeta: metav1.ObjectMeta{Name: w.Name, Namespace: ns},
 		Spec: appsv1.DeploymentSpec{
-			Replicas: ptr.To[int32](1),
+			Replicas: ptr.To(max(opts.Replicas, 1)),
 			Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Strategy: appsv1.DeploymentStrategy{Type: appsv1.RecreateDeploymentStrategyType},
 			Template: corev1.PodTemplateSpec{
@@ -219,7 +226,7 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 	if _, err := c.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
 		return nil, fmt.Errorf("create deployment: %w", err)
 	}
-	if opts.NoWait {
+	if opts.NoWait || opts.Replicas > 1 {
 		return w, nil
 	}
 	pod, err := w.WaitRunning(ctx, "")
@@ -303,6 +310,49 @@ func (w *Workload) WaitRunning(ctx context.Context, notUID string) (*corev1.Pod,
 		return nil, fmt.Errorf("wait for a running pod of %s/%s: %w (last: %s)", w.Namespace, w.Name, err, last)
 	}
 	return got, nil
+}
+
+// WaitPods waits until the workload has n pods whose app container runs
+// and has read its files ("ok" in its log), and returns them by name.
+func (w *Workload) WaitPods(ctx context.Context, n int) ([]corev1.Pod, error) {
+	var got []corev1.Pod
+	var last string
+	err := wait.PollUntilContextCancel(ctx, 250*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		pods, err := w.Pods(ctx)
+		if err != nil {
+			last = err.Error()
+			return false, nil
+		}
+		got = got[:0]
+		for i := range pods {
+			p := &pods[i]
+			last = describePod(p)
+			if p.Status.Phase != corev1.PodRunning || !appStarted(p) {
+				return false, nil
+			}
+			if lines, err := w.Log(p, true); err != nil || !slices.ContainsFunc(lines, func(l LogLine) bool { return l.Text == "ok" }) {
+				last = fmt.Sprintf("pod %s has not read its files yet", p.Name)
+				return false, nil
+			}
+			got = append(got, *p)
+		}
+		return len(got) == n, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("wait for %d running pods of %s/%s: %w (last: %s)", n, w.Namespace, w.Name, err, last)
+	}
+	slices.SortFunc(got, func(a, b corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
+	return got, nil
+}
+
+// appStarted: the pod's app container runs.
+func appStarted(p *corev1.Pod) bool {
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.Name == container && cs.State.Running != nil {
+			return true
+		}
+	}
+	return false
 }
 
 func describePod(p *corev1.Pod) string {
