@@ -361,6 +361,9 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rep.Close() })
+	if qps, burst, ok := scaleAPILimits(t); ok {
+		s.e.agentConfig.QPS, s.e.agentConfig.Burst = qps, burst
+	}
 	client, rec := s.e.countingClient()
 	cfg := agent.DefaultConfig()
 	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr, cfg.Version = s.e.node, s.e.kubelet.Root(), "", "test"
@@ -501,6 +504,9 @@ func TestScaleHungBackends(t *testing.T) { testScale(t, scaleN(50), false, true)
 // the agent's event writes, and its threads. One iteration per case.
 //
 //	go test -run '^$' -bench Scale -benchtime 1x -timeout 60m ./agent
+//
+// $MOUNTMEDIC_SCALE_API=<qps>,<burst> runs the agent's client at other
+// rate limits, for an A/B of them.
 func BenchmarkScale(b *testing.B) {
 	n := scaleN(1000)
 	for _, c := range []struct {
@@ -521,6 +527,24 @@ func BenchmarkScale(b *testing.B) {
 			b.ReportMetric(float64(res.threadsPeak-res.threadsBefore), "agent-threads-peak")
 		})
 	}
+}
+
+// scaleAPILimits are the agent client's rate limits from
+// $MOUNTMEDIC_SCALE_API ("<qps>,<burst>", as --kube-api-qps and
+// --kube-api-burst), for an A/B of them by hand; ok is false when unset
+// (the command's defaults).
+func scaleAPILimits(t testing.TB) (qps float32, burst int, ok bool) {
+	v := os.Getenv("MOUNTMEDIC_SCALE_API")
+	if v == "" {
+		return 0, 0, false
+	}
+	q, b, found := strings.Cut(v, ",")
+	fq, err1 := strconv.ParseFloat(q, 32)
+	ib, err2 := strconv.Atoi(b)
+	if !found || err1 != nil || err2 != nil || fq <= 0 || ib <= 0 {
+		t.Fatalf("MOUNTMEDIC_SCALE_API=%q: want <qps>,<burst>, both positive, such as 100,200", v)
+	}
+	return float32(fq), ib, true
 }
 
 // scaleN is n, or $MOUNTMEDIC_SCALE_N when set (to run a test at another
