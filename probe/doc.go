@@ -14,7 +14,9 @@
 //     daemon). A table is anyone's text: ReadTable reads only a regular file
 //     (procfs included), streams it under a size cap, and refuses a bad
 //     line, a duplicate mount ID, a cycle of parents or a malformed device
-//     with an error naming the file and the line. The parser is our own
+//     with an error naming the file and the line (of a live procfs table,
+//     which can list a freed ID again for the mount that took it during the
+//     read, the last line of the ID is kept). The parser is our own
 //     rather than github.com/moby/sys/mountinfo's, which reads numbers it
 //     cannot parse as 0, gives no line numbers and returns every entry at
 //     once; FuzzParse holds ours to mountinfo's, line by line, on every
