@@ -299,16 +299,6 @@ func appContainerID(p *corev1.Pod) (string, error) {
 	return "", fmt.Errorf("pod %s has no app container ID yet", p.Name)
 }
 
-// appRunning reports whether the pod's app container runs.
-func appRunning(p *corev1.Pod) bool {
-	for _, cs := range p.Status.ContainerStatuses {
-		if cs.Name == "app" {
-			return cs.State.Running != nil
-		}
-	}
-	return false
-}
-
 // volumeMountsIn lists the mount points under dir of the filesystem vol in
 // the mount table at table.
 func volumeMountsIn(t *testing.T, table, dir string, vol *mountinfo.Info) []string {

@@ -92,7 +92,7 @@ func guardScenario(t *testing.T, e *env, ns string) {
 	var next *corev1.Pod
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, healBound, true, func(ctx context.Context) (bool, error) {
 		p, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
-		if err != nil || !appRunning(p) {
+		if err != nil || !e2e.AppRunning(p) {
 			return false, nil
 		}
 		if id, err := appContainerID(p); err != nil || id == appID {

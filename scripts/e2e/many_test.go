@@ -41,9 +41,11 @@ const (
 // manyWorkload is one workload of the many scenario and what the test saw
 // of it before the fault.
 type manyWorkload struct {
-	w    *wl
+	ns   string // its namespace
 	kind string // "dead", "shared", "healthy" or "opted-out"
 	opts e2e.WorkloadOptions
+	// w is the workload once deployed, pods its pods once they run.
+	w    *wl
 	pods []corev1.Pod
 	// staging is the mount ID of the volume's staging mount before the
 	// fault; pid its FUSE daemon.
@@ -74,7 +76,7 @@ func manyFault(t *testing.T, e *env, ns string, sig syscall.Signal) {
 	for _, m := range all {
 		mnt := mountAt(t, table, e2e.StagingPath(m.w.Handle))
 		if mnt == nil {
-			t.Fatalf("%s: no staging mount at %s", m.w.Namespace, e2e.StagingPath(m.w.Handle))
+			t.Fatalf("%s: no staging mount at %s", m.ns, e2e.StagingPath(m.w.Handle))
 		}
 		m.staging = mnt.ID
 		pid, err := daemonOf("s3fs", m.w.Handle)
@@ -96,7 +98,7 @@ func manyFault(t *testing.T, e *env, ns string, sig syscall.Signal) {
 			continue
 		}
 		if err := syscall.Kill(m.pid, sig); err != nil {
-			t.Fatalf("signal %v to the s3fs of %s (pid %d): %v", sig, m.w.Namespace, m.pid, err)
+			t.Fatalf("signal %v to the s3fs of %s (pid %d): %v", sig, m.ns, m.pid, err)
 		}
 		if sig == syscall.SIGSTOP {
 			// Before the workloads' deletion (cleanups run last first):
@@ -188,15 +190,15 @@ func manyFault(t *testing.T, e *env, ns string, sig syscall.Signal) {
 		}
 		slices.SortFunc(pods, func(a, b corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
 		if got, want := podsByName(pods), podsByName(m.pods); !slices.Equal(got, want) {
-			t.Errorf("%s (%s): pods %v, want %v (none replaced)", m.w.Namespace, m.kind, got, want)
+			t.Errorf("%s (%s): pods %v, want %v (none replaced)", m.ns, m.kind, got, want)
 			continue
 		}
 		for i := range pods {
 			if got, want := restarts(&pods[i]), restarts(&m.pods[i]); got != want {
-				t.Errorf("%s/%s (%s): container restarts %d, want %d", m.w.Namespace, pods[i].Name, m.kind, got, want)
+				t.Errorf("%s/%s (%s): container restarts %d, want %d", m.ns, pods[i].Name, m.kind, got, want)
 			}
 		}
-		evs, err := e.agent.Events(ctx, m.w.Namespace)
+		evs, err := e.agent.Events(ctx, m.ns)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -205,20 +207,20 @@ func manyFault(t *testing.T, e *env, ns string, sig syscall.Signal) {
 		switch m.kind {
 		case "healthy":
 			if mnt == nil || mnt.ID != m.staging {
-				t.Errorf("%s (healthy): staging mount %v, want mount %d untouched", m.w.Namespace, mnt, m.staging)
+				t.Errorf("%s (healthy): staging mount %v, want mount %d untouched", m.ns, mnt, m.staging)
 			}
 			if len(evs) > 0 {
-				t.Errorf("%s (healthy): agent events %s, want none", m.w.Namespace, eventList(evs))
+				t.Errorf("%s (healthy): agent events %s, want none", m.ns, eventList(evs))
 			}
 			if lines, err := m.w.Log(&pods[0], true); err != nil || slices.ContainsFunc(lines, func(l e2e.LogLine) bool { return l.Text == "bad" }) {
-				t.Errorf("%s (healthy): container log %v (%v), want no failed read", m.w.Namespace, lines, err)
+				t.Errorf("%s (healthy): container log %v (%v), want no failed read", m.ns, lines, err)
 			}
 		case "opted-out":
 			if mnt == nil || mnt.ID != m.staging {
-				t.Errorf("%s (opted out): staging mount %v, want the dead mount %d left alone", m.w.Namespace, mnt, m.staging)
+				t.Errorf("%s (opted out): staging mount %v, want the dead mount %d left alone", m.ns, mnt, m.staging)
 			}
 			if slices.ContainsFunc(evs, func(ev eventsv1.Event) bool { return ev.Reason == "VolumeRepaired" }) {
-				t.Errorf("%s (opted out): agent events %s, want no repair", m.w.Namespace, eventList(evs))
+				t.Errorf("%s (opted out): agent events %s, want no repair", m.ns, eventList(evs))
 			}
 			// A dead volume keeps failing; a hung one keeps its reader
 			// blocked: its connection was never aborted.
@@ -228,9 +230,9 @@ func manyFault(t *testing.T, e *env, ns string, sig syscall.Signal) {
 				last = lines[len(lines)-1].Text
 			}
 			if want := map[syscall.Signal]string{syscall.SIGKILL: "bad", syscall.SIGSTOP: "ok"}[sig]; err != nil || last != want {
-				t.Errorf("%s (opted out): container log %v (%v), want %q last", m.w.Namespace, lines, err, want)
+				t.Errorf("%s (opted out): container log %v (%v), want %q last", m.ns, lines, err, want)
 			}
-			t.Logf("%s (opted out): agent events %s", m.w.Namespace, eventList(evs))
+			t.Logf("%s (opted out): agent events %s", m.ns, eventList(evs))
 		}
 	}
 	e.figs.Value(e.scenario, fmt.Sprintf("agent events in the %d namespaces", len(all)), "", float64(events))
@@ -267,7 +269,7 @@ func (e *env) manyWorkloads(t *testing.T, ctx context.Context, ns string) []*man
 			if n > 1 {
 				name = fmt.Sprintf("%s-%02d", name, i)
 			}
-			all = append(all, &manyWorkload{kind: kind, opts: opts, w: &wl{Workload: &e2e.Workload{Namespace: name}}, pods: make([]corev1.Pod, max(opts.Replicas, 1))})
+			all = append(all, &manyWorkload{ns: name, kind: kind, opts: opts})
 		}
 	}
 	add("dead", manyDead, e2e.WorkloadOptions{})
@@ -283,10 +285,10 @@ func (e *env) manyWorkloads(t *testing.T, ctx context.Context, ns string) []*man
 		wg.Go(func() {
 			opts := m.opts
 			opts.NoWait = true
-			w, err := e.n.DeployWorkloadWith(ctx, m.w.Namespace, opts)
+			w, err := e.n.DeployWorkloadWith(ctx, m.ns, opts)
 			if err == nil {
 				m.w = &wl{Workload: w}
-				m.pods, err = w.WaitPods(ctx, len(m.pods))
+				m.pods, err = w.WaitPods(ctx, int(max(m.opts.Replicas, 1)))
 			}
 			if err != nil {
 				mu.Lock()
@@ -304,12 +306,12 @@ func (e *env) manyWorkloads(t *testing.T, ctx context.Context, ns string) []*man
 		defer cancel()
 		var wg sync.WaitGroup
 		for _, m := range all {
-			if m.w.Workload.Name == "" {
+			if m.w == nil {
 				continue // never created
 			}
 			wg.Go(func() {
 				if err := m.w.Delete(ctx); err != nil {
-					t.Errorf("delete workload %s: %v\n%s", m.w.Namespace, err, m.w.Describe(context.Background()))
+					t.Errorf("delete workload %s: %v\n%s", m.ns, err, m.w.Describe(context.Background()))
 				}
 			})
 		}

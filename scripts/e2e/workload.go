@@ -294,14 +294,9 @@ func (w *Workload) WaitRunning(ctx context.Context, notUID string) (*corev1.Pod,
 				continue
 			}
 			last = describePod(p)
-			if p.Status.Phase != corev1.PodRunning {
-				continue
-			}
-			for _, cs := range p.Status.ContainerStatuses {
-				if cs.Name == container && cs.State.Running != nil {
-					got = p
-					return true, nil
-				}
+			if p.Status.Phase == corev1.PodRunning && AppRunning(p) {
+				got = p
+				return true, nil
 			}
 		}
 		return false, nil
@@ -327,7 +322,7 @@ func (w *Workload) WaitPods(ctx context.Context, n int) ([]corev1.Pod, error) {
 		for i := range pods {
 			p := &pods[i]
 			last = describePod(p)
-			if p.Status.Phase != corev1.PodRunning || !appStarted(p) {
+			if p.Status.Phase != corev1.PodRunning || !AppRunning(p) {
 				return false, nil
 			}
 			if lines, err := w.Log(p, true); err != nil || !slices.ContainsFunc(lines, func(l LogLine) bool { return l.Text == "ok" }) {
@@ -345,11 +340,11 @@ func (w *Workload) WaitPods(ctx context.Context, n int) ([]corev1.Pod, error) {
 	return got, nil
 }
 
-// appStarted: the pod's app container runs.
-func appStarted(p *corev1.Pod) bool {
+// AppRunning reports whether the pod's app container runs.
+func AppRunning(p *corev1.Pod) bool {
 	for _, cs := range p.Status.ContainerStatuses {
-		if cs.Name == container && cs.State.Running != nil {
-			return true
+		if cs.Name == container {
+			return cs.State.Running != nil
 		}
 	}
 	return false
