@@ -89,7 +89,7 @@ func (a Action) String() string {
 func Changed(actions []Action) bool {
 	for _, a := range actions {
 		switch a.Op {
-		case opAbortFUSE, opMountFusectl, opUnmount, opOverMount, opSwap, opStopContainer, opStage, opPublish, opBind:
+		case opAbortFUSE, opKillServer, opMountFusectl, opUnmount, opOverMount, opSwap, opStopContainer, opStage, opPublish, opBind:
 			if a.Err == nil {
 				return true
 			}

@@ -372,7 +372,14 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 	a.Detail += fmt.Sprintf(", pinned by mount %d at %s", at.ID, at.Path)
 	if u.DryRun {
 		logger.V(2).Info("Would abort FUSE connection", "conn", conn)
-		return append(actions, a), nil
+		servers, notes := u.findServers(ctx, conn)
+		closeServers(servers)
+		actions = append(actions, a)
+		for _, s := range servers {
+			actions = append(actions, Action{Op: opKillServer, Path: "pid " + strconv.Itoa(s.pid), DryRun: true,
+				Detail: fmt.Sprintf("%s serves fuse connection %d: would be stopped before the abort and killed after it", s, conn)})
+		}
+		return append(actions, notes...), nil
 	}
 	pin, err := openSafe(u.root(), at.Path)
 	if err != nil {
@@ -394,6 +401,14 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		logger.V(2).Info("FUSE connection not aborted: no request waiting", "conn", conn)
 		return append(actions, a), actionsErr(append(actions, a))
 	}
+	// The processes serving the connection are found while it is up and
+	// stopped before the abort: woken by it, a daemon's exit path
+	// unmounts its mountpoint by path, which holds the fresh mount once
+	// the volume is staged again. Killed after it, they never run again.
+	servers, notes := u.findServers(ctx, conn)
+	defer closeServers(servers)
+	logServers(logger, conn, servers, notes)
+	stopServers(ctx, u.procDir(), servers)
 	start := time.Now()
 	err = sys.WriteFile(p, []byte("1"))
 	a.Took = time.Since(start)
@@ -406,7 +421,23 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 	default:
 		logger.V(2).Info("Aborted FUSE connection", "conn", conn, "waiting", waiting)
 	}
+	if len(servers) == 0 && len(notes) == 0 {
+		a.Detail += "; no process the agent can see serves it"
+	}
 	actions = append(actions, a)
+	if a.Err != nil {
+		continueServers(servers)
+		return append(actions, notes...), actionsErr(actions)
+	}
+	kills := killServers(ctx, servers, conn)
+	for _, k := range kills {
+		if k.Err != nil {
+			logger.Error(k.Err, "Killing the process that served an aborted FUSE connection failed", "conn", conn)
+		} else {
+			logger.V(2).Info("Killed the process that served an aborted FUSE connection", "conn", conn, "process", k.Path, "detail", k.Detail)
+		}
+	}
+	actions = append(append(actions, kills...), notes...)
 	return actions, actionsErr(actions)
 }
 
@@ -456,6 +487,25 @@ func mountDev(procDir string, id int) (probe.Dev, error) {
 		return probe.Dev{}, fmt.Errorf("mount %d is no longer in our mount table: %w", id, ErrMountChanged)
 	}
 	return probe.Dev{Major: uint32(infos[0].Major), Minor: uint32(infos[0].Minor)}, nil
+}
+
+// mountParent reads the parent mount ID of mount id from our mount table.
+func mountParent(procDir string, id int) (int, error) {
+	f, err := os.Open(filepath.Join(procDir, "thread-self", "mountinfo"))
+	if err != nil {
+		return 0, fmt.Errorf("read our mount table: %w", err)
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, func(in *mountinfo.Info) (skip, stop bool) {
+		return in.ID != id, in.ID == id
+	})
+	if err != nil {
+		return 0, fmt.Errorf("read our mount table: %w", err)
+	}
+	if len(infos) == 0 {
+		return 0, fmt.Errorf("mount %d is not in our mount table: %w", id, ErrMountChanged)
+	}
+	return infos[0].Parent, nil
 }
 
 // isFusectl reports whether the fuse control filesystem is mounted at dir.

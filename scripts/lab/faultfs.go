@@ -207,6 +207,9 @@ func (f *FaultFS) Release() {
 	f.command("release")
 }
 
+// Exited reports whether the daemon process has exited (and been reaped).
+func (f *FaultFS) Exited() bool { return f.d.exited() }
+
 // Kill sends SIGKILL to the daemon and waits until it is reaped. The mount
 // stays; its requests answer ENOTCONN afterwards.
 func (f *FaultFS) Kill() {
