@@ -56,9 +56,9 @@ type Mount struct {
 	// Backend is the filesystem instance the mount shows.
 	Backend *Backend `json:"-"`
 	// Guard is set on mountmedic's guard: the read-only empty tmpfs the
-	// agent mounts over a publish target that lost its mount, so that
-	// writes there fail instead of landing on the node's disk. Its volume
-	// is still Missing.
+	// agent mounts over a publish target or staging path that lost its
+	// mount, so that writes there fail instead of landing on the node's
+	// disk. Its volume is still Missing.
 	Guard bool `json:"guard,omitempty"`
 }
 
@@ -67,9 +67,9 @@ type Mount struct {
 const GuardSource = "mountmedic-guard"
 
 // isGuard reports whether a mount is mountmedic's guard over a publish
-// target.
+// target or a staging path.
 func isGuard(fsType, source string, t kubelet.Target) bool {
-	return fsType == "tmpfs" && source == GuardSource && t.Kind == kubelet.KindPublish
+	return fsType == "tmpfs" && source == GuardSource && (t.Kind == kubelet.KindPublish || t.Kind == kubelet.KindStaging)
 }
 
 // Deleted reports whether the mount's root was removed from its filesystem

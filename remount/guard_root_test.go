@@ -138,10 +138,14 @@ func TestGuardMakesWritesFail(t *testing.T) {
 		t.Errorf("guard still mounted after the repair's unmount: %v", g)
 	}
 
-	// Refused: not a publish target, a symlink, outside the root.
-	staging := k.StagingPath(labDriver, labHandle)
+	// Refused: not a CSI publish target or staging path, a symlink,
+	// outside the root.
+	staging := filepath.Join(root, "pods", labPod, "volumes", "kubernetes.io~empty-dir", "cache")
+	if err := os.MkdirAll(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
 	if a := r.Guard(ctx, staging); a.Err == nil {
-		t.Errorf("Guard(staging path) = %v, want refused", a)
+		t.Errorf("Guard(an emptyDir volume) = %v, want refused", a)
 	}
 	other := k.PreparePublish(labPod, "pv-2", labDriver, "vol-2")
 	if err := os.Remove(other); err != nil {
@@ -237,5 +241,82 @@ func testGuardOnRealDriver(t *testing.T, d *driverLab) {
 	// kubelet's removeMountDir: the target directory, then vol_data.json.
 	if err := os.Remove(rp.target); err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("kubelet's removal of the publish target: %v", err)
+	}
+}
+
+// TestGuardStagingPath: a staging path that lost its mount is guarded like
+// a publish target: writes fail, the probe reports the volume Missing with
+// the guard known as such.
+func TestGuardStagingPath(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	staging := k.StagingPath(labDriver, labHandle)
+	if err := os.MkdirAll(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	g := &Guarder{Root: k.Root()}
+	if a := g.Guard(context.Background(), staging); a.Err != nil {
+		t.Fatalf("Guard(%s) = %v", staging, a)
+	}
+	if guardAt(t, staging) == nil {
+		t.Fatalf("no guard at %s", staging)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "f"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("write under the staging guard = %v, want EROFS", err)
+	}
+	inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: k.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen bool
+	for _, m := range inv.Mounts {
+		if m.Path == staging {
+			seen = m.Guard
+		}
+	}
+	if !seen {
+		t.Errorf("the probe does not know the guard at the staging path")
+	}
+}
+
+// TestGuardNeverLandsOnALiveMount reproduces issue 28's race: a publish
+// between the guard's check and its attach. The kernel attaches the guard
+// on top of whatever is mounted at the directory by then; Guard sees that
+// the guard's parent is not the mount it checked, detaches it, finds the
+// target a mount point and leaves it (ErrMountChanged). The live mount is
+// on top, no guard anywhere at the path. The fence's guard is the same
+// Guarder.
+func TestGuardNeverLandsOnALiveMount(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	target := k.PreparePublish(labPod, labVolume, labDriver, labHandle)
+	published := false
+	g := &Guarder{Root: k.Root(), Sys: Syscalls{MoveMount: func(fromDirfd int, fromPath string, toDirfd int, toPath string, flags int) error {
+		if !published {
+			// kubelet's NodePublishVolume lands here.
+			if err := unix.Mount("live", target, "tmpfs", 0, "size=1m"); err != nil {
+				return err
+			}
+			published = true
+		}
+		return unix.MoveMount(fromDirfd, fromPath, toDirfd, toPath, flags)
+	}}}
+	a := g.Guard(context.Background(), target)
+	t.Logf("guard: %v", a)
+	if !errors.Is(a.Err, ErrMountChanged) {
+		t.Errorf("Guard with a publish during it = %v, want ErrMountChanged", a)
+	}
+	if gd := guardAt(t, target); gd != nil {
+		t.Errorf("the guard is mounted at %s (over the live volume): %v", target, gd)
+	}
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(target))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(infos) != 1 || infos[0].Source != "live" {
+		t.Errorf("mounts at %s after the race: %d, top %v; want the live mount alone", target, len(infos), infos)
+	}
+	if err := os.WriteFile(filepath.Join(target, "f"), []byte("x"), 0o644); err != nil {
+		t.Errorf("write to the live volume after the race: %v", err)
 	}
 }
