@@ -49,6 +49,9 @@ func (v *brokenVolume) unguarded() bool {
 	if !v.csi {
 		return false
 	}
+	if m := v.lostStaging(); m != nil && m.ID == 0 {
+		return true
+	}
 	for _, u := range v.pods {
 		for _, m := range u.dead {
 			if m != nil && m.ID == 0 && m.Target.Kind == kubelet.KindPublish {
@@ -59,14 +62,37 @@ func (v *brokenVolume) unguarded() bool {
 	return false
 }
 
+// lostStaging is the volume's staging path when it lost its mount while
+// pods still use the volume: not a mount point (the probe's Unmounted,
+// ID 0), or mountmedic's guard standing there; nil otherwise. A stale
+// FUSE daemon that unmounts its mountpoint by path does this to a mount
+// re-staged under it.
+func (v *brokenVolume) lostStaging() *probe.Mount {
+	if !v.csi {
+		return nil
+	}
+	for _, m := range v.mounts {
+		if m.Target.Kind == kubelet.KindStaging && (m.ID == 0 || m.Guard) {
+			return m
+		}
+	}
+	return nil
+}
+
 // certain reports a failure that is not waited on for strikes: the FUSE
 // connection of the volume is gone (ENOTCONN or ECONNABORTED on a FUSE
 // backend), which never heals by itself, or its daemon has not answered a
 // probe for a whole deadline (Hung: the prober never says so of a probe
 // still within its deadline, however slow), whose callers stay blocked
-// until the connection is aborted. Any other state may be transient and
-// waits for its strikes.
+// until the connection is aborted; or its staging path lost its mount
+// under live publish targets (lostStaging). Any other state may be
+// transient and waits for its strikes.
 func (v *brokenVolume) certain() bool {
+	if v.lostStaging() != nil {
+		// kubelet never leaves a staging path bare under live publish
+		// targets: the next pod published would get the node's disk.
+		return true
+	}
 	if v.backend == nil || v.backend.Kind != probe.BackendFUSE {
 		return false
 	}

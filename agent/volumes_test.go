@@ -190,3 +190,32 @@ func TestOnlyUnpublished(t *testing.T) {
 		}
 	}
 }
+
+// TestLostStaging: a staging path that lost its mount under live publish
+// targets (not a mount point, or the guard there) is repaired without
+// waiting for strikes; only the bare one still needs a guard.
+func TestLostStaging(t *testing.T) {
+	staging := kubelet.Target{Kind: kubelet.KindStaging, Plugin: kubelet.CSIPluginDir}
+	for _, tc := range []struct {
+		name                string
+		m                   *probe.Mount
+		lost, cert, unguard bool
+	}{
+		{"bare", &probe.Mount{Path: "/s", Target: staging}, true, true, true},
+		{"guarded", &probe.Mount{Path: "/s", ID: 7, Guard: true, Target: staging}, true, true, false},
+		{"dead mount", &probe.Mount{Path: "/s", ID: 7, Target: staging}, false, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v := &brokenVolume{csi: true, mounts: []*probe.Mount{tc.m}}
+			if got := v.lostStaging() != nil; got != tc.lost {
+				t.Errorf("lostStaging() = %t, want %t", got, tc.lost)
+			}
+			if got := v.certain(); got != tc.cert {
+				t.Errorf("certain() = %t, want %t", got, tc.cert)
+			}
+			if got := v.unguarded(); got != tc.unguard {
+				t.Errorf("unguarded() = %t, want %t", got, tc.unguard)
+			}
+		})
+	}
+}
