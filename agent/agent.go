@@ -488,22 +488,29 @@ func (a *Agent) releaseCode(ctx context.Context, n int) {
 }
 
 // watchStalls starts the prober's stall watch (Config.StallPoll) over the
-// inventory the loop probes. It reads the fuse control filesystem, which
-// an agent that repairs mounts in its own mount namespace first (a dry-run
-// agent mounts nothing: it watches only when fusectl is there already).
+// inventory the loop probes. It reads the fuse control filesystem where
+// the repairer finds it: mounted already, or a detached mount of it that
+// no mount table shows (remount.Repairer.FusectlDir; the host is left as
+// found). A dry-run agent mounts nothing: it watches only when fusectl is
+// mounted already.
 func (a *Agent) watchStalls(ctx context.Context) {
 	if a.cfg.StallPoll <= 0 {
 		return
 	}
-	if m, ok := a.repairer.(interface{ MountFusectl(context.Context) error }); ok && !a.cfg.DryRun {
-		if err := m.MountFusectl(ctx); err != nil {
-			klog.FromContext(ctx).Error(err, "Cannot mount the fuse control filesystem: hung FUSE daemons are found by the probe cycles only")
+	var dir string
+	if m, ok := a.repairer.(interface {
+		FusectlDir(context.Context) (string, error)
+	}); ok && !a.cfg.DryRun {
+		d, err := m.FusectlDir(ctx)
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot read the fuse control filesystem: hung FUSE daemons are found by the probe cycles only")
 		}
+		dir = d
 	}
 	a.workers.Add(1)
 	go func() {
 		defer a.workers.Done()
-		a.prober.WatchStalls(ctx, a.cfg.StallPoll, a.current.Load, func() {
+		a.prober.WatchStallsAt(ctx, dir, a.cfg.StallPoll, a.current.Load, func() {
 			select {
 			case a.stalled <- struct{}{}:
 			default:

@@ -52,11 +52,20 @@ const stallGap = 500 * time.Millisecond
 // control filesystem at the path (not mounted in this mount namespace),
 // WatchStalls reads nothing and the cycles alone find hangs.
 func (p *Prober) WatchStalls(ctx context.Context, poll time.Duration, current func() *Inventory, hung func()) {
+	p.WatchStallsAt(ctx, "", poll, current, hung)
+}
+
+// WatchStallsAt is WatchStalls reading the fuse control filesystem at dir:
+// a path, or /proc/self/fd/<n> of a detached fusectl mount that no mount
+// table shows; <SysfsDir>/fs/fuse/connections when empty.
+func (p *Prober) WatchStallsAt(ctx context.Context, dir string, poll time.Duration, current func() *Inventory, hung func()) {
 	if poll <= 0 {
 		return
 	}
-	w := &stallWatch{p: p, dir: filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections"),
-		armed: make(map[*flight]bool), hung: hung}
+	if dir == "" {
+		dir = filepath.Join(p.cfg.SysfsDir, "fs", "fuse", "connections")
+	}
+	w := &stallWatch{p: p, dir: dir, armed: make(map[*flight]bool), hung: hung}
 	t := time.NewTimer(poll)
 	defer t.Stop()
 	logger := klog.FromContext(ctx)

@@ -16,7 +16,8 @@ type Op string
 const (
 	// opAbortFUSE writes 1 to a FUSE connection's fusectl abort file.
 	opAbortFUSE Op = "abort-fuse"
-	// opMountFusectl mounts the fuse control filesystem where it is missing.
+	// opMountFusectl mounts the fuse control filesystem detached (attached
+	// nowhere) where it is not mounted.
 	opMountFusectl Op = "mount-fusectl"
 	// opUnmount lazily unmounts (MNT_DETACH) the top mount at a path.
 	opUnmount Op = "unmount"
@@ -89,7 +90,7 @@ func (a Action) String() string {
 func Changed(actions []Action) bool {
 	for _, a := range actions {
 		switch a.Op {
-		case opAbortFUSE, opKillServer, opMountFusectl, opUnmount, opOverMount, opSwap, opStopContainer, opStage, opPublish, opBind:
+		case opAbortFUSE, opKillServer, opUnmount, opOverMount, opSwap, opStopContainer, opStage, opPublish, opBind:
 			if a.Err == nil {
 				return true
 			}

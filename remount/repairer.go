@@ -79,18 +79,21 @@ type Config struct {
 // client, and is safe for concurrent use; calls for the same volume must
 // not overlap (the agent runs one repair per volume at a time).
 type Repairer struct {
-	cfg        Config
-	root       string
-	procDir    string
-	fusectlDir string
-	sem        chan struct{}
-	prober     *probe.Prober
-	procs      procCache
+	cfg     Config
+	root    string
+	procDir string
+	sem     chan struct{}
+	prober  *probe.Prober
+	procs   procCache
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
 	clients   map[string]*CSIClient // endpoint path -> client
 	cri       *CRIClient
+	// fusectlDir is where fusectl is read once FusectlDir found it;
+	// fusectlRelease closes a detached mount of it.
+	fusectlDir     string
+	fusectlRelease func()
 }
 
 // New checks cfg and returns a Repairer. No socket is dialled until a tier
@@ -137,14 +140,13 @@ func New(cfg Config) (*Repairer, error) {
 	}
 	cfg.CSI = cfg.CSI.withDefaults()
 	return &Repairer{
-		cfg:        cfg,
-		root:       root,
-		procDir:    cfg.ProcDir,
-		fusectlDir: cfg.FusectlDir,
-		sem:        make(chan struct{}, cfg.Parallel),
-		prober:     probe.NewProberWith(cfg.Probe, cfg.ProbeSys),
-		endpoints:  map[string]Endpoint{},
-		clients:    map[string]*CSIClient{},
+		cfg:       cfg,
+		root:      root,
+		procDir:   cfg.ProcDir,
+		sem:       make(chan struct{}, cfg.Parallel),
+		prober:    probe.NewProberWith(cfg.Probe, cfg.ProbeSys),
+		endpoints: map[string]Endpoint{},
+		clients:   map[string]*CSIClient{},
 	}, nil
 }
 
@@ -161,22 +163,48 @@ func (r *Repairer) Close() error {
 		errs = append(errs, r.cri.Close())
 		r.cri = nil
 	}
+	if r.fusectlRelease != nil {
+		r.fusectlRelease()
+		r.fusectlRelease = nil
+	}
 	return errors.Join(errs...)
 }
 
 // DryRun reports whether the Repairer only plans (Config.DryRun).
 func (r *Repairer) DryRun() bool { return r.cfg.DryRun }
 
-// MountFusectl mounts the fuse control filesystem in the agent's mount
-// namespace when it is missing (Unmounter.MountFusectl); a dry-run
-// Repairer mounts nothing.
-func (r *Repairer) MountFusectl(ctx context.Context) error {
-	_, err := r.unmounter().MountFusectl(ctx)
-	return err
+// FusectlDir returns where the Repairer reads the fuse control
+// filesystem: Config.FusectlDir when fusectl is mounted there, else a
+// detached fusectl mount it keeps until Close (Unmounter.MountFusectl),
+// which leaves every mount table as it was. A dry-run Repairer mounts
+// nothing: it answers only where fusectl is mounted.
+func (r *Repairer) FusectlDir(ctx context.Context) (string, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.fusectlRelease != nil {
+		return r.fusectlDir, nil
+	}
+	u := &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.cfg.FusectlDir, ProcDir: r.procDir, Sys: r.cfg.Sys}
+	dir, release, acts, err := u.MountFusectl(ctx)
+	switch {
+	case err != nil:
+		release()
+		return "", err
+	case r.cfg.DryRun && len(acts) > 0:
+		return "", fmt.Errorf("the fuse control filesystem is not mounted at %s, and a dry run mounts nothing", r.cfg.FusectlDir)
+	}
+	r.fusectlDir, r.fusectlRelease = dir, release
+	return dir, nil
 }
 
 func (r *Repairer) unmounter() *Unmounter {
-	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: r.fusectlDir, ProcDir: r.procDir, Sys: r.cfg.Sys}
+	dir := r.cfg.FusectlDir
+	if !r.cfg.DryRun {
+		if d, err := r.FusectlDir(context.Background()); err == nil {
+			dir = d
+		}
+	}
+	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: dir, ProcDir: r.procDir, Sys: r.cfg.Sys}
 }
 
 // acquire takes one of the Parallel slots.

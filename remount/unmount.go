@@ -32,8 +32,9 @@ type Unmounter struct {
 	// DryRun resolves and checks every path and returns the plan, without
 	// unmounting, mounting or aborting anything.
 	DryRun bool
-	// FusectlDir is where the fuse control filesystem is mounted, or gets
-	// mounted when it is missing; defaultFusectlDir when empty.
+	// FusectlDir is where the fuse control filesystem is mounted;
+	// defaultFusectlDir when empty. Where it is not, a detached mount is
+	// read instead (MountFusectl): the agent never mounts it on the host.
 	FusectlDir string
 	// Sys are the operations that change mounts; zero fields take the
 	// host's.
@@ -298,40 +299,69 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 	return a
 }
 
-// MountFusectl mounts the fuse control filesystem at FusectlDir in our own
-// mount namespace when it is not there: its abort files end a hung
-// connection, its waiting files tell the prober a connection has requests
-// waiting (probe.Prober.WatchStalls). Nothing changes when it is mounted
-// already (no action); a dry run only says it would.
-func (u *Unmounter) MountFusectl(ctx context.Context) ([]Action, error) {
-	dir := u.fusectlDir()
+// MountFusectl makes the fuse control filesystem readable when it is not
+// mounted at FusectlDir: a detached fusectl mount (fsopen, fsmount), which
+// no mount table shows and which nothing on the host sees, named by its
+// descriptor's /proc/self/fd/<n>. Its abort files end a hung connection,
+// its waiting files tell the prober a connection has requests waiting
+// (probe.Prober.WatchStallsAt). dir is where to read it; release closes
+// the detached mount (a no-op when FusectlDir holds fusectl already, and
+// then no action is returned). A dry run makes nothing: it reads fusectl
+// only where it is mounted.
+func (u *Unmounter) MountFusectl(ctx context.Context) (dir string, release func(), actions []Action, err error) {
+	dir = u.fusectlDir()
+	nop := func() {}
 	mounted, err := isFusectl(dir)
-	if err != nil {
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Err: fmt.Errorf("check fusectl at %s: %w", dir, err)}
-		return []Action{a}, a.Err
+		return dir, nop, []Action{a}, a.Err
 	}
 	if mounted {
-		return nil, nil
+		return dir, nop, nil, nil
 	}
-	a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted"}
-	if !u.DryRun {
-		start := time.Now()
-		err := u.Sys.orHost().Mount("none", dir, "fusectl", 0, "")
-		a.Took = time.Since(start)
-		if err != nil && !errors.Is(err, unix.EBUSY) {
-			a.Err = fmt.Errorf("mount fusectl at %s: %w", dir, err)
-			return []Action{a}, a.Err
-		}
-		klog.FromContext(ctx).V(2).Info("Mounted fusectl", "dir", dir)
+	a := Action{Op: opMountFusectl, Path: dir, DryRun: u.DryRun, Detail: "fusectl not mounted there: read through a detached mount that no mount table shows"}
+	if u.DryRun {
+		return dir, nop, []Action{a}, nil
 	}
-	return []Action{a}, nil
+	start := time.Now()
+	fd, err := detachedFusectl()
+	a.Took = time.Since(start)
+	if err != nil {
+		a.Err = fmt.Errorf("mount fusectl detached: %w", err)
+		return dir, nop, []Action{a}, a.Err
+	}
+	klog.FromContext(ctx).V(4).Info("Mounted fusectl detached", "fd", fd)
+	return "/proc/self/fd/" + strconv.Itoa(fd), func() { unix.Close(fd) }, []Action{a}, nil
+}
+
+// detachedFusectl makes a fuse control filesystem mount attached nowhere
+// and returns its root's descriptor: the host's mount tables stay as they
+// were, and the mount ends when the descriptor is closed.
+func detachedFusectl() (int, error) {
+	fsfd, err := unix.Fsopen("fusectl", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("fsopen fusectl: %w", err)
+	}
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return -1, fmt.Errorf("create fusectl: %w", err)
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("fsmount fusectl: %w", err)
+	}
+	return mfd, nil
 }
 
 // AbortFUSE aborts the FUSE connection of the filesystem with device number
-// dev: it writes 1 to <FusectlDir>/<conn>/abort, mounting the fuse control
-// filesystem there first if it is missing. Requests in flight then fail with
-// ECONNABORTED and later ones with ENOTCONN, so a hung daemon no longer
-// blocks callers. A connection that is gone already counts as done.
+// dev: it writes 1 to <FusectlDir>/<conn>/abort (or the same file of a
+// detached fusectl mount where FusectlDir holds none, see MountFusectl).
+// Requests in flight then fail with ECONNABORTED and later ones with
+// ENOTCONN, so a hung daemon no longer blocks callers. A connection that
+// is gone already counts as done. The processes serving the connection
+// are stopped before the abort and killed after it (findServers): woken,
+// a daemon would unmount its mountpoint by path, where the volume is
+// staged again next.
 //
 // Connection numbers are device numbers, which the kernel hands out again
 // once a filesystem is gone: the connection is pinned and checked first.
@@ -355,7 +385,8 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		return actions, actionsErr(actions)
 	}
 
-	mount, err := u.MountFusectl(ctx)
+	dir, release, mount, err := u.MountFusectl(ctx)
+	defer release()
 	actions = append(actions, mount...)
 	if err != nil {
 		return actions, err

@@ -5,8 +5,12 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/probe"
@@ -149,5 +153,70 @@ func TestUnmountFromTableSymlink(t *testing.T) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(outside, &st); err != nil || st.Type != unix.TMPFS_MAGIC {
 		t.Errorf("the mount outside the kubelet root at %s is gone (statfs type %#x, %v)", outside, st.Type, err)
+	}
+}
+
+// TestFusectlLeavesTheHostAsFound: where fusectl is not mounted at the
+// configured directory, the abort goes through a detached fusectl mount:
+// the hung connection is aborted, and no mount table changes (no fusectl
+// mount appears anywhere, the directory stays bare). The Repairer keeps
+// one detached mount for the stall watch and closes it with Close.
+func TestFusectlLeavesTheHostAsFound(t *testing.T) {
+	lab.RequireRoot(t)
+	k := newKubelet(t)
+	v := newLabVolume(t, k, labHandle, labVolume)
+	bare := t.TempDir()
+	fusectlMounts := func() int {
+		ms, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("fusectl"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ms)
+	}
+	before := fusectlMounts()
+
+	r, err := New(Config{KubeletRoot: k.Root(), FusectlDir: bare})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, err := r.FusectlDir(context.Background())
+	if err != nil || !strings.HasPrefix(dir, "/proc/self/fd/") {
+		t.Fatalf("FusectlDir with fusectl not mounted at %s = %q, %v; want a detached mount's /proc/self/fd/<n>", bare, dir, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, strconv.FormatUint(uint64(v.fs.Conn()), 10), "waiting")); err != nil {
+		t.Errorf("the lab volume's connection in the detached fusectl: %v", err)
+	}
+
+	v.fs.Hang()
+	blocked := blockedStatfs(t, v.staging)
+	u := &Unmounter{Root: k.Root(), FusectlDir: bare}
+	at := &probe.Mount{Path: v.staging, ID: topID(t, k.Root(), v.staging), Dev: v.dev()}
+	acts, err := u.AbortFUSE(context.Background(), v.dev(), at)
+	t.Logf("actions: %v", acts)
+	if err != nil || ops(acts)[opAbortFUSE] != 1 {
+		t.Fatalf("AbortFUSE through a detached fusectl = %v, %v", acts, err)
+	}
+	select {
+	case <-blocked:
+	case <-time.After(failBound):
+		t.Fatalf("statfs still blocked %s after the abort", failBound)
+	}
+	if after := fusectlMounts(); after != before {
+		t.Errorf("fusectl mounts in our table: %d before, %d after: the host was not left as found", before, after)
+	}
+	if ms, _ := mountinfo.GetMounts(mountinfo.SingleEntryFilter(bare)); len(ms) != 0 {
+		t.Errorf("%s holds %d mounts after the abort, want none", bare, len(ms))
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	n, _ := strconv.Atoi(strings.TrimPrefix(dir, "/proc/self/fd/"))
+	if _, err := unix.FcntlInt(uintptr(n), unix.F_GETFD, 0); err == nil {
+		// The number may have been reused by another descriptor: only a
+		// fusectl there is the leak.
+		var st unix.Statfs_t
+		if unix.Fstatfs(n, &st) == nil && st.Type == probe.FusectlMagic {
+			t.Errorf("the detached fusectl mount is still open after Close")
+		}
 	}
 }
