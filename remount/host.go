@@ -698,7 +698,20 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 // the target under volume-subpaths must pass openSafe and hold no mount.
 // kubelet reuses the bind when a container starts again; a running
 // container keeps its own (LiveSwap replaces that).
+//
+// One failure is logged once: binds of the same subdirectory (several
+// containers, several mounts) that fail for the same reason share a line.
 func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
+	type failure struct {
+		err   error
+		paths []string
+	}
+	var failed []*failure
+	defer func() {
+		for _, f := range failed {
+			h.logger.Error(f.err, "Binding a subPath again failed", "podUID", p.uid, "paths", f.paths)
+		}
+	}()
 	for _, b := range p.subPaths {
 		sub, ok := relRoot(p.deadRoot, liveRoot(b.root))
 		if !ok || sub == "" {
@@ -713,8 +726,18 @@ func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 		err := h.r.bindSubPath(p.target, sub, b.path)
 		a.Took = time.Since(start)
 		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				// The fresh volume lacks what the dead one showed: data its
+				// daemon acknowledged but never stored died with it.
+				err = fmt.Errorf("%w: the fresh volume has no %s (writes the dead daemon acknowledged but never stored are lost)", err, sub)
+			}
 			a.Err = fmt.Errorf("pod %s: bind subPath %s at %s: %w", p.uid, sub, b.path, err)
-			h.logger.Error(err, "Binding a subPath again failed", "path", b.path)
+			i := slices.IndexFunc(failed, func(f *failure) bool { return f.err.Error() == err.Error() })
+			if i < 0 {
+				failed = append(failed, &failure{err: err})
+				i = len(failed) - 1
+			}
+			failed[i].paths = append(failed[i].paths, b.path)
 		}
 		h.add(a)
 	}
