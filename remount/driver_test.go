@@ -668,10 +668,29 @@ func testRepairs(t *testing.T, d *driverLab) {
 		if ops(re.Actions)[opAbortFUSE] != 1 {
 			t.Errorf("Restage of a hung volume: want one FUSE abort")
 		}
+		if ops(re.Actions)[opKillServer] != 1 {
+			t.Errorf("Restage of a hung volume: want the s3fs serving it killed, got %v", ops(re.Actions))
+		}
 		wantViews(t, views)
 		if got := rv.pids(); !slices.Equal(got, pids) {
 			t.Errorf("container processes %v, were %v: restarted", got, pids)
 		}
+
+		// The stale daemons wake (a slow backend answers at last): the one
+		// that served the aborted connection was killed, and whichever
+		// wakes must not take the fresh staging mount with it (libfuse
+		// lazily unmounts its mountpoint by path on its way out). The
+		// staging path is polled every 10 ms for 3 s.
+		fresh := topID(t, d.root, rv.staging)
+		for _, s3fs := range daemons {
+			syscall.Kill(s3fs, syscall.SIGCONT)
+		}
+		for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+			if id := topID(t, d.root, rv.staging); id != fresh {
+				t.Fatalf("the staging path holds mount %d, not the fresh mount %d, after the stale s3fs woke", id, fresh)
+			}
+		}
+		wantViews(t, views)
 	})
 
 	t.Run("symlink planted under a pod's volume dir: refused", func(t *testing.T) {
