@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -86,7 +87,11 @@ func closeServers(ss []*fuseServer) {
 // a kernel without the fdinfo line no process is found.
 func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer, []Action) {
 	procDir := u.procDir()
-	entries, err := os.ReadDir(procDir)
+	idx := u.Servers
+	if idx == nil {
+		idx = &ServerIndex{}
+	}
+	holders, err := idx.holders(ctx, procDir)
 	if err != nil {
 		return nil, []Action{{Op: opKillServer, Path: procDir, DryRun: u.DryRun,
 			Err: fmt.Errorf("find the processes serving fuse connection %d: %w", conn, err)}}
@@ -94,19 +99,15 @@ func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer
 	self := os.Getpid()
 	var servers []*fuseServer
 	var notes []Action
-	for _, e := range entries {
+	for _, h := range holders {
 		if ctx.Err() != nil {
 			break
 		}
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid <= 0 {
-			continue
-		}
-		fds := fuseFDs(filepath.Join(procDir, e.Name()))
+		pid, fds := h.pid, h.fds
 		if !slices.ContainsFunc(fds, func(f fuseFD) bool { return f.conn == conn }) {
 			continue
 		}
-		comm := readComm(filepath.Join(procDir, e.Name()))
+		comm := readComm(filepath.Join(procDir, strconv.Itoa(pid)))
 		// Left alone is not a failure of the repair: the action says why.
 		leave := func(why string, err error) {
 			if err != nil {
@@ -128,6 +129,58 @@ func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer
 		}
 	}
 	return servers, notes
+}
+
+// ServerIndex is one scan of the processes' /dev/fuse descriptors, shared
+// by the aborts of a burst: reading every descriptor link of every process
+// costs about 20 ms per thousand descriptors, and a thousand volumes hung
+// at once would read them a thousand times. A scan younger than
+// serverScanTTL is reused; each process it names is verified anew through
+// its pidfd before anything is signalled, so an old scan can only miss a
+// server (which is then left alone), never name a wrong one. The zero
+// value is ready to use.
+type ServerIndex struct {
+	mu   sync.Mutex
+	at   time.Time
+	scan []fuseHolder
+}
+
+// serverScanTTL is how long a scan of the /dev/fuse holders is reused.
+const serverScanTTL = time.Second
+
+// fuseHolder is a process and its /dev/fuse descriptors.
+type fuseHolder struct {
+	pid int
+	fds []fuseFD
+}
+
+// holders returns the processes holding /dev/fuse descriptors, scanning
+// procDir again when the last scan is older than serverScanTTL.
+func (x *ServerIndex) holders(ctx context.Context, procDir string) ([]fuseHolder, error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if !x.at.IsZero() && time.Since(x.at) < serverScanTTL {
+		return x.scan, nil
+	}
+	entries, err := os.ReadDir(procDir)
+	if err != nil {
+		return nil, err
+	}
+	var out []fuseHolder
+	for _, e := range entries {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 0 {
+			continue
+		}
+		if fds := fuseFDs(filepath.Join(procDir, e.Name())); len(fds) > 0 {
+			out = append(out, fuseHolder{pid: pid, fds: fds})
+		}
+	}
+	x.at, x.scan = time.Now(), out
+	return out, nil
 }
 
 // verifyServer checks, through a pidfd, which of pid's /dev/fuse

@@ -94,6 +94,8 @@ type Repairer struct {
 	// fusectlRelease closes a detached mount of it.
 	fusectlDir     string
 	fusectlRelease func()
+	// servers is the scan of /dev/fuse holders the aborts share.
+	servers ServerIndex
 }
 
 // New checks cfg and returns a Repairer. No socket is dialled until a tier
@@ -204,7 +206,7 @@ func (r *Repairer) unmounter() *Unmounter {
 			dir = d
 		}
 	}
-	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: dir, ProcDir: r.procDir, Sys: r.cfg.Sys}
+	return &Unmounter{Root: r.root, DryRun: r.cfg.DryRun, FusectlDir: dir, ProcDir: r.procDir, Sys: r.cfg.Sys, Servers: &r.servers}
 }
 
 // acquire takes one of the Parallel slots.

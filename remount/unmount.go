@@ -42,6 +42,9 @@ type Unmounter struct {
 	// ProcDir is where procfs is mounted, for our own mount table
 	// (<ProcDir>/thread-self/mountinfo); "/proc" when empty.
 	ProcDir string
+	// Servers shares one scan of the processes' /dev/fuse descriptors
+	// among aborts (findServers); nil scans for each abort.
+	Servers *ServerIndex
 }
 
 func (u *Unmounter) procDir() string {
