@@ -363,6 +363,11 @@ func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
 	if got, err := os.ReadFile(filepath.Join(s.staging, "data.txt")); err != nil || string(got) != "data of unstaged" {
 		t.Errorf("staging path after the repair: read %q, %v; want the volume's data.txt", got, err)
 	}
+	// The guard that covered the bare staging path until the re-stage is
+	// gone: the fresh FUSE mount is alone there.
+	if infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(s.staging)); err != nil || len(infos) != 1 || !strings.HasPrefix(infos[0].FSType, "fuse") {
+		t.Errorf("mounts at the staging path after the repair: %v, %v; want the fresh FUSE mount alone", infos, err)
+	}
 	if id := mountID(t, s.target); id != targetID {
 		t.Errorf("publish target is mount %d after the repair, was %d: the live target must be left alone", id, targetID)
 	}
