@@ -142,11 +142,21 @@ func randomUID(t testing.TB) types.UID {
 // subPath binds and starts the containers (in their pod's cgroup).
 func (d *driverLab) newVolume(t testing.TB, prefix string, pods ...podDef) *realVolume {
 	t.Helper()
+	return d.newVolumeWith(t, prefix, nil, pods...)
+}
+
+// newVolumeWith is newVolume with the PV's volumeAttributes attrs (the
+// lab's, mounter s3fs, when nil).
+func (d *driverLab) newVolumeWith(t testing.TB, prefix string, attrs map[string]string, pods ...podDef) *realVolume {
+	t.Helper()
 	ctx := context.Background()
 	if err := d.s3.PutObject(csilab.Bucket, prefix+"/", nil); err != nil {
 		t.Fatal(err)
 	}
 	sv := d.s3.Volume(csilab.Bucket, prefix)
+	if attrs != nil {
+		sv.Attributes = attrs
+	}
 	rv := &realVolume{handle: sv.Handle, pv: "pv-" + prefix}
 	rv.staging = d.k.StagingPath(csilab.DriverName, sv.Handle)
 	caps, err := d.csi.NodeGetCapabilities(ctx)
