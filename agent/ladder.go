@@ -758,7 +758,9 @@ func (a *Agent) guardStaging(ctx context.Context, j *job, path string) {
 // pod's target is kubelet's to publish and is left alone.
 func (a *Agent) guardMissing(ctx context.Context, j *job) {
 	logger := klog.FromContext(ctx)
-	if m := j.vol.lostStaging(); m != nil && m.ID == 0 {
+	if m := j.vol.lostStaging(); m != nil && m.ID == 0 && len(j.active) > 0 {
+		// Only for a volume the agent repairs: opted-out and excluded
+		// pods are left as they are, staging path included.
 		a.guardStaging(ctx, j, m.Path)
 	}
 	for _, pod := range j.active {
