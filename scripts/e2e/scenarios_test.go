@@ -344,7 +344,8 @@ func (e *env) wakeStaleDaemon(t *testing.T, ctx context.Context, w *wl, pod *cor
 	t.Helper()
 	staging := e2e.StagingPath(w.Handle)
 	woken := time.Now()
-	if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+	// The agent killed it with the abort; a reaped one is gone (ESRCH).
+	if err := syscall.Kill(pid, syscall.SIGCONT); err != nil && !errors.Is(err, syscall.ESRCH) {
 		t.Fatalf("continue %s (pid %d): %v", e.mounterName(), pid, err)
 	}
 	gone, err := waitProcessGone(ctx, pid)
