@@ -352,6 +352,12 @@ func link(inv *Inventory) {
 	for _, m := range inv.Mounts {
 		if m.Target.Kind == kubelet.KindStaging {
 			m.Driver = m.Target.Driver
+			// A driver that stages in <globalmount>/<volumeID> names the
+			// volume handle in the path: kept when its hash is the
+			// directory's.
+			if t := m.Target; t.Sub != "" && t.HandleHash != "" && kubelet.HandleHash(t.Sub) == t.HandleHash {
+				m.VolumeHandle = t.Sub
+			}
 			continue
 		}
 		for s := m.From; s != nil; s = s.From {
@@ -588,6 +594,10 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 	mounted := make(map[string]bool, len(inv.Mounts))
 	for _, m := range inv.Mounts {
 		mounted[m.Path] = true
+		// A staging mount one directory below globalmount (ceph-csi RBD's
+		// <stagingTargetPath>/<volumeID>) is the volume's staging mount:
+		// globalmount itself is then never a mount point.
+		mounted[kubelet.StagingDir(m.Target, m.Path)] = true
 	}
 	pods, err := readDirBeneath(root, "pods")
 	if err != nil {

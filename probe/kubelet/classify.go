@@ -18,7 +18,9 @@ const (
 	KindPublish
 	// KindStaging is a CSI staging mount:
 	// plugins/kubernetes.io/csi/<driver>/<sha256(volumeHandle)>/globalmount,
-	// or the older plugins/kubernetes.io/csi/pv/<pv>/globalmount.
+	// or the older plugins/kubernetes.io/csi/pv/<pv>/globalmount, or one
+	// directory below either, where drivers such as ceph-csi RBD stage
+	// (<stagingTargetPath>/<volumeID>; Target.Sub names the directory).
 	KindStaging
 	// KindSubPath is a subPath bind:
 	// pods/<uid>/volume-subpaths/<volume>/<container>/<index>.
@@ -70,6 +72,18 @@ type Target struct {
 	// PV is the PersistentVolume named by a legacy staging path or a raw
 	// block path.
 	PV string `json:"pv,omitempty"`
+	// Sub is the directory below globalmount a driver staged the volume in
+	// (ceph-csi RBD: the volume ID); empty for a mount on globalmount.
+	Sub string `json:"sub,omitempty"`
+}
+
+// StagingDir is the globalmount directory of a staging mount: its own
+// path, or its parent when the driver stages one directory below.
+func StagingDir(t Target, path string) string {
+	if t.Kind == KindStaging && t.Sub != "" {
+		return filepath.Dir(path)
+	}
+	return path
 }
 
 // Classify says which kubelet path mountpoint is, under the kubelet root
@@ -149,8 +163,8 @@ func classifyPod(seg []string) (Target, bool) {
 }
 
 func classifyPlugin(seg []string) (Target, bool) {
-	// kubernetes.io/csi/<driver>/<sha256>/globalmount
-	// kubernetes.io/csi/pv/<pv>/globalmount
+	// kubernetes.io/csi/<driver>/<sha256>/globalmount[/<sub>]
+	// kubernetes.io/csi/pv/<pv>/globalmount[/<sub>]
 	// kubernetes.io/csi/volumeDevices/staging/<pv>
 	// kubernetes.io/csi/volumeDevices/publish/<pv>/<uid>
 	// kubernetes.io/csi/volumeDevices/<pv>/dev/<uid>
@@ -173,10 +187,13 @@ func classifyPlugin(seg []string) (Target, bool) {
 		}
 		return Target{}, false
 	}
-	if len(seg) != 3 || seg[2] != GlobalMountDir {
+	if len(seg) < 3 || len(seg) > 4 || seg[2] != GlobalMountDir {
 		return Target{}, false
 	}
 	t := Target{Kind: KindStaging, Plugin: CSIPluginDir}
+	if len(seg) == 4 {
+		t.Sub = seg[3]
+	}
 	if seg[0] == "pv" {
 		t.PV = seg[1]
 		return t, true

@@ -22,6 +22,18 @@ func TestClassify(t *testing.T) {
 			path: root + "/plugins/kubernetes.io/csi/pv/pv-5/globalmount",
 			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, PV: "pv-5"}, ok: true,
 		},
+		"csi staging below globalmount (ceph-csi rbd)": {
+			path: root + "/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/" + sha + "/globalmount/0001-0009-rook-ceph-0000000000000002-5c2e",
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, Driver: "rook-ceph.rbd.csi.ceph.com", HandleHash: sha,
+				Sub: "0001-0009-rook-ceph-0000000000000002-5c2e"}, ok: true,
+		},
+		"legacy staging below globalmount": {
+			path: root + "/plugins/kubernetes.io/csi/pv/pv-5/globalmount/vol-1",
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, PV: "pv-5", Sub: "vol-1"}, ok: true,
+		},
+		"two directories below globalmount is not staging": {
+			path: root + "/plugins/kubernetes.io/csi/drv/" + sha + "/globalmount/a/b",
+		},
 		"staging with a short hash is not staging": {
 			path: root + "/plugins/kubernetes.io/csi/drv/abc/globalmount",
 		},
