@@ -76,6 +76,47 @@ func isGuard(fsType, source string, t kubelet.Target) bool {
 // (mountinfo shows "//deleted"): a subPath bind whose directory is gone.
 func (m *Mount) Deleted() bool { return strings.HasSuffix(m.Root, "//deleted") }
 
+// Catalogued returns the driver catalogue's entry of the mount's CSI
+// driver and the mounter serving the mount's filesystem, when both are
+// known.
+func (m *Mount) Catalogued() (*kubelet.Driver, kubelet.Mounter, bool) {
+	d, ok := kubelet.LookupDriver(m.Driver)
+	if !ok {
+		return nil, kubelet.Mounter{}, false
+	}
+	fsType, source := m.FSType, m.Source
+	if m.Backend != nil {
+		fsType, source = m.Backend.FSType, m.Backend.Source
+	}
+	mt, ok := d.Mounter(fsType, source)
+	return d, mt, ok
+}
+
+// Daemon says where the daemon serving the mount lives, from the driver
+// catalogue and the mount's filesystem; DaemonUnknown for a driver or
+// mounter not catalogued. A publish target of a captured table that no
+// staging mount names the driver of is matched by its filesystem type
+// against the drivers that publish without staging.
+func (m *Mount) Daemon() kubelet.DaemonHome {
+	if _, mt, ok := m.Catalogued(); ok {
+		return mt.Daemon
+	}
+	if m.Driver != "" || m.Backend == nil || m.Target.Plugin != kubelet.CSIPluginDir && m.Target.Kind != kubelet.KindSubPath {
+		return kubelet.DaemonUnknown
+	}
+	for s := m; s != nil; s = s.From {
+		if s.Target.Kind == kubelet.KindStaging {
+			return kubelet.DaemonUnknown
+		}
+	}
+	if d, ok := kubelet.GuessPublishOnly(m.Backend.FSType); ok {
+		if mt, ok := d.Mounter(m.Backend.FSType, m.Backend.Source); ok {
+			return mt.Daemon
+		}
+	}
+	return kubelet.DaemonUnknown
+}
+
 // BackendKind says what serves a filesystem.
 type BackendKind int
 
