@@ -205,6 +205,10 @@ type Inventory struct {
 	Source string `json:"source"`
 	// Total is the number of mounts in the whole table.
 	Total int `json:"total"`
+	// OtherRoots are directories outside Root under which the table has
+	// kubelet pod volume mounts (<dir>/pods/<uid>/volumes/...): kubelet
+	// runs with another --root-dir there (at most a few are named).
+	OtherRoots []string `json:"otherRoots,omitempty"`
 	// Mounts are the kubelet mounts, sorted by path.
 	Mounts []*Mount `json:"mounts"`
 	// Backends are the filesystems under Mounts, in the order of their first

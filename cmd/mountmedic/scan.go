@@ -8,8 +8,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"os"
 	"sort"
 	"strconv"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -102,6 +105,9 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 		}
 		return err
 	}
+	if err := checkRootFound(inv, f.capture == ""); err != nil {
+		return err
+	}
 	out := cmd.OutOrStdout()
 	if f.output == "json" {
 		err = writeJSON(out, inv, rep, f.capture != "")
@@ -113,6 +119,31 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 	}
 	if len(rep.Broken()) > 0 {
 		return exitCodeError{exitBroken}
+	}
+	return nil
+}
+
+// checkRootFound fails a scan that checked nothing because it looked in
+// the wrong place: a live kubelet root that does not exist on this host,
+// or a table with no mount under the root but pod volume mounts under
+// another directory (kubelet run with another --root-dir: /data/kubelet,
+// microk8s', k0s', RKE's). Its error names the flag and what to give it.
+func checkRootFound(inv *probe.Inventory, live bool) error {
+	hint := ""
+	if len(inv.OtherRoots) > 0 {
+		hint = fmt.Sprintf("; %s has kubelet pod volume mounts under %s: give --kubelet-root %s",
+			printable(inv.Source), printable(strings.Join(inv.OtherRoots, ", ")), printable(inv.OtherRoots[0]))
+	}
+	if live {
+		if _, err := os.Stat(inv.Root); errors.Is(err, fs.ErrNotExist) {
+			if hint == "" {
+				hint = ": give kubelet's --root-dir"
+			}
+			return fmt.Errorf("--kubelet-root %s does not exist on this host%s", printable(inv.Root), hint)
+		}
+	}
+	if len(inv.Mounts) == 0 && len(inv.Unmounted) == 0 && hint != "" {
+		return fmt.Errorf("no kubelet volume mounts under --kubelet-root %s%s", printable(inv.Root), hint)
 	}
 	return nil
 }
