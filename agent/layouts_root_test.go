@@ -2,15 +2,21 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/lab"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 // TestHealthyDriverLayoutsAreLeftAlone builds, with real mounts in the
@@ -93,6 +99,93 @@ func TestHealthyDriverLayoutsAreLeftAlone(t *testing.T) {
 	if got := groupBroken(rep); len(got) != 0 {
 		for key, v := range got {
 			t.Errorf("groupBroken: volume %s of %s is %s: the agent would repair a healthy volume", key, v.driver, v.state)
+		}
+	}
+}
+
+// TestVolumeIDDirLayoutWithRealDriver runs the real k8s-csi-s3 node plugin
+// behind the lab's layout proxy, which stages as ceph-csi RBD does
+// (<globalmount>/<volumeID>) under a driver name the catalogue does not
+// know. Healthy, its volume is read as staged and left alone; when the
+// plugin dies (and its s3fs with it), the volume is broken, and the agent
+// reports it without repairing it unless --repair-unknown-drivers: its
+// re-stage would unmount globalmount, not the directory the driver staged.
+func TestVolumeIDDirLayoutWithRealDriver(t *testing.T) {
+	lab.RequireRoot(t)
+	s3 := csilab.StartS3(t)
+	dir := t.TempDir()
+	k := lab.NewKubelet(t, filepath.Join(dir, "kubelet"))
+	drv := csilab.StartDriver(t, filepath.Join(dir, "s3driver.sock"), k.NodeName())
+	node := csilab.StartVolumeIDDirProxy(t, drv, filepath.Join(dir, "csi.sock")).Node(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	const name = csilab.VolumeIDDirDriverName
+	sv := s3.Volume(csilab.Bucket, "")
+	staging := k.StagingPath(name, sv.Handle)
+	target := k.PreparePublish("pod-1", "pv-1", name, sv.Handle)
+	t.Cleanup(func() {
+		for _, p := range []string{target, filepath.Join(staging, sv.Handle)} {
+			for unix.Unmount(p, unix.MNT_DETACH) == nil {
+			}
+		}
+	})
+	vr := kubelet.VolumeRequest{
+		Driver: name, VolumeHandle: sv.Handle, VolumeAttributes: sv.Attributes,
+		StageSecrets: sv.Secrets, PublishSecrets: sv.Secrets,
+		AccessMode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, StageUnstage: true,
+		StagingPath: staging, TargetPath: target,
+	}
+	if _, err := node.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	if _, err := node.NodePublishVolume(ctx, kubelet.PublishRequest(vr)); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+
+	probeNode := func() (*probe.Report, map[string]*brokenVolume) {
+		inv, err := probe.ReadTable(ctx, "/proc/self/mountinfo", probe.Options{Root: k.Root(), Live: true, PublishGrace: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rep := probe.NewProber(probe.Config{Timeout: 2 * time.Second}).Probe(ctx, inv)
+		return rep, groupBroken(rep)
+	}
+	rep, broken := probeNode()
+	var stagedBelow bool
+	for _, r := range rep.Mounts {
+		if r.State != probe.Healthy {
+			t.Errorf("healthy volume: %s is %s (%v)", r.Mount.Path, r.State, r.Err)
+		}
+		if r.Mount.Target.Kind == kubelet.KindStaging && r.Mount.Target.Sub == sv.Handle {
+			stagedBelow = true
+		}
+	}
+	if !stagedBelow || len(rep.Mounts) != 2 {
+		t.Errorf("healthy volume: %d mounts, staging below globalmount found %v; want its staging mount at %s and its publish target", len(rep.Mounts), stagedBelow, filepath.Join(staging, sv.Handle))
+	}
+	if len(broken) != 0 {
+		t.Errorf("healthy volume: groupBroken = %d volumes, want none", len(broken))
+	}
+
+	drv.Kill()
+	var st unix.Statfs_t
+	if err := unix.Statfs(target, &st); !errors.Is(err, unix.ENOTCONN) {
+		t.Fatalf("statfs(%s) after the plugin died = %v, want ENOTCONN", target, err)
+	}
+	_, broken = probeNode()
+	if len(broken) != 1 {
+		t.Fatalf("dead volume: groupBroken = %d volumes, want 1", len(broken))
+	}
+	for key, v := range broken {
+		if v.state != probe.Disconnected || v.driver != name {
+			t.Errorf("dead volume %s: state %s driver %s, want Disconnected of %s", key, v.state, v.driver, name)
+		}
+		if why := notUnderstood(v, false); !strings.Contains(why, "--repair-unknown-drivers") {
+			t.Errorf("dead volume %s: skip = %q, want it reported, naming --repair-unknown-drivers", key, why)
+		}
+		if why := notUnderstood(v, true); why != "" {
+			t.Errorf("dead volume %s with --repair-unknown-drivers: skip = %q, want repaired", key, why)
 		}
 	}
 }
