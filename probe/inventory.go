@@ -76,6 +76,28 @@ func isGuard(fsType, source string, t kubelet.Target) bool {
 // (mountinfo shows "//deleted"): a subPath bind whose directory is gone.
 func (m *Mount) Deleted() bool { return strings.HasSuffix(m.Root, "//deleted") }
 
+// atomicWriterPlugins are the pod volume plugins kubelet fills with its
+// atomic writer: an update writes a new ..<timestamp> directory and
+// removes the old one, which a subPath bind keeps showing.
+var atomicWriterPlugins = []string{"kubernetes.io~configmap", "kubernetes.io~secret", "kubernetes.io~projected", "kubernetes.io~downward-api"}
+
+// ReplacedByUpdate reports a subPath bind of a ConfigMap, Secret,
+// projected or downward API volume whose file kubelet replaced when the
+// object was updated (kubernetes#68211): the bind still shows the old,
+// removed file. Nothing is broken; the container sees the old content
+// until it restarts.
+func (m *Mount) ReplacedByUpdate() bool {
+	if m.Target.Kind != kubelet.KindSubPath || !m.Deleted() {
+		return false
+	}
+	for _, p := range atomicWriterPlugins {
+		if m.From != nil && m.From.Target.Plugin == p || strings.Contains(m.Root, "/volumes/"+p+"/") {
+			return true
+		}
+	}
+	return false
+}
+
 // Catalogued returns the driver catalogue's entry of the mount's CSI
 // driver and the mounter serving the mount's filesystem, when both are
 // known.
@@ -101,13 +123,12 @@ func (m *Mount) Daemon() kubelet.DaemonHome {
 	if _, mt, ok := m.Catalogued(); ok {
 		return mt.Daemon
 	}
-	if m.Driver != "" || m.Backend == nil || m.Target.Plugin != kubelet.CSIPluginDir && m.Target.Kind != kubelet.KindSubPath {
-		return kubelet.DaemonUnknown
+	top := m
+	for top.From != nil {
+		top = top.From
 	}
-	for s := m; s != nil; s = s.From {
-		if s.Target.Kind == kubelet.KindStaging {
-			return kubelet.DaemonUnknown
-		}
+	if m.Driver != "" || m.Backend == nil || top.Target.Kind != kubelet.KindPublish {
+		return kubelet.DaemonUnknown // staged, another plugin's, or not linked
 	}
 	if d, ok := kubelet.GuessPublishOnly(m.Backend.FSType); ok {
 		if mt, ok := d.Mounter(m.Backend.FSType, m.Backend.Source); ok {
@@ -367,7 +388,9 @@ func link(inv *Inventory) {
 		switch m.Target.Kind {
 		case kubelet.KindStaging:
 			staging[m.Dev] = append(staging[m.Dev], m)
-		case kubelet.KindPublish:
+		case kubelet.KindPublish, kubelet.KindPluginVolume:
+			// A pod volume of another plugin (nfs, emptyDir, secret, an
+			// in-tree iscsi disk) is what its subPath binds show too.
 			k := devPod{m.Dev, m.Target.PodUID}
 			publish[k] = append(publish[k], m)
 		}
@@ -388,6 +411,14 @@ func link(inv *Inventory) {
 		switch m.Target.Kind {
 		case kubelet.KindPublish:
 			m.From = best(m, staging[m.Dev])
+		case kubelet.KindPluginVolume:
+			// An in-tree device plugin's pod volume binds its device mount.
+			for _, c := range staging[m.Dev] {
+				if c.Target.Plugin == m.Target.Plugin && rootContains(c.Root, m.Root) {
+					m.From = c
+					break
+				}
+			}
 		case kubelet.KindSubPath:
 			if m.From = best(m, publish[devPod{m.Dev, m.Target.PodUID}]); m.From == nil {
 				m.From = best(m, staging[m.Dev])

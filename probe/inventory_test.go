@@ -258,3 +258,45 @@ func FuzzParse(f *testing.F) {
 		_ = Assess(inv)
 	})
 }
+
+// TestInTreeAndPluginSubPaths: subPath binds of non-CSI volumes are linked
+// to their pod volume, an in-tree iSCSI pod volume to its device mount; a
+// ConfigMap or Secret subPath whose file an update replaced is explained
+// and not broken, while a deleted directory still is.
+func TestInTreeAndPluginSubPaths(t *testing.T) {
+	inv := readTestdata(t, "in-tree.mountinfo")
+	from := map[string]string{}
+	for _, m := range inv.Mounts {
+		if m.From != nil {
+			from[m.Path[strings.LastIndex(m.Path, "/volume"):]] = m.From.Target.Plugin + "/" + m.From.Target.Kind.String()
+		}
+	}
+	want := map[string]string{
+		"/volume-subpaths/shared/app/0":           "kubernetes.io~nfs/plugin",
+		"/volume-subpaths/scratch/app/1":          "kubernetes.io~empty-dir/plugin",
+		"/volume-subpaths/tls/app/2":              "kubernetes.io~secret/plugin",
+		"/volume-subpaths/iscsi-data/db/0":        "kubernetes.io~iscsi/plugin",
+		"/volumes/kubernetes.io~iscsi/iscsi-data": "kubernetes.io~iscsi/staging",
+	}
+	for p, w := range want {
+		if from[p] != w {
+			t.Errorf("%s linked from %q, want %q", p, from[p], w)
+		}
+	}
+	rep := Assess(inv)
+	if n := len(rep.Broken()); n != 0 {
+		t.Errorf("broken = %d, want 0", n)
+	}
+	replaced := 0
+	for _, r := range rep.Mounts {
+		if r.Mount.ReplacedByUpdate() {
+			replaced++
+			if r.Err == nil || !strings.Contains(r.Err.Error(), "kubernetes#68211") {
+				t.Errorf("%s: err %v, want the known cause named", r.Mount.Path, r.Err)
+			}
+		}
+	}
+	if replaced != 2 {
+		t.Errorf("%d subPaths replaced by an update, want 2 (the ConfigMap's and the Secret's)", replaced)
+	}
+}

@@ -399,6 +399,9 @@ func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline b
 		if vol == "" {
 			vol = short(r.Target.HandleHash, 12)
 		}
+		if vol == "" {
+			vol = r.Target.Volume // an in-tree plugin's device mount
+		}
 	case kubelet.KindBlock:
 		if vol == "" {
 			vol = r.Target.PV

@@ -15,7 +15,7 @@ var update = flag.Bool("update", false, "rewrite the golden files")
 
 // tables are the captured mount tables the golden files cover.
 var tables = []string{"s3fs-two-pods", "nbd-faults", "mixed-node", "no-kubelet", "hostile",
-	"ceph-rbd", "cephfs", "juicefs", "gcsfuse", "blob", "seaweedfs", "k8s-csi-s3", "nfs", "smb", "longhorn", "ebs"}
+	"ceph-rbd", "cephfs", "juicefs", "gcsfuse", "blob", "seaweedfs", "k8s-csi-s3", "nfs", "smb", "longhorn", "ebs", "in-tree"}
 
 func TestScanGolden(t *testing.T) {
 	for _, name := range tables {

@@ -20,7 +20,9 @@ const (
 	// plugins/kubernetes.io/csi/<driver>/<sha256(volumeHandle)>/globalmount,
 	// or the older plugins/kubernetes.io/csi/pv/<pv>/globalmount, or one
 	// directory below either, where drivers such as ceph-csi RBD stage
-	// (<stagingTargetPath>/<volumeID>; Target.Sub names the directory).
+	// (<stagingTargetPath>/<volumeID>; Target.Sub names the directory); and
+	// an in-tree plugin's device mount, plugins/kubernetes.io/<iscsi, rbd,
+	// fc...>/... (Target.Plugin names the plugin, Volume the last segment).
 	KindStaging
 	// KindSubPath is a subPath bind:
 	// pods/<uid>/volume-subpaths/<volume>/<container>/<index>.
@@ -168,6 +170,11 @@ func classifyPlugin(seg []string) (Target, bool) {
 	// kubernetes.io/csi/volumeDevices/staging/<pv>
 	// kubernetes.io/csi/volumeDevices/publish/<pv>/<uid>
 	// kubernetes.io/csi/volumeDevices/<pv>/dev/<uid>
+	if len(seg) >= 3 && seg[0] == "kubernetes.io" && inTreeDevicePlugins[seg[1]] && seg[2] != "volumeDevices" {
+		// An in-tree plugin's device mount (its staging): iscsi/<iface>/<portal>-<iqn>-lun-<n>,
+		// rbd/mounts/<pool>-image-<image>, fc/<wwn>-lun-<n>, <cloud disk>/mounts/<disk>.
+		return Target{Kind: KindStaging, Plugin: "kubernetes.io~" + seg[1], Volume: seg[len(seg)-1]}, true
+	}
 	if len(seg) < 3 || seg[0] != "kubernetes.io" || seg[1] != "csi" {
 		return Target{}, false
 	}
@@ -203,6 +210,13 @@ func classifyPlugin(seg []string) (Target, bool) {
 	}
 	t.Driver, t.HandleHash = seg[0], seg[1]
 	return t, true
+}
+
+// inTreeDevicePlugins are the in-tree volume plugins that mount a device
+// once per node under plugins/kubernetes.io/<plugin>/ (their
+// GetDeviceMountPath) and bind it into each pod.
+var inTreeDevicePlugins = map[string]bool{
+	"iscsi": true, "rbd": true, "fc": true, "aws-ebs": true, "gce-pd": true, "azure-disk": true, "cinder": true,
 }
 
 func isSHA256Hex(s string) bool {
