@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -86,12 +87,30 @@ var atomicWriterPlugins = []string{"kubernetes.io~configmap", "kubernetes.io~sec
 // object was updated (kubernetes#68211): the bind still shows the old,
 // removed file. Nothing is broken; the container sees the old content
 // until it restarts.
+//
+// The volume is known by the pod volume the bind derives from (a tmpfs
+// Secret or projected volume), or, for a ConfigMap (a directory on the
+// node's disk), by the first /pods/<uid>/volumes/ of its root: what
+// follows kubelet's path is the pod's own subPath, which a hostile pod
+// could name ".../volumes/kubernetes.io~configmap/..." to pass a
+// deleted directory of its emptyDir for an update.
 func (m *Mount) ReplacedByUpdate() bool {
 	if m.Target.Kind != kubelet.KindSubPath || !m.Deleted() {
 		return false
 	}
+	if m.From != nil {
+		return slices.Contains(atomicWriterPlugins, m.From.Target.Plugin)
+	}
+	prefix := "/pods/" + m.Target.PodUID + "/volumes/"
+	i := strings.Index(m.Root, prefix)
+	if i < 0 {
+		return false
+	}
+	rest := m.Root[i+len(prefix):]
 	for _, p := range atomicWriterPlugins {
-		if m.From != nil && m.From.Target.Plugin == p || strings.Contains(m.Root, "/volumes/"+p+"/") {
+		// <plugin>/<volume>/..<timestamp>/<file>: the atomic writer's
+		// data directory.
+		if strings.HasPrefix(rest, p+"/"+m.Target.Volume+"/..") {
 			return true
 		}
 	}

@@ -300,3 +300,38 @@ func TestInTreeAndPluginSubPaths(t *testing.T) {
 		t.Errorf("%d subPaths replaced by an update, want 2 (the ConfigMap's and the Secret's)", replaced)
 	}
 }
+
+// TestReplacedByUpdateHostile: a pod names its emptyDir subPath like a
+// ConfigMap's data directory and deletes it: that is a deleted directory,
+// not a ConfigMap update.
+func TestReplacedByUpdateHostile(t *testing.T) {
+	const (
+		root = "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n"
+		pod  = "/var/lib/kubelet/pods/u1"
+	)
+	for name, tc := range map[string]struct {
+		line     string
+		replaced bool
+	}{
+		"configmap update":                {"2 1 254:1 " + pod + "/volumes/kubernetes.io~configmap/cfg/..2026_11_27/a.yaml//deleted " + pod + "/volume-subpaths/cfg/app/0 rw - ext4 /dev/vda1 rw\n", true},
+		"emptyDir named like a configmap": {"2 1 254:1 " + pod + "/volumes/kubernetes.io~empty-dir/x" + pod + "/volumes/kubernetes.io~configmap/x/..2026/a//deleted " + pod + "/volume-subpaths/x/app/0 rw - ext4 /dev/vda1 rw\n", false},
+		"another pod's configmap":         {"2 1 254:1 /var/lib/kubelet/pods/u2/volumes/kubernetes.io~configmap/cfg/..2026/a//deleted " + pod + "/volume-subpaths/cfg/app/0 rw - ext4 /dev/vda1 rw\n", false},
+	} {
+		t.Run(name, func(t *testing.T) {
+			inv, err := Parse([]byte(root+tc.line), name, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(inv.Mounts) != 1 {
+				t.Fatalf("%d mounts, want 1", len(inv.Mounts))
+			}
+			m := inv.Mounts[0]
+			if got := m.ReplacedByUpdate(); got != tc.replaced {
+				t.Errorf("ReplacedByUpdate() = %v, want %v", got, tc.replaced)
+			}
+			if st := Assess(inv).Mounts[0].State; (st == Deleted) == tc.replaced {
+				t.Errorf("state %s, want Deleted %v", st, !tc.replaced)
+			}
+		})
+	}
+}
