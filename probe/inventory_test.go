@@ -335,3 +335,35 @@ func TestReplacedByUpdateHostile(t *testing.T) {
 		})
 	}
 }
+
+// TestCephCSIRealPaths: the staging and publish paths ceph-csi logged on a
+// real node (ceph/ceph-csi#4762: NodePublishVolume binding
+// <globalmount>/<volumeID> onto the target) link, and name the volume
+// handle, whose sha256 is the staging path's directory.
+func TestCephCSIRealPaths(t *testing.T) {
+	const (
+		id      = "0001-0024-aeb95e19-6505-44f5-9221-062605cda4ee-000000000000000a-dc93419b-7109-4c39-9a58-e87b9c6d3b8a"
+		staging = "/var/lib/kubelet/plugins/kubernetes.io/csi/rbd.csi.ceph.com/3038ce5e41af71bc02c413b0a557fb52e71e372d4db7f600d4844ceb329780eb/globalmount/" + id
+		target  = "/var/lib/kubelet/pods/bd49f109-cf95-4fce-9ea1-8bc71f04709b/volumes/kubernetes.io~csi/pvc-ed3aa009-edeb-4eaf-9f4e-761b717d7cf2/mount"
+	)
+	table := "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n" +
+		"2 1 252:0 / " + staging + " rw,relatime shared:2 - ext4 /dev/rbd0 rw,discard,stripe=16\n" +
+		"3 1 252:0 / " + target + " rw,relatime shared:2 - ext4 /dev/rbd0 rw,discard,stripe=16\n"
+	inv, err := Parse([]byte(table), "ceph-csi#4762", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.Mounts) != 2 {
+		t.Fatalf("%d kubelet mounts, want 2", len(inv.Mounts))
+	}
+	st, pub := inv.Mounts[0], inv.Mounts[1]
+	if st.Target.Kind != kubelet.KindStaging || st.VolumeHandle != id || st.Driver != "rbd.csi.ceph.com" {
+		t.Errorf("staging mount = %s handle %q driver %q, want staging of %s by rbd.csi.ceph.com", st.Target.Kind, st.VolumeHandle, st.Driver, id)
+	}
+	if pub.From != st || pub.Driver != "rbd.csi.ceph.com" {
+		t.Errorf("publish target from %v driver %q, want the staging mount and rbd.csi.ceph.com", pub.From, pub.Driver)
+	}
+	if d := pub.Daemon(); d != kubelet.DaemonKernel {
+		t.Errorf("daemon of a krbd volume = %s, want kernel", d)
+	}
+}
