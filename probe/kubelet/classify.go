@@ -167,7 +167,7 @@ func classifyPod(seg []string) (Target, bool) {
 func classifyPlugin(seg []string) (Target, bool) {
 	// kubernetes.io/csi/<driver>/<sha256>/globalmount[/<sub>]
 	// kubernetes.io/csi/pv/<pv>/globalmount[/<sub>]
-	// kubernetes.io/csi/volumeDevices/staging/<pv>
+	// kubernetes.io/csi/volumeDevices/staging/<pv>[/<volumeID>]
 	// kubernetes.io/csi/volumeDevices/publish/<pv>/<uid>
 	// kubernetes.io/csi/volumeDevices/<pv>/dev/<uid>
 	if len(seg) >= 3 && seg[0] == "kubernetes.io" && inTreeDevicePlugins[seg[1]] && seg[2] != "volumeDevices" {
@@ -184,6 +184,10 @@ func classifyPlugin(seg []string) (Target, bool) {
 		switch {
 		case len(seg) == 3 && seg[1] == "staging":
 			t.PV = seg[2]
+			return t, true
+		case len(seg) == 4 && seg[1] == "staging":
+			// ceph-csi stages a block volume at <staging path>/<volume ID>.
+			t.PV, t.Sub = seg[2], seg[3]
 			return t, true
 		case len(seg) == 4 && seg[1] == "publish":
 			t.PV, t.PodUID = seg[2], seg[3]

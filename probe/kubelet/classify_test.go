@@ -73,6 +73,10 @@ func TestClassify(t *testing.T) {
 			path: root + "/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-2",
 			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2"}, ok: true,
 		},
+		"block staging below the staging path (ceph-csi rbd)": {
+			path: root + "/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-2/0001-0009-rook-ceph-0000000000000002-5c2e",
+			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2", Sub: "0001-0009-rook-ceph-0000000000000002-5c2e"}, ok: true,
+		},
 		"block publish": {
 			path: root + "/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-2/uid-1",
 			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2", PodUID: "uid-1"}, ok: true,
