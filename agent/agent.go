@@ -735,6 +735,8 @@ func (a *Agent) prepare(bv *brokenVolume) *job {
 		j.skip = "raw block volumes are reported, not repaired"
 	case bv.csi && !a.cfg.driverAllowed(bv.driver):
 		j.skip = fmt.Sprintf("CSI driver %s is not in --drivers", bv.driver)
+	case bv.csi:
+		j.skip = notUnderstood(bv, a.cfg.RepairUnknownDrivers)
 	}
 	n := 0
 	for _, uid := range bv.podUIDs() {

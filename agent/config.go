@@ -84,6 +84,11 @@ type Config struct {
 	// Drivers, when not empty, limits repairs to these CSI drivers (other
 	// volumes are still probed and reported).
 	Drivers []string
+	// RepairUnknownDrivers repairs volumes of CSI drivers that are not in
+	// the driver catalogue (probe/kubelet) and stage below kubelet's
+	// staging path, as if their layout were kubelet's plain one. Off, they
+	// are probed and reported only.
+	RepairUnknownDrivers bool
 	// IncludeNamespaces, when not empty, limits repairs to pods in these
 	// namespaces; ExcludeNamespaces are never repaired.
 	IncludeNamespaces []string

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"slices"
 	"sort"
 
@@ -290,4 +291,31 @@ func volumeDrivers(inv *probe.Inventory) []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// notUnderstood says why a broken CSI volume is reported and not repaired,
+// "" when the agent may repair it: a catalogued driver whose daemon a
+// re-stage through its node plugin cannot bring back (a mount pod, a
+// sidecar in the app pod, an engine pod, or a staging mount where the
+// re-stage does not unmount), or, unless repairUnknown, a driver not in the
+// catalogue that stages below kubelet's staging path.
+func notUnderstood(v *brokenVolume, repairUnknown bool) string {
+	if d, ok := kubelet.LookupDriver(v.driver); ok {
+		if d.Restage {
+			return ""
+		}
+		return fmt.Sprintf("CSI driver %s (%s) is reported, not repaired: %s", v.driver, d.Project, d.Why)
+	}
+	if repairUnknown {
+		return ""
+	}
+	for _, m := range v.mounts {
+		for s := m; s != nil; s = s.From {
+			if s.Target.Kind == kubelet.KindStaging && s.Target.Sub != "" {
+				return fmt.Sprintf("CSI driver %s is not in mountmedic's driver catalogue and stages below kubelet's staging path (%s): "+
+					"reported, not repaired; pass --repair-unknown-drivers to repair it as kubelet's plain layout", v.driver, s.Path)
+			}
+		}
+	}
+	return ""
 }

@@ -106,9 +106,9 @@ func TestGroupBrokenTableOnlyFaults(t *testing.T) {
 	}{
 		"healthy node": {"mixed-node.mountinfo", map[string]want{}},
 		"nbd faults": {"nbd-faults.mountinfo", map[string]want{
-			ceph + "ee46ee61e0e552f3ba5360dbf3e028b42c7cb6634bff5415f0c86282dedc9cfa": {probe.Shutdown, 2},
-			ceph + "05b5a4bc5a54283819f9bba33e554c46a2409dace9c33ff90a284d3420d9513e": {probe.ReadOnly, 2},
-			ceph + "5f53cd8d00e63e3f806f79a89ebcb17fc9a50f2c18f5214209b15a0554a49608": {probe.ReadOnly, 3},
+			ceph + "b30a22c69f8445afa7c10bf1a7ed27969249e24f2b0d22264c9d083105422805": {probe.Shutdown, 2},
+			ceph + "13ea42c1d89fe8881cf0f9e711dfbdda6a8bb38a8e944a8e551b5a738b9848e6": {probe.ReadOnly, 2},
+			ceph + "3aae01f37af6e2758da1122c5289a61b49ef007f55ab58ef0f7b0f9d483733db": {probe.ReadOnly, 3},
 		}},
 	}
 	for name, tc := range tests {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -75,6 +76,86 @@ func isGuard(fsType, source string, t kubelet.Target) bool {
 // Deleted reports whether the mount's root was removed from its filesystem
 // (mountinfo shows "//deleted"): a subPath bind whose directory is gone.
 func (m *Mount) Deleted() bool { return strings.HasSuffix(m.Root, "//deleted") }
+
+// atomicWriterPlugins are the pod volume plugins kubelet fills with its
+// atomic writer: an update writes a new ..<timestamp> directory and
+// removes the old one, which a subPath bind keeps showing.
+var atomicWriterPlugins = []string{"kubernetes.io~configmap", "kubernetes.io~secret", "kubernetes.io~projected", "kubernetes.io~downward-api"}
+
+// ReplacedByUpdate reports a subPath bind of a ConfigMap, Secret,
+// projected or downward API volume whose file kubelet replaced when the
+// object was updated (kubernetes#68211): the bind still shows the old,
+// removed file. Nothing is broken; the container sees the old content
+// until it restarts.
+//
+// The volume is known by the pod volume the bind derives from (a tmpfs
+// Secret or projected volume), or, for a ConfigMap (a directory on the
+// node's disk), by the first /pods/<uid>/volumes/ of its root: what
+// follows kubelet's path is the pod's own subPath, which a hostile pod
+// could name ".../volumes/kubernetes.io~configmap/..." to pass a
+// deleted directory of its emptyDir for an update.
+func (m *Mount) ReplacedByUpdate() bool {
+	if m.Target.Kind != kubelet.KindSubPath || !m.Deleted() {
+		return false
+	}
+	if m.From != nil {
+		return slices.Contains(atomicWriterPlugins, m.From.Target.Plugin)
+	}
+	prefix := "/pods/" + m.Target.PodUID + "/volumes/"
+	i := strings.Index(m.Root, prefix)
+	if i < 0 {
+		return false
+	}
+	rest := m.Root[i+len(prefix):]
+	for _, p := range atomicWriterPlugins {
+		// <plugin>/<volume>/..<timestamp>/<file>: the atomic writer's
+		// data directory.
+		if strings.HasPrefix(rest, p+"/"+m.Target.Volume+"/..") {
+			return true
+		}
+	}
+	return false
+}
+
+// Catalogued returns the driver catalogue's entry of the mount's CSI
+// driver and the mounter serving the mount's filesystem, when both are
+// known.
+func (m *Mount) Catalogued() (*kubelet.Driver, kubelet.Mounter, bool) {
+	d, ok := kubelet.LookupDriver(m.Driver)
+	if !ok {
+		return nil, kubelet.Mounter{}, false
+	}
+	fsType, source := m.FSType, m.Source
+	if m.Backend != nil {
+		fsType, source = m.Backend.FSType, m.Backend.Source
+	}
+	mt, ok := d.Mounter(fsType, source)
+	return d, mt, ok
+}
+
+// Daemon says where the daemon serving the mount lives, from the driver
+// catalogue and the mount's filesystem; DaemonUnknown for a driver or
+// mounter not catalogued. A publish target of a captured table that no
+// staging mount names the driver of is matched by its filesystem type
+// against the drivers that publish without staging.
+func (m *Mount) Daemon() kubelet.DaemonHome {
+	if _, mt, ok := m.Catalogued(); ok {
+		return mt.Daemon
+	}
+	top := m
+	for top.From != nil {
+		top = top.From
+	}
+	if m.Driver != "" || m.Backend == nil || top.Target.Kind != kubelet.KindPublish {
+		return kubelet.DaemonUnknown // staged, another plugin's, or not linked
+	}
+	if d, ok := kubelet.GuessPublishOnly(m.Backend.FSType); ok {
+		if mt, ok := d.Mounter(m.Backend.FSType, m.Backend.Source); ok {
+			return mt.Daemon
+		}
+	}
+	return kubelet.DaemonUnknown
+}
 
 // BackendKind says what serves a filesystem.
 type BackendKind int
@@ -164,6 +245,10 @@ type Inventory struct {
 	Source string `json:"source"`
 	// Total is the number of mounts in the whole table.
 	Total int `json:"total"`
+	// OtherRoots are directories outside Root under which the table has
+	// kubelet pod volume mounts (<dir>/pods/<uid>/volumes/...): kubelet
+	// runs with another --root-dir there (at most a few are named).
+	OtherRoots []string `json:"otherRoots,omitempty"`
 	// Mounts are the kubelet mounts, sorted by path.
 	Mounts []*Mount `json:"mounts"`
 	// Backends are the filesystems under Mounts, in the order of their first
@@ -322,7 +407,9 @@ func link(inv *Inventory) {
 		switch m.Target.Kind {
 		case kubelet.KindStaging:
 			staging[m.Dev] = append(staging[m.Dev], m)
-		case kubelet.KindPublish:
+		case kubelet.KindPublish, kubelet.KindPluginVolume:
+			// A pod volume of another plugin (nfs, emptyDir, secret, an
+			// in-tree iscsi disk) is what its subPath binds show too.
 			k := devPod{m.Dev, m.Target.PodUID}
 			publish[k] = append(publish[k], m)
 		}
@@ -343,6 +430,14 @@ func link(inv *Inventory) {
 		switch m.Target.Kind {
 		case kubelet.KindPublish:
 			m.From = best(m, staging[m.Dev])
+		case kubelet.KindPluginVolume:
+			// An in-tree device plugin's pod volume binds its device mount.
+			for _, c := range staging[m.Dev] {
+				if c.Target.Plugin == m.Target.Plugin && rootContains(c.Root, m.Root) {
+					m.From = c
+					break
+				}
+			}
 		case kubelet.KindSubPath:
 			if m.From = best(m, publish[devPod{m.Dev, m.Target.PodUID}]); m.From == nil {
 				m.From = best(m, staging[m.Dev])
@@ -352,6 +447,12 @@ func link(inv *Inventory) {
 	for _, m := range inv.Mounts {
 		if m.Target.Kind == kubelet.KindStaging {
 			m.Driver = m.Target.Driver
+			// A driver that stages in <globalmount>/<volumeID> names the
+			// volume handle in the path: kept when its hash is the
+			// directory's.
+			if t := m.Target; t.Sub != "" && t.HandleHash != "" && kubelet.HandleHash(t.Sub) == t.HandleHash {
+				m.VolumeHandle = t.Sub
+			}
 			continue
 		}
 		for s := m.From; s != nil; s = s.From {
@@ -588,6 +689,10 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 	mounted := make(map[string]bool, len(inv.Mounts))
 	for _, m := range inv.Mounts {
 		mounted[m.Path] = true
+		// A staging mount one directory below globalmount (ceph-csi RBD's
+		// <stagingTargetPath>/<volumeID>) is the volume's staging mount:
+		// globalmount itself is then never a mount point.
+		mounted[kubelet.StagingDir(m.Target, m.Path)] = true
 	}
 	pods, err := readDirBeneath(root, "pods")
 	if err != nil {

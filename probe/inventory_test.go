@@ -258,3 +258,112 @@ func FuzzParse(f *testing.F) {
 		_ = Assess(inv)
 	})
 }
+
+// TestInTreeAndPluginSubPaths: subPath binds of non-CSI volumes are linked
+// to their pod volume, an in-tree iSCSI pod volume to its device mount; a
+// ConfigMap or Secret subPath whose file an update replaced is explained
+// and not broken, while a deleted directory still is.
+func TestInTreeAndPluginSubPaths(t *testing.T) {
+	inv := readTestdata(t, "in-tree.mountinfo")
+	from := map[string]string{}
+	for _, m := range inv.Mounts {
+		if m.From != nil {
+			from[m.Path[strings.LastIndex(m.Path, "/volume"):]] = m.From.Target.Plugin + "/" + m.From.Target.Kind.String()
+		}
+	}
+	want := map[string]string{
+		"/volume-subpaths/shared/app/0":           "kubernetes.io~nfs/plugin",
+		"/volume-subpaths/scratch/app/1":          "kubernetes.io~empty-dir/plugin",
+		"/volume-subpaths/tls/app/2":              "kubernetes.io~secret/plugin",
+		"/volume-subpaths/iscsi-data/db/0":        "kubernetes.io~iscsi/plugin",
+		"/volumes/kubernetes.io~iscsi/iscsi-data": "kubernetes.io~iscsi/staging",
+	}
+	for p, w := range want {
+		if from[p] != w {
+			t.Errorf("%s linked from %q, want %q", p, from[p], w)
+		}
+	}
+	rep := Assess(inv)
+	if n := len(rep.Broken()); n != 0 {
+		t.Errorf("broken = %d, want 0", n)
+	}
+	replaced := 0
+	for _, r := range rep.Mounts {
+		if r.Mount.ReplacedByUpdate() {
+			replaced++
+			if r.Err == nil || !strings.Contains(r.Err.Error(), "kubernetes#68211") {
+				t.Errorf("%s: err %v, want the known cause named", r.Mount.Path, r.Err)
+			}
+		}
+	}
+	if replaced != 2 {
+		t.Errorf("%d subPaths replaced by an update, want 2 (the ConfigMap's and the Secret's)", replaced)
+	}
+}
+
+// TestReplacedByUpdateHostile: a pod names its emptyDir subPath like a
+// ConfigMap's data directory and deletes it: that is a deleted directory,
+// not a ConfigMap update.
+func TestReplacedByUpdateHostile(t *testing.T) {
+	const (
+		root = "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n"
+		pod  = "/var/lib/kubelet/pods/u1"
+	)
+	for name, tc := range map[string]struct {
+		line     string
+		replaced bool
+	}{
+		"configmap update":                {"2 1 254:1 " + pod + "/volumes/kubernetes.io~configmap/cfg/..2026_11_27/a.yaml//deleted " + pod + "/volume-subpaths/cfg/app/0 rw - ext4 /dev/vda1 rw\n", true},
+		"emptyDir named like a configmap": {"2 1 254:1 " + pod + "/volumes/kubernetes.io~empty-dir/x" + pod + "/volumes/kubernetes.io~configmap/x/..2026/a//deleted " + pod + "/volume-subpaths/x/app/0 rw - ext4 /dev/vda1 rw\n", false},
+		"another pod's configmap":         {"2 1 254:1 /var/lib/kubelet/pods/u2/volumes/kubernetes.io~configmap/cfg/..2026/a//deleted " + pod + "/volume-subpaths/cfg/app/0 rw - ext4 /dev/vda1 rw\n", false},
+	} {
+		t.Run(name, func(t *testing.T) {
+			inv, err := Parse([]byte(root+tc.line), name, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(inv.Mounts) != 1 {
+				t.Fatalf("%d mounts, want 1", len(inv.Mounts))
+			}
+			m := inv.Mounts[0]
+			if got := m.ReplacedByUpdate(); got != tc.replaced {
+				t.Errorf("ReplacedByUpdate() = %v, want %v", got, tc.replaced)
+			}
+			if st := Assess(inv).Mounts[0].State; (st == Deleted) == tc.replaced {
+				t.Errorf("state %s, want Deleted %v", st, !tc.replaced)
+			}
+		})
+	}
+}
+
+// TestCephCSIRealPaths: the staging and publish paths ceph-csi logged on a
+// real node (ceph/ceph-csi#4762: NodePublishVolume binding
+// <globalmount>/<volumeID> onto the target) link, and name the volume
+// handle, whose sha256 is the staging path's directory.
+func TestCephCSIRealPaths(t *testing.T) {
+	const (
+		id      = "0001-0024-aeb95e19-6505-44f5-9221-062605cda4ee-000000000000000a-dc93419b-7109-4c39-9a58-e87b9c6d3b8a"
+		staging = "/var/lib/kubelet/plugins/kubernetes.io/csi/rbd.csi.ceph.com/3038ce5e41af71bc02c413b0a557fb52e71e372d4db7f600d4844ceb329780eb/globalmount/" + id
+		target  = "/var/lib/kubelet/pods/bd49f109-cf95-4fce-9ea1-8bc71f04709b/volumes/kubernetes.io~csi/pvc-ed3aa009-edeb-4eaf-9f4e-761b717d7cf2/mount"
+	)
+	table := "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n" +
+		"2 1 252:0 / " + staging + " rw,relatime shared:2 - ext4 /dev/rbd0 rw,discard,stripe=16\n" +
+		"3 1 252:0 / " + target + " rw,relatime shared:2 - ext4 /dev/rbd0 rw,discard,stripe=16\n"
+	inv, err := Parse([]byte(table), "ceph-csi#4762", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.Mounts) != 2 {
+		t.Fatalf("%d kubelet mounts, want 2", len(inv.Mounts))
+	}
+	st, pub := inv.Mounts[0], inv.Mounts[1]
+	if st.Target.Kind != kubelet.KindStaging || st.VolumeHandle != id || st.Driver != "rbd.csi.ceph.com" {
+		t.Errorf("staging mount = %s handle %q driver %q, want staging of %s by rbd.csi.ceph.com", st.Target.Kind, st.VolumeHandle, st.Driver, id)
+	}
+	if pub.From != st || pub.Driver != "rbd.csi.ceph.com" {
+		t.Errorf("publish target from %v driver %q, want the staging mount and rbd.csi.ceph.com", pub.From, pub.Driver)
+	}
+	if d := pub.Daemon(); d != kubelet.DaemonKernel {
+		t.Errorf("daemon of a krbd volume = %s, want kernel", d)
+	}
+}

@@ -464,6 +464,10 @@ func Assess(inv *Inventory) *Report {
 	return rep
 }
 
+// errReplacedByUpdate explains a subPath bind of a ConfigMap (or Secret,
+// projected, downward API) file that an update replaced.
+var errReplacedByUpdate = errors.New("not broken: an update of its ConfigMap/Secret replaced the file this subPath shows (kubernetes#68211); a subPath never sees updates: restart the container to bind the current file, or mount the volume without subPath")
+
 // derive gives each mount its backend's result, then the per-mount checks:
 // a deleted subPath root, a covered mount the probe could not reach.
 func derive(inv *Inventory, of func(*Backend) Result) []Result {
@@ -472,6 +476,9 @@ func derive(inv *Inventory, of func(*Backend) Result) []Result {
 		r := of(m.Backend)
 		r.Mount = m
 		switch {
+		case m.ReplacedByUpdate():
+			// The bind works; it shows the file as it was before the update.
+			r.Err = errReplacedByUpdate
 		case m.Deleted():
 			r.State, r.Err = Deleted, errors.New("the directory this bind shows was deleted")
 		case m.Guard && !m.Covered:

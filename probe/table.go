@@ -230,7 +230,9 @@ func read(ctx context.Context, r io.Reader, source string, limit int64, opts Opt
 	if err != nil {
 		return nil, &TableError{Source: source, Line: err.line, Err: err}
 	}
-	return build(b.kept, b.total, source, opts), nil
+	inv := build(b.kept, b.total, source, opts)
+	inv.OtherRoots = b.otherRoots
+	return inv, nil
 }
 
 // rawLine is one mountinfo line split into its fields, which point into the
@@ -431,10 +433,14 @@ type idLine struct {
 type tableBuilder struct {
 	prefix []byte // the kubelet root and a slash
 	all    bool
-	ids    []idLine
-	kept   []*mountinfo.Info
-	total  int
-	buf    []byte
+	// otherRoots are directories outside the kubelet root that hold
+	// kubelet pod volume mounts (<dir>/pods/<uid>/volumes/...): the root
+	// of a kubelet run with another --root-dir, for a hint.
+	otherRoots []string
+	ids        []idLine
+	kept       []*mountinfo.Info
+	total      int
+	buf        []byte
 }
 
 func newTableBuilder(opts Options) *tableBuilder {
@@ -445,8 +451,38 @@ func (b *tableBuilder) add(line int, r *rawLine) {
 	b.total++
 	b.ids = append(b.ids, idLine{id: r.id, parent: r.parent, line: int32(min(line, 1<<31-1))})
 	b.buf = unescapeTo(b.buf[:0], r.mountpoint)
-	if b.all || bytes.HasPrefix(b.buf, b.prefix) {
+	under := bytes.HasPrefix(b.buf, b.prefix)
+	if b.all || under {
 		b.kept = append(b.kept, r.info(""))
+	}
+	if !under && len(b.otherRoots) < maxOtherRoots {
+		if root, ok := podVolumesRoot(b.buf); ok && !slices.Contains(b.otherRoots, root) {
+			b.otherRoots = append(b.otherRoots, root)
+		}
+	}
+}
+
+// maxOtherRoots bounds the other kubelet roots a table read names.
+const maxOtherRoots = 4
+
+// podVolumesRoot returns <dir> of a mount point
+// <dir>/pods/<uid>/{volumes,volume-subpaths}/..., the layout of a kubelet
+// root, by path segments.
+func podVolumesRoot(mp []byte) (string, bool) {
+	const pods = "/pods/"
+	for off := 0; ; {
+		i := bytes.Index(mp[off:], []byte(pods))
+		if i < 0 {
+			return "", false
+		}
+		i += off
+		rest := mp[i+len(pods):]
+		uid, after, ok := bytes.Cut(rest, []byte("/"))
+		if ok && len(uid) > 0 && i > 0 &&
+			(bytes.HasPrefix(after, []byte("volumes/")) || bytes.HasPrefix(after, []byte("volume-subpaths/"))) {
+			return string(mp[:i]), true
+		}
+		off = i + 1
 	}
 }
 

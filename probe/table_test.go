@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -214,5 +215,31 @@ func TestParseAcceptsWhatTheKernelWrites(t *testing.T) {
 	}
 	if inv.Total != 3 || len(inv.Mounts) != 1 || inv.Mounts[0].Path != long {
 		t.Errorf("Parse() = %d mounts, %d kubelet; want 3 and the long nfs volume", inv.Total, len(inv.Mounts))
+	}
+}
+
+func TestOtherRoots(t *testing.T) {
+	const root = "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n"
+	tests := map[string]struct {
+		table string
+		want  []string
+	}{
+		"data dir": {root + "2 1 0:50 / /data/kubelet/pods/u1/volumes/kubernetes.io~csi/pv/mount rw - tmpfs t rw\n", []string{"/data/kubelet"}},
+		"k0s and rke": {root + "2 1 0:50 / /var/lib/k0s/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/x rw - tmpfs t rw\n" +
+			"3 1 0:51 / /opt/rke/var/lib/kubelet/pods/u2/volume-subpaths/v/c/0 rw - tmpfs t rw\n", []string{"/var/lib/k0s/kubelet", "/opt/rke/var/lib/kubelet"}},
+		"under the root":       {root + "2 1 0:50 / /var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/pv/mount rw - tmpfs t rw\n", nil},
+		"pods without volumes": {root + "2 1 0:50 / /srv/pods/u1/logs rw - tmpfs t rw\n", nil},
+		"pods at the top":      {root + "2 1 0:50 / /pods/u1/volumes/x rw - tmpfs t rw\n", nil},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			inv, err := Parse([]byte(tc.table), name, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(inv.OtherRoots, tc.want) {
+				t.Errorf("OtherRoots = %q, want %q", inv.OtherRoots, tc.want)
+			}
+		})
 	}
 }

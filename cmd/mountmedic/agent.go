@@ -98,6 +98,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.StringSliceVar(&c.EvictOwnerKinds, "evict-owner-kinds", c.EvictOwnerKinds, "controller kinds whose pods may be evicted or deleted")
 	fl.DurationVar(&c.ForceDeleteAfter, "force-delete-after", c.ForceDeleteAfter, "how long past its deletion time a pod must be stuck before the force-delete tier acts")
 	fl.StringSliceVar(&c.Drivers, "drivers", nil, "repair only volumes of these CSI drivers (default all; others are still probed and reported)")
+	fl.BoolVar(&c.RepairUnknownDrivers, "repair-unknown-drivers", false, "repair volumes of CSI drivers mountmedic has not catalogued that stage below kubelet's staging path (default: probe and report them only; see docs/drivers.md)")
 	fl.StringSliceVar(&c.IncludeNamespaces, "include-namespaces", nil, "repair only pods in these namespaces (default all)")
 	fl.StringSliceVar(&c.ExcludeNamespaces, "exclude-namespaces", nil, "never repair pods in these namespaces")
 	fl.BoolVar(&c.DryRun, "dry-run", false, "decide and report (events marked [dry-run], metrics), change nothing")

@@ -2,8 +2,10 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -14,6 +16,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
 var (
@@ -28,6 +32,15 @@ var (
 // options) and sandbox shm. About two thirds of the lines are kubelet
 // mounts. It returns the file's size.
 func writeCapture(tb testing.TB, path string, n int) int64 {
+	return writeCaptureOf(tb, path, n, false)
+}
+
+// writeCaptureOf is writeCapture; with mixed, the volumes rotate through
+// four drivers' layouts: k8s-csi-s3 (s3fs on globalmount), ceph-csi RBD
+// (ext4 on /dev/rbdN at globalmount/<volumeID>), ceph-csi CephFS (kernel
+// client on globalmount) and csi-driver-nfs (no staging; every export of
+// one NFSv4 superblock).
+func writeCaptureOf(tb testing.TB, path string, n int, mixed bool) int64 {
 	tb.Helper()
 	f, err := os.Create(path)
 	if err != nil {
@@ -57,18 +70,51 @@ func writeCapture(tb testing.TB, path string, n int) int64 {
 	rest := n - len(system)
 	pods := rest * 9 / 46 // 5 mounts per pod, one staging mount per 9 pods
 	pvs := (pods + 8) / 9
+	// vol says how volume p is mounted: its device, the root of its
+	// publish target, the filesystem type, source and super options.
+	type vol struct{ dev, root, fsType, source, super string }
+	volOf := func(p int) vol {
+		if !mixed {
+			return vol{fmt.Sprintf("0:%d", 100+p), "", "fuse.s3fs", "s3fs", "rw,user_id=0,group_id=0,allow_other"}
+		}
+		switch p % 4 {
+		case 1:
+			return vol{fmt.Sprintf("252:%d", p), "", "ext4", fmt.Sprintf("/dev/rbd%d", p), "rw,stripe=16"}
+		case 2:
+			return vol{fmt.Sprintf("0:%d", 100+p), "", "ceph", fmt.Sprintf("10.96.0.1:6789:/volumes/csi/csi-vol-%d", p), "rw,name=csi-cephfs-node,secret=<hidden>,acl"}
+		case 3:
+			return vol{"0:99", fmt.Sprintf("/srv/nfs/%d", p), "nfs4", fmt.Sprintf("nfs.example:/srv/nfs/%d", p), "rw,vers=4.2,hard,proto=tcp,timeo=600,sec=sys,addr=10.0.0.5"}
+		}
+		return vol{fmt.Sprintf("0:%d", 100+p), "", "fuse.s3fs", "s3fs", "rw,user_id=0,group_id=0,allow_other"}
+	}
 	for p := 0; p < pvs && id <= n; p++ {
-		line("1 0:%d / /var/lib/kubelet/plugins/kubernetes.io/csi/ru.yandex.s3.csi/%x/globalmount rw,nosuid,nodev,relatime shared:%d - fuse.s3fs s3fs rw,user_id=0,group_id=0,allow_other",
-			100+p, sha256.Sum256([]byte("bucket-"+strconv.Itoa(p))), 200+p)
+		v := volOf(p)
+		switch {
+		case !mixed || p%4 == 0:
+			line("1 %s / /var/lib/kubelet/plugins/kubernetes.io/csi/ru.yandex.s3.csi/%x/globalmount rw,nosuid,nodev,relatime shared:%d - %s %s %s",
+				v.dev, sha256.Sum256([]byte("bucket-"+strconv.Itoa(p))), 200+p, v.fsType, v.source, v.super)
+		case p%4 == 1:
+			h := fmt.Sprintf("0001-0009-rook-ceph-0000000000000002-%08d", p)
+			line("1 %s / /var/lib/kubelet/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/%x/globalmount/%s rw,relatime shared:%d - %s %s %s",
+				v.dev, sha256.Sum256([]byte(h)), h, 200+p, v.fsType, v.source, v.super)
+		case p%4 == 2:
+			line("1 %s / /var/lib/kubelet/plugins/kubernetes.io/csi/rook-ceph.cephfs.csi.ceph.com/%x/globalmount rw,relatime shared:%d - %s %s %s",
+				v.dev, sha256.Sum256([]byte("fs-"+strconv.Itoa(p))), 200+p, v.fsType, v.source, v.super)
+		}
 	}
 	for q := 0; id <= n; q++ {
 		uid := fmt.Sprintf("%08x-%04x-4%03x-8%03x-%012x", q, q&0xffff, q&0xfff, (q>>12)&0xfff, q*7919)
 		p := q % pvs
+		v := volOf(p)
+		root := v.root
+		if root == "" {
+			root = "/"
+		}
 		ctr := sha256.Sum256([]byte("ctr-" + uid))
 		kube := []string{
 			fmt.Sprintf("1 0:%d / /var/lib/kubelet/pods/%s/volumes/kubernetes.io~projected/kube-api-access-%05d rw,relatime shared:%d - tmpfs tmpfs rw,size=245760k,inode64", 20000+q, uid, q%100000, 30000+q),
-			fmt.Sprintf("1 0:%d / /var/lib/kubelet/pods/%s/volumes/kubernetes.io~csi/pvc-%08d-0000-4000-8000-000000000000/mount rw,nosuid,nodev,relatime shared:%d - fuse.s3fs s3fs rw,user_id=0,group_id=0,allow_other", 100+p, uid, p, 200+p),
-			fmt.Sprintf("1 0:%d /data/%d /var/lib/kubelet/pods/%s/volume-subpaths/pvc-%08d-0000-4000-8000-000000000000/app/0 rw,nosuid,nodev,relatime shared:%d - fuse.s3fs s3fs rw,user_id=0,group_id=0,allow_other", 100+p, q, uid, p, 200+p),
+			fmt.Sprintf("1 %s %s /var/lib/kubelet/pods/%s/volumes/kubernetes.io~csi/pvc-%08d-0000-4000-8000-000000000000/mount rw,nosuid,nodev,relatime shared:%d - %s %s %s", v.dev, root, uid, p, 200+p, v.fsType, v.source, v.super),
+			fmt.Sprintf("1 %s %s/data/%d /var/lib/kubelet/pods/%s/volume-subpaths/pvc-%08d-0000-4000-8000-000000000000/app/0 rw,nosuid,nodev,relatime shared:%d - %s %s %s", v.dev, v.root, q, uid, p, 200+p, v.fsType, v.source, v.super),
 			fmt.Sprintf("5 0:%d / /run/containerd/io.containerd.grpc.v1.cri/sandboxes/%x/shm rw,nosuid,nodev,noexec,relatime shared:%d - tmpfs shm rw,size=65536k,inode64", 60000+q, ctr, 70000+q),
 			fmt.Sprintf("5 0:%d / /run/containerd/io.containerd.runtime.v2.task/k8s.io/%x/rootfs rw,relatime shared:%d - overlay overlay rw,lowerdir=/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/%d/fs:/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/%d/fs,upperdir=/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/%d/fs,workdir=/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/%d/work,uuid=on",
 				90000+q, ctr, 100000+q, 3*q+1, 3*q+2, 3*q+3, 3*q+3),
@@ -112,6 +158,30 @@ func TestWriteCapture(t *testing.T) {
 		t.Fatalf("scan of the generated capture: exit status %d", code)
 	}
 	t.Logf("%s: %d mounts, %d bytes", path, n, size)
+
+	// The mixed-driver capture reads as healthy too: every publish target
+	// of a staged volume linked to its staging mount (ceph-csi RBD's below
+	// globalmount included), none Missing.
+	mixed := filepath.Join(t.TempDir(), "mixed")
+	writeCaptureOf(t, mixed, 1000, true)
+	var stdout bytes.Buffer
+	if code := execute(context.Background(), []string{"scan", "--mountinfo", mixed, "-o", "json"}, &stdout, &errb); code != exitOK {
+		t.Fatalf("scan of the mixed-driver capture: exit status %d", code)
+	}
+	var doc scanDoc
+	if err := json.Unmarshal(stdout.Bytes(), &doc); err != nil {
+		t.Fatal(err)
+	}
+	daemons := map[string]int{}
+	for _, r := range doc.Mounts {
+		daemons[r.Daemon]++
+		if r.Target.Kind == kubelet.KindPublish && r.FSType != "nfs4" && r.From == "" {
+			t.Errorf("mixed capture: publish target %s (%s) not linked to a staging mount", r.Path, r.FSType)
+		}
+	}
+	if daemons["kernel"] == 0 || daemons["node-plugin"] == 0 {
+		t.Errorf("mixed capture: daemons %v, want kernel and node-plugin mounts", daemons)
+	}
 }
 
 type discardCounter struct{ n int }
@@ -123,10 +193,18 @@ func (d *discardCounter) Write(p []byte) (int, error) { d.n += len(p); return le
 // page cache), then scan itself (read, classify, assess, format) in each
 // output format.
 func BenchmarkScanCapture(b *testing.B) {
-	for _, n := range []int{10000} {
+	for _, tc := range []struct {
+		n     int
+		mixed bool
+	}{{10000, false}, {10000, true}} {
+		n := tc.n
 		path := filepath.Join(b.TempDir(), "capture")
-		size := writeCapture(b, path, n)
-		b.Run(fmt.Sprintf("mounts=%d/raw-read", n), func(b *testing.B) {
+		size := writeCaptureOf(b, path, n, tc.mixed)
+		name := fmt.Sprintf("mounts=%d", n)
+		if tc.mixed {
+			name = fmt.Sprintf("mixed-drivers/mounts=%d", n)
+		}
+		b.Run(name+"/raw-read", func(b *testing.B) {
 			b.SetBytes(size)
 			for b.Loop() {
 				if _, err := os.ReadFile(path); err != nil {
@@ -135,7 +213,7 @@ func BenchmarkScanCapture(b *testing.B) {
 			}
 		})
 		for _, format := range []string{"table", "json"} {
-			b.Run(fmt.Sprintf("mounts=%d/scan-%s", n, format), func(b *testing.B) {
+			b.Run(name+"/scan-"+format, func(b *testing.B) {
 				b.SetBytes(size)
 				b.ReportAllocs()
 				for b.Loop() {
@@ -175,7 +253,7 @@ func BenchmarkScanProcess(b *testing.B) {
 	size := writeCapture(b, path, 10000)
 	hwm := filepath.Join(b.TempDir(), "hwm")
 	empty := filepath.Join("..", "..", "probe", "testdata", "no-kubelet.mountinfo")
-	run := func(b *testing.B, name string, args ...string) {
+	run := func(b *testing.B, size int64, name string, args ...string) {
 		var (
 			peak int64
 			cpu  time.Duration
@@ -212,9 +290,15 @@ func BenchmarkScanProcess(b *testing.B) {
 		// CPU time is the fairer figure on a shared machine: wall time
 		// counts the waits for a core.
 		b.ReportMetric(float64(cpu.Microseconds())/1000/float64(runs), "cpu-ms/op")
-		b.ReportMetric(float64(size)/(1<<20), "capture-MiB")
+		if size > 0 {
+			b.ReportMetric(float64(size)/(1<<20), "capture-MiB")
+		}
 	}
-	b.Run("mounts=10000/cat", func(b *testing.B) { run(b, "cat", path) })
-	b.Run("mounts=10000/scan", func(b *testing.B) { run(b, os.Args[0], "scan", "--mountinfo", path) })
-	b.Run("no-kubelet/scan", func(b *testing.B) { run(b, os.Args[0], "scan", "--mountinfo", empty) })
+	mixed := filepath.Join(b.TempDir(), "mixed")
+	mixedSize := writeCaptureOf(b, mixed, 10000, true)
+	b.Run("mounts=10000/cat", func(b *testing.B) { run(b, size, "cat", path) })
+	b.Run("mounts=10000/scan", func(b *testing.B) { run(b, size, os.Args[0], "scan", "--mountinfo", path) })
+	b.Run("mixed-drivers/cat", func(b *testing.B) { run(b, mixedSize, "cat", mixed) })
+	b.Run("mixed-drivers/scan", func(b *testing.B) { run(b, mixedSize, os.Args[0], "scan", "--mountinfo", mixed) })
+	b.Run("no-kubelet/scan", func(b *testing.B) { run(b, 0, os.Args[0], "scan", "--mountinfo", empty) })
 }

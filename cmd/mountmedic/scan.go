@@ -8,7 +8,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"os"
+	"sort"
 	"strconv"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -101,6 +105,9 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 		}
 		return err
 	}
+	if err := checkRootFound(inv, f.capture == ""); err != nil {
+		return err
+	}
 	out := cmd.OutOrStdout()
 	if f.output == "json" {
 		err = writeJSON(out, inv, rep, f.capture != "")
@@ -112,6 +119,31 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 	}
 	if len(rep.Broken()) > 0 {
 		return exitCodeError{exitBroken}
+	}
+	return nil
+}
+
+// checkRootFound fails a scan that checked nothing because it looked in
+// the wrong place: a live kubelet root that does not exist on this host,
+// or a table with no mount under the root but pod volume mounts under
+// another directory (kubelet run with another --root-dir: /data/kubelet,
+// microk8s', k0s', RKE's). Its error names the flag and what to give it.
+func checkRootFound(inv *probe.Inventory, live bool) error {
+	hint := ""
+	if len(inv.OtherRoots) > 0 {
+		hint = fmt.Sprintf("; %s has kubelet pod volume mounts under %s: give --kubelet-root %s",
+			printable(inv.Source), printable(strings.Join(inv.OtherRoots, ", ")), printable(inv.OtherRoots[0]))
+	}
+	if live {
+		if _, err := os.Stat(inv.Root); errors.Is(err, fs.ErrNotExist) {
+			if hint == "" {
+				hint = ": give kubelet's --root-dir"
+			}
+			return fmt.Errorf("--kubelet-root %s does not exist on this host%s", printable(inv.Root), hint)
+		}
+	}
+	if len(inv.Mounts) == 0 && len(inv.Unmounted) == 0 && hint != "" {
+		return fmt.Errorf("no kubelet volume mounts under --kubelet-root %s%s", printable(inv.Root), hint)
 	}
 	return nil
 }
@@ -164,9 +196,15 @@ type scanRow struct {
 	Root         string         `json:"root,omitempty"`
 	FSType       string         `json:"fsType,omitempty"`
 	Backend      string         `json:"backend,omitempty"`
-	State        probe.State    `json:"state"`
-	Error        string         `json:"error,omitempty"`
-	ProbeSeconds float64        `json:"probeSeconds"`
+	// Source is this mount's own source: mounts of one NFSv4 superblock
+	// show each its export.
+	Source string `json:"source,omitempty"`
+	// Daemon is where the daemon serving the volume lives, from the
+	// driver catalogue (docs/drivers.md); omitted when not catalogued.
+	Daemon       string      `json:"daemon,omitempty"`
+	State        probe.State `json:"state"`
+	Error        string      `json:"error,omitempty"`
+	ProbeSeconds float64     `json:"probeSeconds"`
 }
 
 type scanDoc struct {
@@ -188,7 +226,10 @@ type rowMaker struct {
 func (rm *rowMaker) row(r probe.Result) scanRow {
 	m := r.Mount
 	row := scanRow{Path: m.Path, Target: m.Target, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
-		Root: m.Root, FSType: m.FSType, State: r.State, ProbeSeconds: r.Took.Seconds()}
+		Root: m.Root, FSType: m.FSType, Source: m.Source, State: r.State, ProbeSeconds: r.Took.Seconds()}
+	if d := m.Daemon(); d != kubelet.DaemonUnknown {
+		row.Daemon = d.String()
+	}
 	if m.From != nil {
 		row.From = m.From.Path
 	}
@@ -202,6 +243,10 @@ func (rm *rowMaker) row(r probe.Result) scanRow {
 			rm.backends[b] = text
 		}
 		row.Backend = text[0]
+		if (b.Kind == probe.BackendNetwork || b.Kind == probe.BackendOther) && m.Source != b.Source {
+			// One superblock, many exports (NFSv4): each mount its own.
+			row.Backend = b.FSType + " " + m.Source
+		}
 		if m.Dev == b.Dev {
 			row.Dev = text[1]
 		} else {
@@ -239,9 +284,10 @@ func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline boo
 	)
 	enc := json.NewEncoder(&row)
 	enc.SetIndent("    ", "  ")
-	for i, r := range rep.Mounts {
+	order := treeOrder(inv, rep)
+	for i, k := range order {
 		row.Reset()
-		if err := enc.Encode(rm.row(r)); err != nil {
+		if err := enc.Encode(rm.row(rep.Mounts[k])); err != nil {
 			return err
 		}
 		bw.WriteString("    ")
@@ -296,7 +342,7 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 			printable(inv.Root), printable(inv.Source), inv.Total)
 		return err
 	}
-	header := []string{"STATE", "KIND", "POD", "VOLUME", "DRIVER", "BACKEND", "DEV", "PROBE", "ERROR"}
+	header := []string{"STATE", "KIND", "POD", "VOLUME", "DRIVER", "DAEMON", "BACKEND", "DEV", "PROBE", "ERROR"}
 	if wide {
 		header = append(header, "PATH", "FROM")
 	}
@@ -309,8 +355,9 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	measure(header)
 	cells := make([]string, 0, len(header))
 	var rm rowMaker
-	for _, res := range rep.Mounts {
-		cells = rm.tableCells(cells[:0], res, wide, offline)
+	order := treeOrder(inv, rep)
+	for _, k := range order {
+		cells = rm.tableCells(cells[:0], rep.Mounts[k], wide, offline)
 		measure(cells)
 	}
 	bw := bufio.NewWriterSize(w, 64<<10)
@@ -326,8 +373,8 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 		bw.WriteByte('\n')
 	}
 	writeRow(header)
-	for _, res := range rep.Mounts {
-		cells = rm.tableCells(cells[:0], res, wide, offline)
+	for _, k := range order {
+		cells = rm.tableCells(cells[:0], rep.Mounts[k], wide, offline)
 		writeRow(cells)
 	}
 	mode := "probed"
@@ -352,6 +399,9 @@ func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline b
 		if vol == "" {
 			vol = short(r.Target.HandleHash, 12)
 		}
+		if vol == "" {
+			vol = r.Target.Volume // an in-tree plugin's device mount
+		}
 	case kubelet.KindBlock:
 		if vol == "" {
 			vol = r.Target.PV
@@ -362,7 +412,7 @@ func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline b
 		took = time.Duration(r.ProbeSeconds * float64(time.Second)).Round(time.Microsecond).String()
 	}
 	cells = append(cells, r.State.String(), r.Target.Kind.String(), orDash(r.Target.PodUID), orDash(vol),
-		orDash(r.Driver), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error))
+		orDash(r.Driver), orDash(r.Daemon), orDash(r.Backend), orDash(r.Dev), took, orDash(r.Error))
 	if wide {
 		cells = append(cells, r.Path, orDash(r.From))
 	}
@@ -370,6 +420,57 @@ func (rm *rowMaker) tableCells(cells []string, res probe.Result, wide, offline b
 		cells[i] = printable(c)
 	}
 	return cells
+}
+
+// treeOrder lists the indexes of rep.Mounts as a person reads a volume:
+// by backend (the filesystem that serves it), its staging mounts first,
+// then each pod's publish target followed by that pod's subPath binds;
+// mounts without a backend (publish targets that lost their mount) last.
+func treeOrder(inv *probe.Inventory, rep *probe.Report) []int {
+	bidx := make(map[*probe.Backend]int, len(inv.Backends))
+	for i, b := range inv.Backends {
+		bidx[b] = i
+	}
+	rank := func(k kubelet.Kind) int {
+		switch k {
+		case kubelet.KindStaging:
+			return 0
+		case kubelet.KindPublish, kubelet.KindPluginVolume, kubelet.KindBlock:
+			return 1
+		}
+		return 2
+	}
+	type key struct {
+		backend, staging int
+		pod              string
+		kind             int
+	}
+	keys := make([]key, len(rep.Mounts))
+	order := make([]int, len(rep.Mounts))
+	for i, r := range rep.Mounts {
+		m := r.Mount
+		k := key{backend: len(inv.Backends), staging: 1, pod: m.Target.PodUID, kind: rank(m.Target.Kind)}
+		if b, ok := bidx[m.Backend]; ok && m.Backend != nil {
+			k.backend = b
+		}
+		if m.Target.Kind == kubelet.KindStaging {
+			k.staging = 0
+		}
+		keys[i], order[i] = k, i
+	}
+	sort.SliceStable(order, func(a, b int) bool {
+		x, y := keys[order[a]], keys[order[b]]
+		switch {
+		case x.backend != y.backend:
+			return x.backend < y.backend
+		case x.staging != y.staging:
+			return x.staging < y.staging
+		case x.pod != y.pod:
+			return x.pod < y.pod
+		}
+		return x.kind < y.kind
+	})
+	return order
 }
 
 func short(s string, n int) string {

@@ -85,3 +85,56 @@ func TestScanNamesRealFaults(t *testing.T) {
 		t.Errorf("healthy volume after scan: %v", err)
 	}
 }
+
+// TestScanCephRBDLayoutHealthy rebuilds a healthy ceph-csi RBD volume as
+// ceph-csi lays it out: NodeStageVolume mounts the device at
+// <stagingTargetPath>/<volumeID>, one directory below kubelet's globalmount
+// (internal/rbd/nodeserver.go getStagingTargetPath), and NodePublishVolume
+// binds from there. A tmpfs whose source is /dev/rbd0 stands in for the
+// krbd device. scan must call it healthy, link the publish target to the
+// staging mount, and exit 0.
+func TestScanCephRBDLayoutHealthy(t *testing.T) {
+	lab.RequireRoot(t)
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	const (
+		driver = "rook-ceph.rbd.csi.ceph.com"
+		volID  = "0001-0009-rook-ceph-0000000000000002-5c2e1a3d-9b1f-11ef-8f3a-0a580a810215"
+		pv     = "pvc-5c2e1a3d-9b1f-11ef-8f3a-0a580a810215"
+	)
+	globalmount := k.StagingPath(driver, volID)
+	staging := filepath.Join(globalmount, volID)
+	if err := os.Mkdir(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("/dev/rbd0", staging, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatalf("mount tmpfs standing in for /dev/rbd0 on %s: %v", staging, err)
+	}
+	t.Cleanup(func() { unix.Unmount(staging, unix.MNT_DETACH) })
+	pub := k.Publish("pod-rbd", pv, driver, volID, staging, false)
+
+	var stdout, stderr bytes.Buffer
+	code := execute(context.Background(), []string{"scan", "--kubelet-root", k.Root(), "--timeout", "2s", "-o", "json"}, &stdout, &stderr)
+	if code != exitOK {
+		t.Errorf("scan of a healthy ceph-csi RBD volume: exit status = %d, want %d (stderr %s)\n%s", code, exitOK, stderr.String(), stdout.String())
+	}
+	var doc scanDoc
+	if err := json.Unmarshal(stdout.Bytes(), &doc); err != nil {
+		t.Fatalf("scan -o json output is not JSON: %v\n%s", err, stdout.String())
+	}
+	rows := map[string]scanRow{}
+	for _, r := range doc.Mounts {
+		rows[r.Path] = r
+	}
+	if r, ok := rows[staging]; !ok || r.State.String() != "Healthy" || r.Target.Kind.String() != "staging" {
+		t.Errorf("scan: staging mount %s = %+v (listed %v), want a Healthy staging row", staging, r, ok)
+	}
+	if r := rows[pub]; r.State.String() != "Healthy" || r.From != staging || r.Driver != driver {
+		t.Errorf("scan: publish target = state %s from %q driver %q, want Healthy from %s driver %s", r.State, r.From, r.Driver, staging, driver)
+	}
+	if _, ok := rows[globalmount]; ok {
+		t.Errorf("scan lists %s, which is not a mount point in this layout", globalmount)
+	}
+	if doc.Broken != 0 {
+		t.Errorf("scan: broken = %d, want 0", doc.Broken)
+	}
+}

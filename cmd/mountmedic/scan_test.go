@@ -14,7 +14,8 @@ import (
 var update = flag.Bool("update", false, "rewrite the golden files")
 
 // tables are the captured mount tables the golden files cover.
-var tables = []string{"s3fs-two-pods", "nbd-faults", "mixed-node", "no-kubelet", "hostile"}
+var tables = []string{"s3fs-two-pods", "nbd-faults", "mixed-node", "no-kubelet", "hostile",
+	"ceph-rbd", "cephfs", "juicefs", "gcsfuse", "blob", "seaweedfs", "k8s-csi-s3", "nfs", "smb", "longhorn", "ebs", "in-tree"}
 
 func TestScanGolden(t *testing.T) {
 	for _, name := range tables {
@@ -68,6 +69,8 @@ func TestScanBadInput(t *testing.T) {
 	dup := table("dup", root+"2 1 0:5 / /a rw - tmpfs t rw\n2 1 0:6 / /b rw - tmpfs t rw\n")
 	cycle := table("cycle", root+"2 3 0:5 / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n"+
 		"3 2 0:5 / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n")
+	elsewhere := table("elsewhere", root+"2 1 0:50 / /data/kubelet/pods/u1/volumes/kubernetes.io~csi/pv-1/mount rw - fuse.s3fs s3fs rw\n")
+	microk8s := table("microk8s", root+"2 1 0:51 /d /var/snap/microk8s/common/var/lib/kubelet/pods/u1/volume-subpaths/v/c/0 rw - nfs4 s:/d rw\n")
 	dev := table("dev", root+"2 1 zz:yy / /var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount rw - tmpfs t rw\n")
 	tests := map[string]struct {
 		args []string
@@ -86,6 +89,9 @@ func TestScanBadInput(t *testing.T) {
 		"malformed line":         {[]string{"scan", "--mountinfo", malformed}, []string{"malformed.mountinfo line 7", "not enough fields"}},
 		"bad output":             {[]string{"scan", "--mountinfo", malformed, "-o", "yaml"}, []string{`--output "yaml"`, "table, wide or json"}},
 		"bad timeout":            {[]string{"scan", "--timeout", "0s"}, []string{"--timeout 0s"}},
+		"live root missing":      {[]string{"scan", "--kubelet-root", filepath.Join(dir, "nope")}, []string{"--kubelet-root " + filepath.Join(dir, "nope") + " does not exist", "--root-dir"}},
+		"root elsewhere":         {[]string{"scan", "--mountinfo", elsewhere}, []string{"no kubelet volume mounts under --kubelet-root /var/lib/kubelet", "under /data/kubelet", "give --kubelet-root /data/kubelet"}},
+		"microk8s root":          {[]string{"scan", "--mountinfo", microk8s}, []string{"give --kubelet-root /var/snap/microk8s/common/var/lib/kubelet"}},
 		"both sources":           {[]string{"scan", "--mountinfo", malformed, "--host-table", "/proc/1/mountinfo"}, []string{"use one"}},
 		"unknown command":        {[]string{"scna"}, []string{"unknown command"}},
 	}
@@ -106,7 +112,7 @@ func TestScanBadInput(t *testing.T) {
 
 func TestScanLiveTableOfThisMachine(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	code := execute(context.Background(), []string{"scan", "-o", "json"}, &stdout, &stderr)
+	code := execute(context.Background(), []string{"scan", "--kubelet-root", t.TempDir(), "-o", "json"}, &stdout, &stderr)
 	if code == exitError {
 		t.Fatalf("scan of this machine failed: %s", stderr.String())
 	}

@@ -18,7 +18,11 @@ const (
 	KindPublish
 	// KindStaging is a CSI staging mount:
 	// plugins/kubernetes.io/csi/<driver>/<sha256(volumeHandle)>/globalmount,
-	// or the older plugins/kubernetes.io/csi/pv/<pv>/globalmount.
+	// or the older plugins/kubernetes.io/csi/pv/<pv>/globalmount, or one
+	// directory below either, where drivers such as ceph-csi RBD stage
+	// (<stagingTargetPath>/<volumeID>; Target.Sub names the directory); and
+	// an in-tree plugin's device mount, plugins/kubernetes.io/<iscsi, rbd,
+	// fc...>/... (Target.Plugin names the plugin, Volume the last segment).
 	KindStaging
 	// KindSubPath is a subPath bind:
 	// pods/<uid>/volume-subpaths/<volume>/<container>/<index>.
@@ -70,6 +74,18 @@ type Target struct {
 	// PV is the PersistentVolume named by a legacy staging path or a raw
 	// block path.
 	PV string `json:"pv,omitempty"`
+	// Sub is the directory below globalmount a driver staged the volume in
+	// (ceph-csi RBD: the volume ID); empty for a mount on globalmount.
+	Sub string `json:"sub,omitempty"`
+}
+
+// StagingDir is the globalmount directory of a staging mount: its own
+// path, or its parent when the driver stages one directory below.
+func StagingDir(t Target, path string) string {
+	if t.Kind == KindStaging && t.Sub != "" {
+		return filepath.Dir(path)
+	}
+	return path
 }
 
 // Classify says which kubelet path mountpoint is, under the kubelet root
@@ -149,11 +165,16 @@ func classifyPod(seg []string) (Target, bool) {
 }
 
 func classifyPlugin(seg []string) (Target, bool) {
-	// kubernetes.io/csi/<driver>/<sha256>/globalmount
-	// kubernetes.io/csi/pv/<pv>/globalmount
-	// kubernetes.io/csi/volumeDevices/staging/<pv>
+	// kubernetes.io/csi/<driver>/<sha256>/globalmount[/<sub>]
+	// kubernetes.io/csi/pv/<pv>/globalmount[/<sub>]
+	// kubernetes.io/csi/volumeDevices/staging/<pv>[/<volumeID>]
 	// kubernetes.io/csi/volumeDevices/publish/<pv>/<uid>
 	// kubernetes.io/csi/volumeDevices/<pv>/dev/<uid>
+	if len(seg) >= 3 && seg[0] == "kubernetes.io" && inTreeDevicePlugins[seg[1]] && seg[2] != "volumeDevices" {
+		// An in-tree plugin's device mount (its staging): iscsi/<iface>/<portal>-<iqn>-lun-<n>,
+		// rbd/mounts/<pool>-image-<image>, fc/<wwn>-lun-<n>, <cloud disk>/mounts/<disk>.
+		return Target{Kind: KindStaging, Plugin: "kubernetes.io~" + seg[1], Volume: seg[len(seg)-1]}, true
+	}
 	if len(seg) < 3 || seg[0] != "kubernetes.io" || seg[1] != "csi" {
 		return Target{}, false
 	}
@@ -164,6 +185,10 @@ func classifyPlugin(seg []string) (Target, bool) {
 		case len(seg) == 3 && seg[1] == "staging":
 			t.PV = seg[2]
 			return t, true
+		case len(seg) == 4 && seg[1] == "staging":
+			// ceph-csi stages a block volume at <staging path>/<volume ID>.
+			t.PV, t.Sub = seg[2], seg[3]
+			return t, true
 		case len(seg) == 4 && seg[1] == "publish":
 			t.PV, t.PodUID = seg[2], seg[3]
 			return t, true
@@ -173,10 +198,13 @@ func classifyPlugin(seg []string) (Target, bool) {
 		}
 		return Target{}, false
 	}
-	if len(seg) != 3 || seg[2] != GlobalMountDir {
+	if len(seg) < 3 || len(seg) > 4 || seg[2] != GlobalMountDir {
 		return Target{}, false
 	}
 	t := Target{Kind: KindStaging, Plugin: CSIPluginDir}
+	if len(seg) == 4 {
+		t.Sub = seg[3]
+	}
 	if seg[0] == "pv" {
 		t.PV = seg[1]
 		return t, true
@@ -186,6 +214,13 @@ func classifyPlugin(seg []string) (Target, bool) {
 	}
 	t.Driver, t.HandleHash = seg[0], seg[1]
 	return t, true
+}
+
+// inTreeDevicePlugins are the in-tree volume plugins that mount a device
+// once per node under plugins/kubernetes.io/<plugin>/ (their
+// GetDeviceMountPath) and bind it into each pod.
+var inTreeDevicePlugins = map[string]bool{
+	"iscsi": true, "rbd": true, "fc": true, "aws-ebs": true, "gce-pd": true, "azure-disk": true, "cinder": true,
 }
 
 func isSHA256Hex(s string) bool {

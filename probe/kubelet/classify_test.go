@@ -22,6 +22,33 @@ func TestClassify(t *testing.T) {
 			path: root + "/plugins/kubernetes.io/csi/pv/pv-5/globalmount",
 			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, PV: "pv-5"}, ok: true,
 		},
+		"csi staging below globalmount (ceph-csi rbd)": {
+			path: root + "/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/" + sha + "/globalmount/0001-0009-rook-ceph-0000000000000002-5c2e",
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, Driver: "rook-ceph.rbd.csi.ceph.com", HandleHash: sha,
+				Sub: "0001-0009-rook-ceph-0000000000000002-5c2e"}, ok: true,
+		},
+		"legacy staging below globalmount": {
+			path: root + "/plugins/kubernetes.io/csi/pv/pv-5/globalmount/vol-1",
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, PV: "pv-5", Sub: "vol-1"}, ok: true,
+		},
+		"in-tree iscsi device mount": {
+			path: root + "/plugins/kubernetes.io/iscsi/iface-default/10.0.0.9:3260-iqn.2003-01.org.linux-iscsi.t:sn.1-lun-0",
+			want: Target{Kind: KindStaging, Plugin: "kubernetes.io~iscsi", Volume: "10.0.0.9:3260-iqn.2003-01.org.linux-iscsi.t:sn.1-lun-0"}, ok: true,
+		},
+		"in-tree rbd device mount": {
+			path: root + "/plugins/kubernetes.io/rbd/mounts/rbd-image-kubernetes-dynamic-pvc-1",
+			want: Target{Kind: KindStaging, Plugin: "kubernetes.io~rbd", Volume: "rbd-image-kubernetes-dynamic-pvc-1"}, ok: true,
+		},
+		"in-tree fc device mount": {
+			path: root + "/plugins/kubernetes.io/fc/500a0981891b8dc5-lun-0",
+			want: Target{Kind: KindStaging, Plugin: "kubernetes.io~fc", Volume: "500a0981891b8dc5-lun-0"}, ok: true,
+		},
+		"an unknown in-tree plugin dir is not staging": {
+			path: root + "/plugins/kubernetes.io/foo/mounts/x",
+		},
+		"two directories below globalmount is not staging": {
+			path: root + "/plugins/kubernetes.io/csi/drv/" + sha + "/globalmount/a/b",
+		},
 		"staging with a short hash is not staging": {
 			path: root + "/plugins/kubernetes.io/csi/drv/abc/globalmount",
 		},
@@ -45,6 +72,10 @@ func TestClassify(t *testing.T) {
 		"block staging": {
 			path: root + "/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-2",
 			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2"}, ok: true,
+		},
+		"block staging below the staging path (ceph-csi rbd)": {
+			path: root + "/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-2/0001-0009-rook-ceph-0000000000000002-5c2e",
+			want: Target{Kind: KindBlock, Plugin: CSIPluginDir, PV: "pvc-2", Sub: "0001-0009-rook-ceph-0000000000000002-5c2e"}, ok: true,
 		},
 		"block publish": {
 			path: root + "/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-2/uid-1",
