@@ -3,6 +3,7 @@ package probe
 import (
 	"context"
 	"errors"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -214,5 +215,20 @@ func TestParseAcceptsWhatTheKernelWrites(t *testing.T) {
 	}
 	if inv.Total != 3 || len(inv.Mounts) != 1 || inv.Mounts[0].Path != long {
 		t.Errorf("Parse() = %d mounts, %d kubelet; want 3 and the long nfs volume", inv.Total, len(inv.Mounts))
+	}
+}
+
+// TestReadTableHugeCap: a cap at or near the largest int64 (scan
+// --max-table-size 100Ei saturates there) reads a table as no cap would,
+// with no overflow in the arithmetic of the bound, from a file and from
+// procfs.
+func TestReadTableHugeCap(t *testing.T) {
+	for _, limit := range []int64{math.MaxInt64, math.MaxInt64 - 1, math.MaxInt64 / 2} {
+		for _, path := range []string{filepath.Join("testdata", "s3fs-two-pods.mountinfo"), "/proc/self/mountinfo"} {
+			inv, err := ReadTable(context.Background(), path, Options{MaxSize: limit})
+			if err != nil || inv.Total == 0 {
+				t.Errorf("ReadTable(%s, cap %d) = %v, want the table read", path, limit, err)
+			}
+		}
 	}
 }
