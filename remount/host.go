@@ -163,7 +163,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 	}
 	h.dead = deadDevs(v)
 	var err error
-	if h.table, err = readHostTable(r.procDir, r.root); err != nil {
+	if h.table, err = r.hostTable(); err != nil {
 		return h, err
 	}
 
