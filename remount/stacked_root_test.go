@@ -129,36 +129,26 @@ func TestStackedMountsBoundedRead(t *testing.T) {
 	// parsed entry per line: more than 32 MiB.
 	grew := peak - before
 	t.Logf("peak RSS during the repairs: %d KiB (%d KiB before, +%d KiB)", peak>>10, before>>10, grew>>10)
-	if grew > 16<<20 {
+	if grew > 16<<20 && !raceEnabled { // the race detector's shadow memory grows with the heap
 		t.Errorf("peak RSS grew by %d KiB during the repairs, want under 16 MiB: the stacked table was held", grew>>10)
 	}
 	t.Logf("the hostile pod's LiveSwap: healed %t, err %v", results[0].ls.Healed, results[0].ls.Err)
 }
 
-// inContainerNamespace runs fn on a locked thread that entered the mount
-// namespace of pid; the thread is left to end with its goroutine.
+// inContainerNamespace runs fn in the mount namespace of pid, on a thread
+// of its own (inMountNamespace: never the main thread).
 func inContainerNamespace(t *testing.T, pid int, fn func() error) error {
 	t.Helper()
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		fd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/mnt", pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer unix.Close(fd)
-		if err := unix.Unshare(unix.CLONE_FS); err != nil {
-			errc <- err
-			return
-		}
-		if err := unix.Setns(fd, unix.CLONE_NEWNS); err != nil {
-			errc <- err
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
+	nsfd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/mnt", pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(nsfd)
+	var fnErr error
+	if err := inMountNamespace(Syscalls{}.orHost(), nsfd, func() { fnErr = fn() }); err != nil {
+		return err
+	}
+	return fnErr
 }
 
 // resetPeakRSS resets the process's peak RSS (clear_refs 5) and returns
