@@ -18,11 +18,14 @@ import (
 )
 
 // DefaultMaxTableSize is how many bytes of a mount table ReadTable reads at
-// most unless Options.MaxSize says otherwise: 64 MiB. The kernel's default
-// limit of 100,000 mounts per namespace (fs.mount-max) makes a table of about
-// 30 MiB with kubelet's long paths; a file larger than the cap is refused
-// before a byte is read, a procfs table (whose size is unknown) stops at it.
-const DefaultMaxTableSize int64 = 64 << 20
+// most unless Options.MaxSize says otherwise: 32 MiB. The kernel allows
+// 100,000 mounts per mount namespace by default (fs.mount-max,
+// sysctl_mount_max in fs/namespace.c); at kubelet's long paths (about 285
+// bytes a line in a busy node's table: pods' subPath binds, CSI targets,
+// overlay roots) that is about 27 MiB. A file larger than the cap is
+// refused before a byte is read, a procfs table (whose size is unknown)
+// stops at it; a node that raised fs.mount-max passes a larger cap.
+const DefaultMaxTableSize int64 = 32 << 20
 
 // maxLineSize bounds one line of a mount table: two escaped PATH_MAX paths,
 // a source and the options fit many times over.
@@ -170,7 +173,9 @@ func (c *capReader) Read(p []byte) (int, error) {
 		return 0, fmt.Errorf("%w: more than %d bytes", ErrTableTooLarge, c.limit)
 	}
 	// Read one byte past the cap to tell "exactly at the cap" from "over".
-	if int64(len(p)) > c.left+1 {
+	// Compared as len(p)-1 > left, never left+1: a cap of math.MaxInt64
+	// would wrap to a negative bound.
+	if int64(len(p))-1 > c.left {
 		p = p[:c.left+1]
 	}
 	n, err := c.r.Read(p)

@@ -3,6 +3,7 @@ package probe
 import (
 	"context"
 	"errors"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -241,5 +242,20 @@ func TestOtherRoots(t *testing.T) {
 				t.Errorf("OtherRoots = %q, want %q", inv.OtherRoots, tc.want)
 			}
 		})
+	}
+}
+
+// TestReadTableHugeCap: a cap at or near the largest int64 (scan
+// --max-table-size 100Ei saturates there) reads a table as no cap would,
+// with no overflow in the arithmetic of the bound, from a file and from
+// procfs.
+func TestReadTableHugeCap(t *testing.T) {
+	for _, limit := range []int64{math.MaxInt64, math.MaxInt64 - 1, math.MaxInt64 / 2} {
+		for _, path := range []string{filepath.Join("testdata", "s3fs-two-pods.mountinfo"), "/proc/self/mountinfo"} {
+			inv, err := ReadTable(context.Background(), path, Options{MaxSize: limit})
+			if err != nil || inv.Total == 0 {
+				t.Errorf("ReadTable(%s, cap %d) = %v, want the table read", path, limit, err)
+			}
+		}
 	}
 }

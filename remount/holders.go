@@ -2,9 +2,9 @@ package remount
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -149,7 +149,7 @@ func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.D
 }
 
 func readComm(proc string) string {
-	b, err := os.ReadFile(filepath.Join(proc, "comm"))
+	b, err := readProcHead(filepath.Join(proc, "comm"), 64)
 	if err != nil {
 		return ""
 	}
@@ -206,24 +206,26 @@ func fdHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 	return out
 }
 
-// mapHolders reads /proc/<pid>/maps for mappings of files on devs.
+// mapHolders reads /proc/<pid>/maps for mappings of files on devs,
+// streamed: a process has up to vm.max_map_count mappings.
 func mapHolders(proc string, devs devSet) []Holder {
-	data, err := os.ReadFile(filepath.Join(proc, "maps"))
+	f, err := os.Open(filepath.Join(proc, "maps"))
 	if err != nil {
 		return nil
 	}
-	return parseMaps(data, devs)
+	defer f.Close()
+	return parseMaps(f, devs)
 }
 
 // parseMaps lists the files mapped from the filesystems devs, each once.
-func parseMaps(data []byte, devs devSet) []Holder {
+func parseMaps(r io.Reader, devs devSet) []Holder {
 	type key struct {
 		dev  probe.Dev
 		path string
 	}
 	var out []Holder
 	seen := map[key]bool{}
-	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
 	for sc.Scan() {
 		// address perms offset dev inode [path]

@@ -163,7 +163,7 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 	}
 	h.dead = deadDevs(v)
 	var err error
-	if h.table, err = readHostTable(r.procDir, r.root); err != nil {
+	if h.table, err = r.hostTable(); err != nil {
 		return h, err
 	}
 
@@ -431,7 +431,9 @@ func (h *hostRun) planKeep(ctx context.Context) {
 		if p.procs == nil || len(p.procs.pids) == 0 {
 			continue
 		}
-		mounts, err := namespaceMounts(h.r.procDir, p.procs.pids, h.dead.list())
+		// Only the containers' own mount namespaces: one a process of the
+		// pod made is the pod's to fill, and receives nothing from us.
+		mounts, err := namespaceMounts(h.r.procDir, p.procs.containerPIDs(), h.dead.list())
 		if err != nil {
 			h.logger.V(2).Info("Reading container mount tables failed", "podUID", p.uid, "err", err)
 		}

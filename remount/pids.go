@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -134,9 +135,9 @@ func takeSnapshot(procDir string) (*procSnapshot, error) {
 		if err != nil || pid <= 0 {
 			continue
 		}
-		data, err := os.ReadFile(filepath.Join(procDir, e.Name(), "cgroup"))
-		if err != nil {
-			continue // exited, or a kernel thread
+		data, err := readProcHead(filepath.Join(procDir, e.Name(), "cgroup"), maxCgroupFile+1)
+		if err != nil || len(data) > maxCgroupFile {
+			continue // exited, a kernel thread, or paths no runtime makes
 		}
 		if uid, ctr, ok := podOfCgroup(data); ok {
 			s.byPod[uid] = append(s.byPod[uid], pid)
@@ -146,6 +147,22 @@ func takeSnapshot(procDir string) (*procSnapshot, error) {
 		}
 	}
 	return s, nil
+}
+
+// maxCgroupFile bounds a /proc/<pid>/cgroup read: a line per hierarchy,
+// each path at most PATH_MAX; a process of a pod with a writable cgroup
+// chooses its depth.
+const maxCgroupFile = 64 << 10
+
+// readProcHead reads at most max bytes of a /proc file: the files a pod's
+// processes can grow are never read whole.
+func readProcHead(path string, max int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, max))
 }
 
 // podOfCgroup reads the pod of a process from its /proc/<pid>/cgroup: the
@@ -168,6 +185,12 @@ func podOfCgroup(data []byte) (uid, ctr string, ok bool) {
 			u, isPod := podOfSegment(seg)
 			if !isPod {
 				continue
+			}
+			if !kubeletPodCgroup(segs, i) {
+				// The first pod segment is the only one that can name
+				// the process's pod: one outside kubelet's hierarchy
+				// names none.
+				break
 			}
 			c := ""
 			if i+1 < len(segs) {
@@ -192,6 +215,79 @@ func podOfCgroup(data []byte) (uid, ctr string, ok bool) {
 		}
 	}
 	return uid, ctr, uid != ""
+}
+
+// kubeletPodCgroup reports whether the pod segment segs[i] sits where
+// kubelet puts pod cgroups: right below its kubepods cgroup, or below a QoS
+// class cgroup (burstable, besteffort) right below it. cgroupfs names them
+// kubepods/<qos>/pod<uid>; systemd kubepods.slice/kubepods-<qos>.slice/
+// kubepods-<qos>-pod<uid>.slice, each slice named after the whole path
+// (kubernetes pkg/kubelet/cm/cgroup_manager_linux.go, ToSystemd;
+// pkg/kubelet/cm/qos_container_manager_linux.go). A cgroup anyone else made
+// (0::/user.slice/pod<uid>/..., a user's delegated systemd subtree) names no
+// pod: the kubepods cgroup must have no systemd service or scope above it,
+// the units systemd delegates to users, nor user.slice. A ".." segment is
+// where the reader's cgroup namespace elides the path it shares with ours:
+// in a private cgroup namespace the agent (itself a pod) shares kubepods
+// and maybe its QoS class with the other pods, and sees them as
+// /../../<qos>/pod<uid> or /../pod<uid>; a path outside kubepods keeps the
+// names below the common ancestor, and is refused by them.
+func kubeletPodCgroup(segs []string, i int) bool {
+	seg := segs[i]
+	j := i - 1 // the pod cgroup's parent
+	if strings.HasSuffix(seg, ".slice") {
+		// systemd: <parent>-pod<uid>.slice below <parent>.slice.
+		base := strings.TrimSuffix(seg, ".slice")
+		k := strings.LastIndex(base, "-pod")
+		if k < 0 {
+			return false
+		}
+		parent := base[:k]
+		if j >= 0 && segs[j] == ".." {
+			return aboveKubepodsClean(segs[:j])
+		}
+		if j < 0 || segs[j] != parent+".slice" {
+			return false
+		}
+		name := parent[strings.LastIndex(parent, "-")+1:]
+		if name == "burstable" || name == "besteffort" {
+			parent = strings.TrimSuffix(parent, "-"+name)
+			j--
+			if j >= 0 && segs[j] == ".." {
+				return aboveKubepodsClean(segs[:j])
+			}
+			if j < 0 || segs[j] != parent+".slice" {
+				return false
+			}
+		}
+		if parent != "kubepods" && !strings.HasSuffix(parent, "-kubepods") {
+			return false
+		}
+		return aboveKubepodsClean(segs[:j])
+	}
+	// cgroupfs: kubepods[/<qos>]/pod<uid>.
+	if j >= 0 && (segs[j] == "burstable" || segs[j] == "besteffort") {
+		j--
+	}
+	switch {
+	case j >= 0 && segs[j] == "..":
+	case j >= 0 && segs[j] == "kubepods":
+	default:
+		return false
+	}
+	return aboveKubepodsClean(segs[:j])
+}
+
+// aboveKubepodsClean reports whether the segments above kubelet's kubepods
+// cgroup hold no unit systemd delegates (a service, a scope) nor
+// user.slice: a subtree someone may write to.
+func aboveKubepodsClean(segs []string) bool {
+	for _, s := range segs {
+		if s == "user.slice" || strings.HasSuffix(s, ".service") || strings.HasSuffix(s, ".scope") {
+			return false
+		}
+	}
+	return true
 }
 
 // podOfSegment reads a pod UID from a cgroup path segment as kubelet names

@@ -1,7 +1,7 @@
 package remount
 
 import (
-	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -10,7 +10,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/moby/sys/mountinfo"
 	"github.com/mountmedic/mountmedic/probe"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
@@ -39,37 +38,28 @@ type processMount struct {
 // processMounts lists the mounts of the devices devs in the mount namespace
 // of process pid, read once from <procDir>/<pid>/mountinfo: matched by
 // device number, never by path, since the container's paths are its own.
+// The table is the pod's to size (a user-namespaced pod's root can stack
+// mounts in its namespace): it is streamed under probe's caps, and only the
+// lines of devs are kept (probe.ReadDevMounts).
 func processMounts(procDir string, pid int, devs ...probe.Dev) ([]processMount, error) {
 	p := filepath.Join(procDir, strconv.Itoa(pid), "mountinfo")
-	data, err := os.ReadFile(p)
-	if err != nil {
-		return nil, fmt.Errorf("read mount table of pid %d: %w", pid, err)
-	}
-	infos, err := mountinfo.GetMountsFromReader(bytes.NewReader(data), nil)
-	if err != nil {
-		return nil, fmt.Errorf("parse %s: %w", p, err)
-	}
-	want := make(devSet, len(devs))
+	want := make(map[probe.Dev]bool, len(devs))
 	for _, d := range devs {
 		want[d] = true
 	}
-	return mountsOf(infos, pid, want), nil
-}
-
-func mountsOf(infos []*mountinfo.Info, pid int, devs devSet) []processMount {
-	covered := probe.CoveredIDs(infos)
-	var out []processMount
-	for _, in := range infos {
-		dev := probe.Dev{Major: uint32(in.Major), Minor: uint32(in.Minor)}
-		if !devs[dev] {
-			continue
-		}
+	dm, err := probe.ReadDevMounts(context.Background(), p, want, 0, 0)
+	if err != nil {
+		return nil, fmt.Errorf("read mount table of pid %d: %w", pid, err)
+	}
+	out := make([]processMount, 0, len(dm.Mounts))
+	for _, in := range dm.Mounts {
 		out = append(out, processMount{
-			Pid: pid, ID: in.ID, ParentID: in.Parent, Dev: dev, Root: in.Root, Path: in.Mountpoint,
-			Options: in.Options, Optional: in.Optional, FSType: in.FSType, Covered: covered[in.ID],
+			Pid: pid, ID: in.ID, ParentID: in.Parent, Dev: probe.Dev{Major: uint32(in.Major), Minor: uint32(in.Minor)},
+			Root: in.Root, Path: in.Mountpoint, Options: in.Options, Optional: in.Optional, FSType: in.FSType,
+			Covered: dm.Covered[in.ID],
 		})
 	}
-	return out
+	return out, nil
 }
 
 // namespaceMounts lists the mounts of the devices devs in the mount

@@ -85,6 +85,7 @@ type Repairer struct {
 	sem     chan struct{}
 	prober  *probe.Prober
 	procs   procCache
+	tables  tableShare
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
@@ -598,7 +599,7 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		dead := deadDevs(v)
-		table, err := readHostTable(r.procDir, r.root)
+		table, err := r.hostTable()
 		if err != nil {
 			o.Err = err
 			return
@@ -651,7 +652,7 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 		if r.cfg.DryRun || o.Err != nil {
 			return
 		}
-		after, err := readHostTable(r.procDir, r.root)
+		after, err := r.hostTable()
 		if err != nil {
 			o.Err = err
 			return

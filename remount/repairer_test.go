@@ -1,6 +1,7 @@
 package remount
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"os"
@@ -372,7 +373,7 @@ func TestParseMaps(t *testing.T) {
 `)
 	dead := devSet{{Major: 0, Minor: 0x34}: true, {Major: 0, Minor: 0x35}: true, {Major: 0x103, Minor: 2}: true}
 	var got []string
-	for _, h := range parseMaps(maps, dead) {
+	for _, h := range parseMaps(bytes.NewReader(maps), dead) {
 		got = append(got, h.Dev.String()+" "+h.Path)
 	}
 	want := []string{"0:52 /data/lib.so", "0:53 /other/file with space", "259:2 /big/dev"}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -206,7 +205,9 @@ func fdMountID(fd int) (int, error) {
 
 // fdinfoMountID parses the mnt_id line of a /proc/<pid>/fdinfo/<fd> file.
 func fdinfoMountID(path string) (int, error) {
-	b, err := os.ReadFile(path)
+	// mnt_id is in the first lines; what follows (an epoll's or an
+	// inotify's watches) is the process's to grow.
+	b, err := readProcHead(path, 4096)
 	if err != nil {
 		return 0, err
 	}

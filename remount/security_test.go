@@ -162,9 +162,12 @@ func TestLiveSwapReadOnlyStaysReadOnly(t *testing.T) {
 }
 
 // TestSwapRefusesForeignNamespaceOwner: a mount namespace that the
-// process's own user namespace does not own is refused, and so is a
-// read-only target in one owned by another user namespace than ours
-// (a user-namespaced pod), where a moved mount could be made writable.
+// process's own user namespace does not own is refused, and so is one owned
+// by another user namespace than ours (a user-namespaced pod), read-only or
+// read-write: its root (the hostile actor, root of the pod's user
+// namespace) could remount a moved mount writable or clear nosuid, nodev
+// or noexec on it. A plain container's namespace, owned by ours, is not.
+// Swap says so for each target and changes nothing.
 func TestSwapRefusesForeignNamespaceOwner(t *testing.T) {
 	lab.RequireRoot(t)
 	start := func(args ...string) int {
@@ -184,34 +187,45 @@ func TestSwapRefusesForeignNamespaceOwner(t *testing.T) {
 			}
 		}
 	}
-	ro := []swapTarget{{ContainerPath: "/data", ReadOnly: true}}
-	rw := []swapTarget{{ContainerPath: "/data"}}
-	check := func(pid int, ts []swapTarget) error {
+	check := func(pid int) error {
 		nsfd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/mnt", pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer unix.Close(nsfd)
-		return checkNamespaceOwner("/proc", pid, nsfd, ts)
+		return checkNamespaceOwner("/proc", pid, nsfd)
 	}
 	// A mount namespace made first, then a user namespace: the process's
 	// user namespace does not own its mount namespace.
 	pid := start("unshare", "-m", "--", "unshare", "-U", "sleep", "60")
-	if err := check(pid, rw); !errors.Is(err, errForeignNamespace) {
+	if err := check(pid); !errors.Is(err, errForeignNamespace) {
 		t.Errorf("mount namespace not owned by the process's user namespace: %v, want errForeignNamespace", err)
 	}
-	// A user-namespaced container: read-only refused, read-write allowed.
-	pid = start("unshare", "-Urm", "sleep", "60")
-	if err := check(pid, ro); !errors.Is(err, errForeignNamespace) {
-		t.Errorf("read-only target in a user-namespaced container: %v, want errForeignNamespace", err)
-	}
-	if err := check(pid, rw); err != nil {
-		t.Errorf("read-write target in a user-namespaced container: %v", err)
+	// A user-namespaced container.
+	userns := start("unshare", "-Urm", "sleep", "60")
+	if err := check(userns); !errors.Is(err, errForeignNamespace) {
+		t.Errorf("user-namespaced container: %v, want errForeignNamespace", err)
 	}
 	// A plain container.
-	pid = start("unshare", "-m", "sleep", "60")
-	if err := check(pid, ro); err != nil {
-		t.Errorf("read-only target in a plain container: %v", err)
+	if err := check(start("unshare", "-m", "sleep", "60")); err != nil {
+		t.Errorf("plain container: %v", err)
+	}
+	// Swap refuses every target there, read-write included, in dry-run
+	// and for real, and names the reason.
+	for _, dry := range []bool{true, false} {
+		s := &swapper{DryRun: dry, Root: t.TempDir()}
+		acts, err := s.Swap(context.Background(), []swapTarget{
+			{Pid: userns, ContainerPath: "/data", Source: "/nonexistent"},
+			{Pid: userns, ContainerPath: "/ro", Source: "/nonexistent", ReadOnly: true},
+		})
+		if !errors.Is(err, errForeignNamespace) || len(acts) != 2 {
+			t.Errorf("Swap into a user-namespaced container (dry-run %t) = %v, %v; want two refused actions", dry, acts, err)
+		}
+		for _, a := range acts {
+			if !errors.Is(a.Err, errForeignNamespace) {
+				t.Errorf("Swap into a user-namespaced container (dry-run %t): action %v, want errForeignNamespace", dry, a)
+			}
+		}
 	}
 }
 
@@ -472,5 +486,44 @@ func TestAbortFUSEPinsTheConnection(t *testing.T) {
 	t.Logf("AbortFUSE: %v (%v)", err, acts)
 	if err := statfsErr(path, 5*time.Second); err != nil {
 		t.Errorf("the new filesystem on the reused device number after the abort: %v; the abort reached it", err)
+	}
+}
+
+// TestPodCgroupOnlyUnderKubepods: a process joins a pod only when its pod
+// cgroup sits where kubelet makes pod cgroups (kubepods, its QoS classes,
+// cgroupfs or systemd naming, seen from our cgroup namespace or another).
+// The hostile actor is anyone on the node who can make a cgroup named
+// pod<uid> elsewhere (user.slice, a delegated systemd service): its
+// processes must not join that pod's PIDs, where a swap would enter them.
+func TestPodCgroupOnlyUnderKubepods(t *testing.T) {
+	const uid = "0a0a0a0a-0000-4000-8000-00000000000a"
+	sd := strings.ReplaceAll(uid, "-", "_")
+	ctr := strings.Repeat("c", 64)
+	for _, tc := range []struct {
+		name, path string
+		want       bool
+	}{
+		{"cgroupfs besteffort", "/kubepods/besteffort/pod" + uid + "/" + ctr, true},
+		{"cgroupfs guaranteed", "/kubepods/pod" + uid + "/" + ctr, true},
+		{"cgroupfs below a cgroup root", "/mountmedic-lab-0a/kubepods/burstable/pod" + uid + "/" + ctr, true},
+		{"systemd guaranteed", "/kubepods.slice/kubepods-pod" + sd + ".slice/cri-containerd-" + ctr + ".scope", true},
+		{"systemd burstable", "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" + sd + ".slice/cri-containerd-" + ctr + ".scope", true},
+		{"systemd below a cgroup root", "/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod" + sd + ".slice/" + ctr, true},
+		{"other cgroup namespace, QoS shared", "/../../pod" + uid + "/" + ctr, true},
+		{"other cgroup namespace, kubepods shared", "/../../../besteffort/pod" + uid + "/" + ctr, true},
+		{"other cgroup namespace, kubepods shown", "/../../../../kubepods/besteffort/pod" + uid + "/" + ctr, true},
+		{"user.slice", "/user.slice/pod" + uid + "/" + ctr, false},
+		{"user.slice seen from another namespace", "/../../../user.slice/pod" + uid + "/" + ctr, false},
+		{"kubepods inside a delegated service", "/user.slice/user-1000.slice/user@1000.service/kubepods/besteffort/pod" + uid + "/x", false},
+		{"kubepods inside a system service", "/system.slice/evil.service/kubepods/pod" + uid + "/x", false},
+		{"no kubepods", "/pod" + uid + "/" + ctr, false},
+		{"wrong parent", "/kubepods/besteffort/other/pod" + uid + "/" + ctr, false},
+		{"systemd wrong parent slice", "/kubepods.slice/kubepods-besteffort.slice/evil-pod" + sd + ".slice/x", false},
+		{"systemd outside kubepods", "/user.slice/user-pod" + sd + ".slice/x", false},
+	} {
+		got, _, ok := podOfCgroup([]byte("0::" + tc.path + "\n"))
+		if ok != tc.want || (ok && got != uid) {
+			t.Errorf("%s: podOfCgroup(%s) = %q, %t; want pod %t", tc.name, tc.path, got, ok, tc.want)
+		}
 	}
 }

@@ -74,10 +74,11 @@ import (
 //     namespace a container user made (unshare -Urm) would let that user
 //     remount a read-only volume read-write: such namespaces are never
 //     entered (they keep the dead mount, locked read-only as copied), and a
-//     namespace whose owner is not the process's own user namespace is
-//     refused, as is a read-only target in a namespace owned by a user
-//     namespace other than ours (a user-namespaced pod), where the
-//     container's root could remount it: the restart tier repairs those.
+//     namespace our user namespace does not own is refused (a namespace
+//     whose owner is not the process's own user namespace, and a
+//     user-namespaced pod's, whose root could remount a moved mount
+//     writable or clear nosuid, nodev or noexec on it): the restart tier
+//     repairs those.
 //     A user namespace made after the swap copies the swapped mount and
 //     the kernel locks it read-only there.
 //   - A subPath is the same operation with the subdirectory of the fresh
@@ -276,7 +277,7 @@ func (s *swapper) swapPid(ctx context.Context, pid int, ts []swapTarget) []Actio
 		return failAll(fmt.Errorf("open mount namespace of pid %d: %w", pid, err))
 	}
 	defer unix.Close(nsfd)
-	if err := checkNamespaceOwner(s.procDir(), pid, nsfd, ts); err != nil {
+	if err := checkNamespaceOwner(s.procDir(), pid, nsfd); err != nil {
 		return failAll(err)
 	}
 	rootfd, err := unix.Open(filepath.Join(proc, "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -369,17 +370,20 @@ func checkOtherNamespace(procDir string, pid int) error {
 	return nil
 }
 
-// checkNamespaceOwner refuses a mount namespace that the user namespace of
-// the process does not own (a namespace made by someone else than the
-// container's runtime), and a read-only target in a mount namespace owned by
-// a user namespace other than ours. A mount moved into a namespace is not
-// locked (the kernel locks mount flags only on mounts it copies or
-// propagates into a less privileged mount namespace), so whoever holds
-// CAP_SYS_ADMIN in the namespace's owner could remount it read-write: in a
-// namespace our user namespace owns, that is only the host's root. The
+// checkNamespaceOwner refuses a mount namespace that our user namespace
+// (the initial one, where the agent runs) does not own: one the process's
+// own user namespace does not own either (a namespace a container user
+// made), and the namespace of a user-namespaced pod. A mount moved into a
+// namespace is not locked (the kernel locks mount flags only on mounts it
+// copies or propagates into a less privileged mount namespace), so whoever
+// holds CAP_SYS_ADMIN in the namespace's owner could remount it: make a
+// read-only volume writable, or clear nosuid, nodev or noexec on a
+// read-write one. In a namespace our user namespace owns, that is only the
+// host's root. The restart tier repairs the others: the runtime binds the
+// fresh mount into the new container, and the kernel locks it there. The
 // descriptor nsfd is the namespace entered afterwards, so a process that
 // changes namespace in between changes nothing.
-func checkNamespaceOwner(procDir string, pid, nsfd int, ts []swapTarget) error {
+func checkNamespaceOwner(procDir string, pid, nsfd int) error {
 	owner, err := unix.IoctlRetInt(nsfd, unix.NS_GET_USERNS)
 	if err != nil {
 		return fmt.Errorf("owner of the mount namespace of pid %d: %w", pid, err)
@@ -396,18 +400,14 @@ func checkNamespaceOwner(procDir string, pid, nsfd int, ts []swapTarget) error {
 		return fmt.Errorf("own user namespace: %w", err)
 	}
 	same := func(a, b *unix.Stat_t) bool { return a.Dev == b.Dev && a.Ino == b.Ino }
-	if !same(&ownerSt, &theirs) {
+	switch {
+	case !same(&ownerSt, &theirs):
 		return fmt.Errorf("the mount namespace of pid %d is owned by user namespace %d, not by its own %d: %w",
 			pid, ownerSt.Ino, theirs.Ino, errForeignNamespace)
-	}
-	if same(&ownerSt, &ours) {
-		return nil
-	}
-	for _, t := range ts {
-		if t.ReadOnly {
-			return fmt.Errorf("pid %d: %s is read-only and its mount namespace has its own user namespace, "+
-				"where a swapped mount could be made writable: %w", pid, t.ContainerPath, errForeignNamespace)
-		}
+	case !same(&ownerSt, &ours):
+		return fmt.Errorf("the mount namespace of pid %d is owned by user namespace %d, not by the host's %d: "+
+			"its root could make a swapped mount writable or clear nosuid, nodev or noexec on it: %w",
+			pid, ownerSt.Ino, ours.Ino, errForeignNamespace)
 	}
 	return nil
 }

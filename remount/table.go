@@ -3,6 +3,7 @@ package remount
 import (
 	"path/filepath"
 	"slices"
+	"sync"
 
 	"github.com/mountmedic/mountmedic/probe"
 )
@@ -24,6 +25,63 @@ func readHostTable(procDir, root string) (*hostTable, error) {
 		return nil, err
 	}
 	return buildHostTable(inv), nil
+}
+
+// tableShare shares reads of the host table between the repairs that ask
+// at once: on a node repairing a thousand volumes, each re-stage read the
+// whole table (O(volumes x mounts) CPU). A caller never gets a read that
+// began before it asked (it may have just changed a mount and must see
+// it): while a read runs, askers queue for the next one, which starts when
+// the running one ends and serves them all. A burst of asks costs at most
+// two reads in a row, however many repairs ask.
+type tableShare struct {
+	mu      sync.Mutex
+	running *tableRead // the read under way, if any
+	next    *tableRead // the read to start once running ends; joinable
+}
+
+type tableRead struct {
+	done  chan struct{}
+	table *hostTable
+	err   error
+}
+
+// read returns a table read that began after the call, by fn or shared.
+func (s *tableShare) read(fn func() (*hostTable, error)) (*hostTable, error) {
+	s.mu.Lock()
+	if rd := s.next; rd != nil {
+		s.mu.Unlock()
+		<-rd.done
+		return rd.table, rd.err
+	}
+	rd := &tableRead{done: make(chan struct{})}
+	prev := s.running
+	if prev == nil {
+		s.running = rd
+	} else {
+		s.next = rd
+	}
+	s.mu.Unlock()
+	if prev != nil {
+		<-prev.done
+		s.mu.Lock()
+		s.next, s.running = nil, rd
+		s.mu.Unlock()
+	}
+	rd.table, rd.err = fn()
+	s.mu.Lock()
+	if s.running == rd {
+		s.running = nil
+	}
+	s.mu.Unlock()
+	close(rd.done)
+	return rd.table, rd.err
+}
+
+// hostTable reads our mount table (readHostTable), shared with the
+// repairs that ask at the same time (tableShare).
+func (r *Repairer) hostTable() (*hostTable, error) {
+	return r.tables.read(func() (*hostTable, error) { return readHostTable(r.procDir, r.root) })
 }
 
 func buildHostTable(inv *probe.Inventory) *hostTable {

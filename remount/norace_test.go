@@ -1,0 +1,5 @@
+//go:build !race
+
+package remount
+
+const raceEnabled = false
