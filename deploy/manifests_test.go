@@ -405,26 +405,35 @@ func readFile(t *testing.T, path string) []byte {
 	return b
 }
 
-// TestReadmeCoversFlagsAndMetrics: README.md's configuration tables name
-// every flag of `mountmedic agent`, each default written as a literal value
-// is the one the command prints, and the metrics table names every
-// mountmedic metric of the real agent's capture.
-func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
-	_, readme := controllerFlagTable(t, string(readFile(t, "README.md")))
-	checkReadmeFlags(t, readme, "agent", 30)
+// configurationDoc is the page that holds the flag and metrics tables, the
+// only place they are written.
+const configurationDoc = "../docs/configuration.md"
+
+// installDoc is the page that holds the failover overlays.
+const installDoc = "../docs/install.md"
+
+// TestConfigurationDocCoversFlagsAndMetrics: docs/configuration.md's agent
+// flag tables name every flag of `mountmedic agent` and no other, each
+// default written as a literal value is the one the command prints, and the
+// metrics table names every mountmedic metric of the real agent's and
+// controller's captures.
+func TestConfigurationDocCoversFlagsAndMetrics(t *testing.T) {
+	_, doc := controllerFlagTable(t, string(readFile(t, configurationDoc)))
+	checkDocFlags(t, doc, "agent", 30)
 	for _, capture := range []string{metricsCapture, controllerCapture} {
 		for name := range shape(t, readFile(t, capture)) {
-			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
-				t.Errorf("README.md's metrics table has no row for %s (%s)", name, capture)
+			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(doc, "| `"+name+"` |") {
+				t.Errorf("%s: the metrics table has no row for %s (%s)", configurationDoc, name, capture)
 			}
 		}
 	}
 }
 
-// checkReadmeFlags checks that table (README.md's flag rows for command)
-// names every flag of `mountmedic <command> --help` (at least min of them),
-// and that each default written as a literal value is the one it prints.
-func checkReadmeFlags(t *testing.T, table, command string, min int) {
+// checkDocFlags checks that table (docs/configuration.md's flag rows for
+// command) names every flag of `mountmedic <command> --help` (at least min
+// of them) and no flag --help lacks, and that each default written as a
+// literal value is the one it prints.
+func checkDocFlags(t *testing.T, table, command string, min int) {
 	t.Helper()
 	help := string(run(t, ".", buildMountmedic(t), command, "--help"))
 	flags, _, _ := strings.Cut(help, "Global Flags:")
@@ -432,14 +441,19 @@ func checkReadmeFlags(t *testing.T, table, command string, min int) {
 	if len(defaults) < min {
 		t.Fatalf("found only %d flags in mountmedic %s --help:\n%s", len(defaults), command, flags)
 	}
-	rows := readmeFlagRows(table)
+	rows := docFlagRows(table)
+	for name := range rows {
+		if _, ok := defaults[name]; !ok {
+			t.Errorf("%s has a row for --%s, which mountmedic %s --help does not list: remove the row or fix its name", configurationDoc, name, command)
+		}
+	}
 	for name, def := range defaults {
 		if name == "help" {
 			continue
 		}
 		cell, ok := rows[name]
 		if !ok {
-			t.Errorf("README.md's configuration tables have no row for the %s's --%s", command, name)
+			t.Errorf("%s's flag tables have no row for the %s's --%s", configurationDoc, command, name)
 			continue
 		}
 		lit, ok := strings.CutPrefix(cell, "`")
@@ -448,7 +462,7 @@ func checkReadmeFlags(t *testing.T, table, command string, min int) {
 			continue // a description such as (all) or `$NODE_NAME`, else ...
 		}
 		if !sameDefault(lit, def) {
-			t.Errorf("README.md says --%s defaults to %q; mountmedic %s --help says %q", name, lit, command, def.value)
+			t.Errorf("%s says --%s defaults to %q; mountmedic %s --help says %q", configurationDoc, name, lit, command, def.value)
 		}
 	}
 }
@@ -475,17 +489,16 @@ func helpDefaults(flags string) map[string]flagDefault {
 	return out
 }
 
-// readmeFlagRows maps each flag of README.md's configuration tables to its
-// default cell.
-func readmeFlagRows(readme string) map[string]string {
+// docFlagRows maps each flag of a doc's flag tables to its default cell.
+func docFlagRows(doc string) map[string]string {
 	out := make(map[string]string)
-	for _, m := range regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|").FindAllStringSubmatch(readme, -1) {
+	for _, m := range regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|").FindAllStringSubmatch(doc, -1) {
 		out[m[1]] = strings.TrimSpace(m[2])
 	}
 	return out
 }
 
-// sameDefault compares a README literal with what --help printed.
+// sameDefault compares a doc's literal with what --help printed.
 func sameDefault(lit string, d flagDefault) bool {
 	v := d.value
 	if u, err := strconv.Unquote(v); err == nil {
@@ -505,23 +518,23 @@ func sameDefault(lit string, d flagDefault) bool {
 	return lit == v
 }
 
-// readmeBlock returns the fenced code block of README.md whose first line
-// is first.
-func readmeBlock(t *testing.T, first string) string {
+// docBlock returns the fenced code block of docs/install.md whose first
+// line is first.
+func docBlock(t *testing.T, first string) string {
 	t.Helper()
-	readme := string(readFile(t, "README.md"))
-	_, after, ok := strings.Cut(readme, "```yaml\n"+first+"\n")
+	doc := string(readFile(t, installDoc))
+	_, after, ok := strings.Cut(doc, "```yaml\n"+first+"\n")
 	if !ok {
-		t.Fatalf("README.md has no yaml block starting with %q", first)
+		t.Fatalf("%s has no yaml block starting with %q", installDoc, first)
 	}
 	block, _, ok := strings.Cut(after, "```")
 	if !ok {
-		t.Fatalf("README.md: the block starting with %q does not end", first)
+		t.Fatalf("%s: the block starting with %q does not end", installDoc, first)
 	}
 	return first + "\n" + block
 }
 
-// renderOverlay writes a README overlay as overlays/<name>/kustomization.yaml
+// renderOverlay writes a documented overlay as overlays/<name>/kustomization.yaml
 // beside a link to deploy/ (its resources: [../../deploy]) and renders it.
 func renderOverlay(t *testing.T, name, kustomization string) []object {
 	t.Helper()
@@ -550,14 +563,14 @@ func overlayDir(t *testing.T, name, kustomization string) string {
 	return dir
 }
 
-// TestReadmeFailoverOverlays renders the overlays README.md gives for the
+// TestInstallDocFailoverOverlays renders the overlays docs/install.md gives for the
 // failover duty: the one that turns it on with the controller Component
 // (then the agent's own validation judges the DaemonSet's arguments, as
 // TestDaemonSetFlagsExist does for the base), and the one that removes the
 // agents' heartbeat RBAC.
-func TestReadmeFailoverOverlays(t *testing.T) {
+func TestInstallDocFailoverOverlays(t *testing.T) {
 	base := kustomize(t, ".")
-	on := renderOverlay(t, "failover", readmeBlock(t, "# overlays/failover/kustomization.yaml"))
+	on := renderOverlay(t, "failover", docBlock(t, "# overlays/failover/kustomization.yaml"))
 	args := decodeDaemonSet(t, on).Spec.Template.Spec.Containers[0].Args
 	baseDS := decodeDaemonSet(t, base)
 	if want := append(slices.Clone(baseDS.Spec.Template.Spec.Containers[0].Args), "--failover", "--failover-dry-run"); !slices.Equal(args, want) {
@@ -573,7 +586,7 @@ func TestReadmeFailoverOverlays(t *testing.T) {
 	}
 	checkAgentArgs(t, buildMountmedic(t), args)
 
-	off := renderOverlay(t, "no-failover-rbac", readmeBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
+	off := renderOverlay(t, "no-failover-rbac", docBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
 	gone := map[string]bool{"RoleBinding/mountmedic": true}
 	kept := make(map[string]bool)
 	for _, o := range off {
