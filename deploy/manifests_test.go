@@ -418,8 +418,8 @@ const installDoc = "../docs/install.md"
 // metrics table names every mountmedic metric of the real agent's and
 // controller's captures.
 func TestConfigurationDocCoversFlagsAndMetrics(t *testing.T) {
+	checkDocFlags(t, "agent", 30)
 	_, doc := controllerFlagTable(t, string(readFile(t, configurationDoc)))
-	checkDocFlags(t, doc, "agent", 30)
 	for _, capture := range []string{metricsCapture, controllerCapture} {
 		for name := range shape(t, readFile(t, capture)) {
 			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(doc, "| `"+name+"` |") {
@@ -429,11 +429,14 @@ func TestConfigurationDocCoversFlagsAndMetrics(t *testing.T) {
 	}
 }
 
-// checkDocFlags checks that table (docs/configuration.md's flag rows for
-// command) names every flag of `mountmedic <command> --help` (at least min
-// of them) and no flag --help lacks, and that each default written as a
-// literal value is the one it prints.
-func checkDocFlags(t *testing.T, table, command string, min int) {
+// checkDocFlags checks docs/configuration.md's flag rows for command (the
+// controller's table, or the agent's tables: the rest of the page) against
+// `mountmedic <command> --help` (at least min flags): a row for every flag
+// and for no other, and each default written as a literal value the one it
+// prints. With -update it rewrites the page to agree: a missing flag gets a
+// row (its --help usage as the description, to be reworded), a stale row
+// goes, a wrong default takes --help's.
+func checkDocFlags(t *testing.T, command string, min int) {
 	t.Helper()
 	help := string(run(t, ".", buildMountmedic(t), command, "--help"))
 	flags, _, _ := strings.Cut(help, "Global Flags:")
@@ -441,10 +444,21 @@ func checkDocFlags(t *testing.T, table, command string, min int) {
 	if len(defaults) < min {
 		t.Fatalf("found only %d flags in mountmedic %s --help:\n%s", len(defaults), command, flags)
 	}
+	doc := string(readFile(t, configurationDoc))
+	table, rest := controllerFlagTable(t, doc)
+	if command != "controller" {
+		table = rest
+	}
 	rows := docFlagRows(table)
+	report := t.Errorf
+	if *update {
+		report = t.Logf
+	}
+	var fixes []flagFix
 	for name := range rows {
 		if _, ok := defaults[name]; !ok {
-			t.Errorf("%s has a row for --%s, which mountmedic %s --help does not list: remove the row or fix its name", configurationDoc, name, command)
+			fixes = append(fixes, flagFix{name: name, stale: true})
+			report("%s has a row for --%s, which mountmedic %s --help does not list: remove the row or fix its name", configurationDoc, name, command)
 		}
 	}
 	for name, def := range defaults {
@@ -453,7 +467,8 @@ func checkDocFlags(t *testing.T, table, command string, min int) {
 		}
 		cell, ok := rows[name]
 		if !ok {
-			t.Errorf("%s's flag tables have no row for the %s's --%s", configurationDoc, command, name)
+			fixes = append(fixes, flagFix{name: name, def: def})
+			report("%s's flag tables have no row for the %s's --%s", configurationDoc, command, name)
 			continue
 		}
 		lit, ok := strings.CutPrefix(cell, "`")
@@ -462,14 +477,112 @@ func checkDocFlags(t *testing.T, table, command string, min int) {
 			continue // a description such as (all) or `$NODE_NAME`, else ...
 		}
 		if !sameDefault(lit, def) {
-			t.Errorf("%s says --%s defaults to %q; mountmedic %s --help says %q", configurationDoc, name, lit, command, def.value)
+			fixes = append(fixes, flagFix{name: name, def: def, present: true})
+			report("%s says --%s defaults to %q; mountmedic %s --help says %q", configurationDoc, name, lit, command, def.value)
 		}
+	}
+	if *update && len(fixes) > 0 {
+		if err := os.WriteFile(configurationDoc, []byte(fixDocFlags(doc, command == "controller", fixes)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("rewrote %s: %d flag rows; check the wording of new rows", configurationDoc, len(fixes))
 	}
 }
 
-// flagDefault is a flag's type and the default --help prints ("" when it
-// prints none: the zero value).
-type flagDefault struct{ typ, value string }
+// flagFix is one change -update makes to a flag table: a stale row to
+// remove, a row to add, or (present) a default cell to replace.
+type flagFix struct {
+	name           string
+	def            flagDefault
+	stale, present bool
+}
+
+// cell is the default cell --help's default is written as.
+func (d flagDefault) cell() string {
+	switch {
+	case d.value == "" && d.typ == "":
+		return "`false`"
+	case d.value == "":
+		return "(none)"
+	}
+	v := d.value
+	if u, err := strconv.Unquote(v); err == nil {
+		v = u
+	}
+	return "`" + v + "`"
+}
+
+// fixDocFlags applies fixes to the rows of the controller's table
+// (controller) or of the agent's tables. A new row goes at the end of its
+// table: the controller's, the agent's failover table for --failover-*,
+// else the agent's first table.
+func fixDocFlags(doc string, controller bool, fixes []flagFix) string {
+	lines := strings.Split(doc, "\n")
+	byName := make(map[string]flagFix)
+	for _, f := range fixes {
+		byName[f.name] = f
+	}
+	row := regexp.MustCompile("^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|")
+	var out []string
+	inController, heading := false, ""
+	lastRow := make(map[string]int) // table -> index in out of its last row
+	for _, l := range lines {
+		switch {
+		case strings.HasPrefix(l, controllerTableStart):
+			inController = true
+		case strings.HasPrefix(l, controllerTableEnd):
+			inController = false
+		case strings.HasPrefix(l, "## "):
+			heading = l
+		}
+		if m := row.FindStringSubmatch(l); m != nil && inController == controller {
+			table := "agent"
+			switch {
+			case controller:
+				table = "controller"
+			case strings.Contains(heading, "Failover"):
+				table = "failover"
+			}
+			if f, ok := byName[m[1]]; ok {
+				if f.stale {
+					continue
+				}
+				l = strings.Replace(l, "| "+m[2]+" |", "| "+f.def.cell()+" |", 1)
+			}
+			out = append(out, l)
+			lastRow[table] = len(out) - 1
+			continue
+		}
+		out = append(out, l)
+	}
+	// Insert new rows from the bottom up, so indexes stay valid.
+	add := make(map[int][]string)
+	for _, f := range fixes {
+		if f.stale || f.present {
+			continue
+		}
+		table := "agent"
+		switch {
+		case controller:
+			table = "controller"
+		case strings.HasPrefix(f.name, "failover"):
+			table = "failover"
+		}
+		i := lastRow[table]
+		add[i] = append(add[i], "| `--"+f.name+"` | "+f.def.cell()+" | "+f.def.usage+" |")
+	}
+	for i := len(out) - 1; i >= 0; i-- {
+		if rows, ok := add[i]; ok {
+			slices.Sort(rows)
+			out = slices.Insert(out, i+1, rows...)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// flagDefault is a flag's type, the default --help prints ("" when it
+// prints none: the zero value) and its usage text.
+type flagDefault struct{ typ, value, usage string }
 
 // helpDefaults parses the flag lines of a cobra --help.
 func helpDefaults(flags string) map[string]flagDefault {
@@ -480,9 +593,10 @@ func helpDefaults(flags string) map[string]flagDefault {
 		if m == nil {
 			continue
 		}
-		d := flagDefault{typ: m[2]}
+		d := flagDefault{typ: m[2], usage: strings.TrimSpace(m[3])}
 		if i := strings.LastIndex(m[3], "(default "); i >= 0 && strings.HasSuffix(m[3], ")") {
 			d.value = strings.TrimSuffix(m[3][i+len("(default "):], ")")
+			d.usage = strings.TrimSpace(m[3][:i])
 		}
 		out[m[1]] = d
 	}
