@@ -19,7 +19,7 @@
 #
 # USER 0: the agent mounts and unmounts filesystems, enters container mount
 # namespaces and aborts FUSE connections. It runs privileged; see
-# deploy/README.md, "Security posture".
+# docs/security.md.
 FROM scratch
 
 ARG VERSION=dev

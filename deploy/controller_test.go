@@ -24,7 +24,7 @@ import (
 )
 
 // controllerOverlay installs the base and the failover controller
-// Component, as deploy/README.md says.
+// Component, as docs/install.md says.
 const controllerOverlay = "resources: [../../deploy]\ncomponents: [../../deploy/controller]\n"
 
 // controllerKinds are what the Component adds to the base.
@@ -257,14 +257,14 @@ func checkControllerAccess(t *testing.T, c *kubetest.Cluster) {
 	}
 }
 
-// TestReadmeCoversControllerFlags: deploy/README.md's configuration tables
-// name every flag of `mountmedic controller`, with the defaults it prints.
-func TestReadmeCoversControllerFlags(t *testing.T) {
-	readme, _ := controllerFlagTable(t, string(readFile(t, "README.md")))
-	checkReadmeFlags(t, readme, "controller", 20)
+// TestConfigurationDocCoversControllerFlags: docs/configuration.md's
+// controller flag table names every flag of `mountmedic controller` and no
+// other, with the defaults it prints (-update rewrites it to agree).
+func TestConfigurationDocCoversControllerFlags(t *testing.T) {
+	checkDocFlags(t, "controller", 20)
 }
 
-// Markers around the controller's flag table in deploy/README.md: the
+// Markers around the controller's flag table in docs/configuration.md: the
 // agent and the controller share some flag names (--kubeconfig,
 // --metrics-addr) with other defaults.
 const (
@@ -272,14 +272,14 @@ const (
 	controllerTableEnd   = "<!-- end of the flags of mountmedic controller -->"
 )
 
-// controllerFlagTable splits README.md into the controller's flag table and
-// the rest.
-func controllerFlagTable(t *testing.T, readme string) (table, rest string) {
+// controllerFlagTable splits docs/configuration.md into the controller's
+// flag table and the rest.
+func controllerFlagTable(t *testing.T, doc string) (table, rest string) {
 	t.Helper()
-	before, after, ok := strings.Cut(readme, controllerTableStart)
+	before, after, ok := strings.Cut(doc, controllerTableStart)
 	table, after2, ok2 := strings.Cut(after, controllerTableEnd)
 	if !ok || !ok2 {
-		t.Fatalf("README.md has no controller flag table between %q and %q", controllerTableStart, controllerTableEnd)
+		t.Fatalf("%s has no controller flag table between %q and %q", configurationDoc, controllerTableStart, controllerTableEnd)
 	}
 	return table, before + after2
 }

@@ -239,7 +239,7 @@ func TestLiveDashboardAndAlerts(t *testing.T) {
 	t.Logf("%d queries evaluated against the live agents, all as expected %.0f s after the faults", len(queries), time.Since(faulted).Seconds())
 	checkFailover(ctx, t, prom, sim)
 
-	// With -update, the dashboard picture (README.md), from this Prometheus
+	// With -update, the dashboard picture (docs/alerts.md), from this Prometheus
 	// after a little more history.
 	if *update {
 		time.Sleep(20 * time.Second)

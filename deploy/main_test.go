@@ -31,7 +31,7 @@ import (
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
-var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml, the Helm chart's templates) and the metrics capture (testdata/metrics.txt)")
+var update = flag.Bool("update", false, "rewrite generated files (prometheus/prometheusrule.yaml, the Helm chart's templates, docs/configuration.md's flag rows) and the metrics capture (testdata/metrics.txt)")
 
 func TestMain(m *testing.M) {
 	code := lab.Run(m)

@@ -405,26 +405,38 @@ func readFile(t *testing.T, path string) []byte {
 	return b
 }
 
-// TestReadmeCoversFlagsAndMetrics: README.md's configuration tables name
-// every flag of `mountmedic agent`, each default written as a literal value
-// is the one the command prints, and the metrics table names every
-// mountmedic metric of the real agent's capture.
-func TestReadmeCoversFlagsAndMetrics(t *testing.T) {
-	_, readme := controllerFlagTable(t, string(readFile(t, "README.md")))
-	checkReadmeFlags(t, readme, "agent", 30)
+// configurationDoc is the page that holds the flag and metrics tables, the
+// only place they are written.
+const configurationDoc = "../docs/configuration.md"
+
+// installDoc is the page that holds the failover overlays.
+const installDoc = "../docs/install.md"
+
+// TestConfigurationDocCoversFlagsAndMetrics: docs/configuration.md's agent
+// flag tables name every flag of `mountmedic agent` and no other, each
+// default written as a literal value is the one the command prints, and the
+// metrics table names every mountmedic metric of the real agent's and
+// controller's captures.
+func TestConfigurationDocCoversFlagsAndMetrics(t *testing.T) {
+	checkDocFlags(t, "agent", 30)
+	_, doc := controllerFlagTable(t, string(readFile(t, configurationDoc)))
 	for _, capture := range []string{metricsCapture, controllerCapture} {
 		for name := range shape(t, readFile(t, capture)) {
-			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(readme, "| `"+name+"` |") {
-				t.Errorf("README.md's metrics table has no row for %s (%s)", name, capture)
+			if strings.HasPrefix(name, "mountmedic_") && !strings.Contains(doc, "| `"+name+"` |") {
+				t.Errorf("%s: the metrics table has no row for %s (%s)", configurationDoc, name, capture)
 			}
 		}
 	}
 }
 
-// checkReadmeFlags checks that table (README.md's flag rows for command)
-// names every flag of `mountmedic <command> --help` (at least min of them),
-// and that each default written as a literal value is the one it prints.
-func checkReadmeFlags(t *testing.T, table, command string, min int) {
+// checkDocFlags checks docs/configuration.md's flag rows for command (the
+// controller's table, or the agent's tables: the rest of the page) against
+// `mountmedic <command> --help` (at least min flags): a row for every flag
+// and for no other, and each default written as a literal value the one it
+// prints. With -update it rewrites the page to agree: a missing flag gets a
+// row (its --help usage as the description, to be reworded), a stale row
+// goes, a wrong default takes --help's.
+func checkDocFlags(t *testing.T, command string, min int) {
 	t.Helper()
 	help := string(run(t, ".", buildMountmedic(t), command, "--help"))
 	flags, _, _ := strings.Cut(help, "Global Flags:")
@@ -432,14 +444,31 @@ func checkReadmeFlags(t *testing.T, table, command string, min int) {
 	if len(defaults) < min {
 		t.Fatalf("found only %d flags in mountmedic %s --help:\n%s", len(defaults), command, flags)
 	}
-	rows := readmeFlagRows(table)
+	doc := string(readFile(t, configurationDoc))
+	table, rest := controllerFlagTable(t, doc)
+	if command != "controller" {
+		table = rest
+	}
+	rows := docFlagRows(table)
+	report := t.Errorf
+	if *update {
+		report = t.Logf
+	}
+	var fixes []flagFix
+	for name := range rows {
+		if _, ok := defaults[name]; !ok {
+			fixes = append(fixes, flagFix{name: name, stale: true})
+			report("%s has a row for --%s, which mountmedic %s --help does not list: remove the row or fix its name", configurationDoc, name, command)
+		}
+	}
 	for name, def := range defaults {
 		if name == "help" {
 			continue
 		}
 		cell, ok := rows[name]
 		if !ok {
-			t.Errorf("README.md's configuration tables have no row for the %s's --%s", command, name)
+			fixes = append(fixes, flagFix{name: name, def: def})
+			report("%s's flag tables have no row for the %s's --%s", configurationDoc, command, name)
 			continue
 		}
 		lit, ok := strings.CutPrefix(cell, "`")
@@ -448,14 +477,112 @@ func checkReadmeFlags(t *testing.T, table, command string, min int) {
 			continue // a description such as (all) or `$NODE_NAME`, else ...
 		}
 		if !sameDefault(lit, def) {
-			t.Errorf("README.md says --%s defaults to %q; mountmedic %s --help says %q", name, lit, command, def.value)
+			fixes = append(fixes, flagFix{name: name, def: def, present: true})
+			report("%s says --%s defaults to %q; mountmedic %s --help says %q", configurationDoc, name, lit, command, def.value)
 		}
+	}
+	if *update && len(fixes) > 0 {
+		if err := os.WriteFile(configurationDoc, []byte(fixDocFlags(doc, command == "controller", fixes)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("rewrote %s: %d flag rows; check the wording of new rows", configurationDoc, len(fixes))
 	}
 }
 
-// flagDefault is a flag's type and the default --help prints ("" when it
-// prints none: the zero value).
-type flagDefault struct{ typ, value string }
+// flagFix is one change -update makes to a flag table: a stale row to
+// remove, a row to add, or (present) a default cell to replace.
+type flagFix struct {
+	name           string
+	def            flagDefault
+	stale, present bool
+}
+
+// cell is the default cell --help's default is written as.
+func (d flagDefault) cell() string {
+	switch {
+	case d.value == "" && d.typ == "":
+		return "`false`"
+	case d.value == "":
+		return "(none)"
+	}
+	v := d.value
+	if u, err := strconv.Unquote(v); err == nil {
+		v = u
+	}
+	return "`" + v + "`"
+}
+
+// fixDocFlags applies fixes to the rows of the controller's table
+// (controller) or of the agent's tables. A new row goes at the end of its
+// table: the controller's, the agent's failover table for --failover-*,
+// else the agent's first table.
+func fixDocFlags(doc string, controller bool, fixes []flagFix) string {
+	lines := strings.Split(doc, "\n")
+	byName := make(map[string]flagFix)
+	for _, f := range fixes {
+		byName[f.name] = f
+	}
+	row := regexp.MustCompile("^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|")
+	var out []string
+	inController, heading := false, ""
+	lastRow := make(map[string]int) // table -> index in out of its last row
+	for _, l := range lines {
+		switch {
+		case strings.HasPrefix(l, controllerTableStart):
+			inController = true
+		case strings.HasPrefix(l, controllerTableEnd):
+			inController = false
+		case strings.HasPrefix(l, "## "):
+			heading = l
+		}
+		if m := row.FindStringSubmatch(l); m != nil && inController == controller {
+			table := "agent"
+			switch {
+			case controller:
+				table = "controller"
+			case strings.Contains(heading, "Failover"):
+				table = "failover"
+			}
+			if f, ok := byName[m[1]]; ok {
+				if f.stale {
+					continue
+				}
+				l = strings.Replace(l, "| "+m[2]+" |", "| "+f.def.cell()+" |", 1)
+			}
+			out = append(out, l)
+			lastRow[table] = len(out) - 1
+			continue
+		}
+		out = append(out, l)
+	}
+	// Insert new rows from the bottom up, so indexes stay valid.
+	add := make(map[int][]string)
+	for _, f := range fixes {
+		if f.stale || f.present {
+			continue
+		}
+		table := "agent"
+		switch {
+		case controller:
+			table = "controller"
+		case strings.HasPrefix(f.name, "failover"):
+			table = "failover"
+		}
+		i := lastRow[table]
+		add[i] = append(add[i], "| `--"+f.name+"` | "+f.def.cell()+" | "+f.def.usage+" |")
+	}
+	for i := len(out) - 1; i >= 0; i-- {
+		if rows, ok := add[i]; ok {
+			slices.Sort(rows)
+			out = slices.Insert(out, i+1, rows...)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// flagDefault is a flag's type, the default --help prints ("" when it
+// prints none: the zero value) and its usage text.
+type flagDefault struct{ typ, value, usage string }
 
 // helpDefaults parses the flag lines of a cobra --help.
 func helpDefaults(flags string) map[string]flagDefault {
@@ -466,26 +593,26 @@ func helpDefaults(flags string) map[string]flagDefault {
 		if m == nil {
 			continue
 		}
-		d := flagDefault{typ: m[2]}
+		d := flagDefault{typ: m[2], usage: strings.TrimSpace(m[3])}
 		if i := strings.LastIndex(m[3], "(default "); i >= 0 && strings.HasSuffix(m[3], ")") {
 			d.value = strings.TrimSuffix(m[3][i+len("(default "):], ")")
+			d.usage = strings.TrimSpace(m[3][:i])
 		}
 		out[m[1]] = d
 	}
 	return out
 }
 
-// readmeFlagRows maps each flag of README.md's configuration tables to its
-// default cell.
-func readmeFlagRows(readme string) map[string]string {
+// docFlagRows maps each flag of a doc's flag tables to its default cell.
+func docFlagRows(doc string) map[string]string {
 	out := make(map[string]string)
-	for _, m := range regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|").FindAllStringSubmatch(readme, -1) {
+	for _, m := range regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\| ([^|]*) \\|").FindAllStringSubmatch(doc, -1) {
 		out[m[1]] = strings.TrimSpace(m[2])
 	}
 	return out
 }
 
-// sameDefault compares a README literal with what --help printed.
+// sameDefault compares a doc's literal with what --help printed.
 func sameDefault(lit string, d flagDefault) bool {
 	v := d.value
 	if u, err := strconv.Unquote(v); err == nil {
@@ -505,23 +632,23 @@ func sameDefault(lit string, d flagDefault) bool {
 	return lit == v
 }
 
-// readmeBlock returns the fenced code block of README.md whose first line
-// is first.
-func readmeBlock(t *testing.T, first string) string {
+// docBlock returns the fenced code block of docs/install.md whose first
+// line is first.
+func docBlock(t *testing.T, first string) string {
 	t.Helper()
-	readme := string(readFile(t, "README.md"))
-	_, after, ok := strings.Cut(readme, "```yaml\n"+first+"\n")
+	doc := string(readFile(t, installDoc))
+	_, after, ok := strings.Cut(doc, "```yaml\n"+first+"\n")
 	if !ok {
-		t.Fatalf("README.md has no yaml block starting with %q", first)
+		t.Fatalf("%s has no yaml block starting with %q", installDoc, first)
 	}
 	block, _, ok := strings.Cut(after, "```")
 	if !ok {
-		t.Fatalf("README.md: the block starting with %q does not end", first)
+		t.Fatalf("%s: the block starting with %q does not end", installDoc, first)
 	}
 	return first + "\n" + block
 }
 
-// renderOverlay writes a README overlay as overlays/<name>/kustomization.yaml
+// renderOverlay writes a documented overlay as overlays/<name>/kustomization.yaml
 // beside a link to deploy/ (its resources: [../../deploy]) and renders it.
 func renderOverlay(t *testing.T, name, kustomization string) []object {
 	t.Helper()
@@ -550,14 +677,14 @@ func overlayDir(t *testing.T, name, kustomization string) string {
 	return dir
 }
 
-// TestReadmeFailoverOverlays renders the overlays README.md gives for the
+// TestInstallDocFailoverOverlays renders the overlays docs/install.md gives for the
 // failover duty: the one that turns it on with the controller Component
 // (then the agent's own validation judges the DaemonSet's arguments, as
 // TestDaemonSetFlagsExist does for the base), and the one that removes the
 // agents' heartbeat RBAC.
-func TestReadmeFailoverOverlays(t *testing.T) {
+func TestInstallDocFailoverOverlays(t *testing.T) {
 	base := kustomize(t, ".")
-	on := renderOverlay(t, "failover", readmeBlock(t, "# overlays/failover/kustomization.yaml"))
+	on := renderOverlay(t, "failover", docBlock(t, "# overlays/failover/kustomization.yaml"))
 	args := decodeDaemonSet(t, on).Spec.Template.Spec.Containers[0].Args
 	baseDS := decodeDaemonSet(t, base)
 	if want := append(slices.Clone(baseDS.Spec.Template.Spec.Containers[0].Args), "--failover", "--failover-dry-run"); !slices.Equal(args, want) {
@@ -573,7 +700,7 @@ func TestReadmeFailoverOverlays(t *testing.T) {
 	}
 	checkAgentArgs(t, buildMountmedic(t), args)
 
-	off := renderOverlay(t, "no-failover-rbac", readmeBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
+	off := renderOverlay(t, "no-failover-rbac", docBlock(t, "# overlays/no-failover-rbac/kustomization.yaml"))
 	gone := map[string]bool{"RoleBinding/mountmedic": true}
 	kept := make(map[string]bool)
 	for _, o := range off {

@@ -18,7 +18,7 @@ import (
 	"github.com/prometheus/common/model"
 )
 
-// previewFile is the dashboard picture README.md shows: the dashboard's
+// previewFile is the dashboard picture docs/alerts.md shows: the dashboard's
 // layout drawn from the live test's Prometheus, by renderPreview below, not
 // by Grafana (which cannot be installed on these machines).
 const previewFile = "grafana/preview.svg"

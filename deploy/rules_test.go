@@ -121,18 +121,21 @@ func alerts(t *testing.T) []alert {
 	return out
 }
 
-// TestAlertsHaveRunbooksAndTests: each alert links its README section and
+// runbooks is the page each alert's runbook_url points into.
+const runbooks = "docs/alerts.md"
+
+// TestAlertsHaveRunbooksAndTests: each alert links its runbook section and
 // has a promtool test in which it fires.
 func TestAlertsHaveRunbooksAndTests(t *testing.T) {
-	readme := string(readFile(t, "README.md"))
+	doc := string(readFile(t, "../"+runbooks))
 	tests := string(readFile(t, rulesTestFile))
 	for _, a := range alerts(t) {
 		anchor := strings.ToLower(a.Alert)
-		if want := "deploy/README.md#" + anchor; !strings.HasSuffix(a.Annotations["runbook_url"], want) {
+		if want := runbooks + "#" + anchor; !strings.HasSuffix(a.Annotations["runbook_url"], want) {
 			t.Errorf("%s runbook_url = %q, want it to end in %s", a.Alert, a.Annotations["runbook_url"], want)
 		}
-		if !strings.Contains(readme, "\n#### "+a.Alert+"\n") {
-			t.Errorf("README.md has no runbook heading \"#### %s\"", a.Alert)
+		if !strings.Contains(doc, "\n### "+a.Alert+"\n") {
+			t.Errorf("%s has no runbook heading \"### %s\"", runbooks, a.Alert)
 		}
 		if !regexp.MustCompile(`alertname: ` + a.Alert + `\n\s+exp_alerts:\n\s+- `).MatchString(tests) {
 			t.Errorf("%s has no promtool test in which it fires (%s)", a.Alert, rulesTestFile)

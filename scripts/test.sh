@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README "Testing"; .ci/run calls it): installs
+# The project's test command (README "Set-up"; .ci/run calls it): installs
 # what the tests need, then runs gofmt, go vet, every test with -race — unit
 # tests, root tests with real mounts in a private mount namespace, tests
 # against a real kube-apiserver and a real CSI driver — and the fuzz targets
