@@ -28,7 +28,7 @@ type scanFlags struct {
 	capture   string // --mountinfo: an offline capture
 	hostTable string // --host-table: the live table to read and probe
 	output    string
-	maxSize   string // --max-table-size, a quantity such as 64Mi
+	maxSize   string // --max-table-size, a quantity such as 32Mi
 	opts      probe.Options
 	cfg       probe.Config
 }
@@ -68,7 +68,7 @@ broken, 130 or 143 stopped by SIGINT or SIGTERM.`,
 	fl.StringVarP(&f.output, "output", "o", "table", "output format: table, wide or json")
 	fl.StringVar(&f.opts.Root, "kubelet-root", probe.DefaultKubeletRoot, "kubelet root directory (kubelet --root-dir)")
 	fl.StringVar(&f.maxSize, "max-table-size", resource.NewQuantity(probe.DefaultMaxTableSize, resource.BinarySI).String(),
-		"read at most this much of a mount table (a quantity: 64Mi, 200M)")
+		"read at most this much of a mount table (a quantity: 32Mi, 200M)")
 	fl.DurationVar(&f.cfg.Timeout, "timeout", f.cfg.Timeout, "deadline of each probe; past it a mount is Hung")
 	fl.IntVar(&f.cfg.Parallel, "parallel", f.cfg.Parallel, "probes run at once")
 	fl.BoolVar(&f.cfg.ReadDevice, "read-device", f.cfg.ReadDevice, "read one block (O_DIRECT) of block-backed volumes' devices")
@@ -92,7 +92,7 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 	}
 	q, err := resource.ParseQuantity(f.maxSize)
 	if err != nil || q.Value() <= 0 {
-		return fmt.Errorf("--max-table-size %q: give a positive size such as 64Mi or 200M", f.maxSize)
+		return fmt.Errorf("--max-table-size %q: give a positive size such as 32Mi or 200M", f.maxSize)
 	}
 	f.opts.MaxSize = q.Value()
 	if f.capture != "" && cmd.Flags().Changed("host-table") {

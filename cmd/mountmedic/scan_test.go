@@ -83,7 +83,7 @@ func TestScanBadInput(t *testing.T) {
 		"cycle of parents":       {[]string{"scan", "--mountinfo", cycle}, []string{cycle + " line 2", "cycle (2 -> 3 -> 2)"}},
 		"device not a number":    {[]string{"scan", "--mountinfo", dev}, []string{dev + " line 2", `device "zz:yy"`}},
 		"table over the cap":     {[]string{"scan", "--mountinfo", good, "--max-table-size", "1Ki"}, []string{good, "size cap", "--max-table-size"}},
-		"bad size cap":           {[]string{"scan", "--mountinfo", good, "--max-table-size", "lots"}, []string{`--max-table-size "lots"`, "64Mi"}},
+		"bad size cap":           {[]string{"scan", "--mountinfo", good, "--max-table-size", "lots"}, []string{`--max-table-size "lots"`, "32Mi"}},
 		"directory":              {[]string{"scan", "--mountinfo", dir}, []string{dir, "a directory", "regular file"}},
 		"missing file":           {[]string{"scan", "--mountinfo", filepath.Join(dir, "nope")}, []string{"nope", "no such file"}},
 		"malformed line":         {[]string{"scan", "--mountinfo", malformed}, []string{"malformed.mountinfo line 7", "not enough fields"}},
