@@ -30,6 +30,7 @@ func TestAgentBadInput(t *testing.T) {
 	n2 := nodeKubeconfig(t, dir, "n2", "system:node:n2", "system:nodes")
 	admin := nodeKubeconfig(t, dir, "admin", "kubernetes-admin", "system:masters")
 	notNodes := nodeKubeconfig(t, dir, "no-group", "system:node:n1", "system:authenticated")
+	eks := execKubeconfig(t, dir)
 	tests := map[string]struct {
 		args []string
 		want []string // substrings of stderr
@@ -49,6 +50,8 @@ func TestAgentBadInput(t *testing.T) {
 			[]string{"not this node's identity", `"system:nodes"`}},
 		"missing service account config": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", n1, "--failover", "--kubeconfig", kubeconfig, "--api-timeout", "1s"},
 			[]string{"--kubeconfig", "missing-kubeconfig"}},
+		"exec plugin (EKS)": {[]string{"agent", "--node-name", "n1", "--node-kubeconfig", eks},
+			[]string{"--node-kubeconfig", "exec plugin", `"aws-iam-authenticator"`, "deploy/profiles/README.md"}},
 		"stray argument":   {[]string{"agent", "--node-name", "n1", "extra"}, []string{"unknown command"}},
 		"two errors named": {[]string{"agent", "--node-name", "n1", "--strikes", "0", "--probe-parallel", "0"}, []string{"--strikes 0", "--probe-parallel 0"}},
 		"bad fence window": {[]string{"agent", "--node-name", "n1", "--failover", "--failover-fence-after", "30500ms"}, []string{"--failover-fence-after", "whole seconds"}},
@@ -108,6 +111,49 @@ func nodeKubeconfig(t *testing.T, dir, name, user string, groups ...string) stri
 		t.Fatal(err)
 	}
 	return path
+}
+
+// execKubeconfig writes a kubeconfig whose user is an exec credential
+// plugin, as EKS' nodeadm writes kubelet's.
+func execKubeconfig(t *testing.T, dir string) string {
+	t.Helper()
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["c"] = &clientcmdapi.Cluster{Server: "https://127.0.0.1:1", InsecureSkipTLSVerify: true}
+	cfg.AuthInfos["a"] = &clientcmdapi.AuthInfo{Exec: &clientcmdapi.ExecConfig{
+		APIVersion: "client.authentication.k8s.io/v1beta1", Command: "aws-iam-authenticator",
+		Args: []string{"token", "-i", "cluster"}, InteractiveMode: clientcmdapi.NeverExecInteractiveMode}}
+	cfg.Contexts["c"] = &clientcmdapi.Context{Cluster: "c", AuthInfo: "a"}
+	cfg.CurrentContext = "c"
+	path := filepath.Join(dir, "eks.conf")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestFailoverIdentityDefault checks that --help names no machine: the
+// identity defaults to $POD_NAME, else what the run finds (the node's
+// name, the controller's host name), never the host name of whoever
+// printed the help.
+func TestFailoverIdentityDefault(t *testing.T) {
+	t.Setenv("POD_NAME", "")
+	host, err := os.Hostname()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cmd := range []string{"agent", "controller"} {
+		var stdout, stderr bytes.Buffer
+		execute(context.Background(), []string{cmd, "--help"}, &stdout, &stderr)
+		for _, l := range strings.Split(stdout.String(), "\n") {
+			if strings.Contains(l, "--failover-identity") && (strings.Contains(l, `(default "`) || !strings.Contains(l, "$POD_NAME")) {
+				t.Errorf("mountmedic %s --help: %q, want no default value (the host name here is %q) and $POD_NAME named", cmd, strings.TrimSpace(l), host)
+			}
+		}
+	}
+	t.Setenv("POD_NAME", "mountmedic-x1")
+	if got := newAgentCommand().Flags().Lookup("failover-identity").DefValue; got != "mountmedic-x1" {
+		t.Errorf("agent --failover-identity default with POD_NAME set = %q, want mountmedic-x1", got)
+	}
 }
 
 func TestAgentNodeNameFromEnvironment(t *testing.T) {
