@@ -700,8 +700,13 @@ func TestChartInstall(t *testing.T) {
 	}
 	// The chart's Namespace, with the Pod Security labels (not
 	// --create-namespace, which would make one without them).
-	h("install", "mountmedic", chartDir, "--namespace", "storage-ops",
-		"--set", "namespace.create=true,prometheus.enabled=true,grafana.enabled=true", "--wait=false")
+	notes := string(h("install", "mountmedic", chartDir, "--namespace", "storage-ops",
+		"--set", "namespace.create=true,prometheus.enabled=true,grafana.enabled=true", "--wait=false"))
+	for _, want := range []string{"in namespace storage-ops, profile kubeadm", "kubelet root  /var/lib/kubelet", "rollout status daemonset/mountmedic"} {
+		if !strings.Contains(notes, want) {
+			t.Errorf("helm install's NOTES lack %q:\n%s", want, notes)
+		}
+	}
 	ctx := context.Background()
 	ns, err := c.Client.CoreV1().Namespaces().Get(ctx, "storage-ops", metav1.GetOptions{})
 	if err != nil || ns.Labels["pod-security.kubernetes.io/enforce"] != "privileged" {
