@@ -163,3 +163,28 @@ func TestAgentNodeNameFromEnvironment(t *testing.T) {
 		t.Errorf("--node-name default = %q, want $NODE_NAME (node-from-env)", got)
 	}
 }
+
+// TestLegacyKlogFlagsGone checks that of klog's flags only -v and
+// --vmodule are left on every command.
+func TestLegacyKlogFlagsGone(t *testing.T) {
+	for _, cmd := range []string{"agent", "controller", "scan", "status", "version"} {
+		var stdout, stderr bytes.Buffer
+		execute(context.Background(), []string{cmd, "--help"}, &stdout, &stderr)
+		help := stdout.String()
+		for _, legacy := range []string{"--log_dir", "--logtostderr", "--alsologtostderr", "--skip_headers", "--stderrthreshold", "--one_output", "--log_file", "--add_dir_header"} {
+			if strings.Contains(help, legacy) {
+				t.Errorf("mountmedic %s --help still offers %s", cmd, legacy)
+			}
+		}
+		if !strings.Contains(help, "--vmodule") || !strings.Contains(help, "-v, --v") {
+			t.Errorf("mountmedic %s --help lacks -v or --vmodule:\n%s", cmd, help)
+		}
+	}
+	var stdout, stderr bytes.Buffer
+	if code := execute(context.Background(), []string{"version", "--logtostderr"}, &stdout, &stderr); code != exitError || !strings.Contains(stderr.String(), "unknown flag: --logtostderr") {
+		t.Errorf("version --logtostderr: exit %d, stderr %q; want unknown flag", code, stderr.String())
+	}
+	if code := execute(context.Background(), []string{"version", "-v=2"}, &stdout, &stderr); code != exitOK {
+		t.Errorf("version -v=2: exit %d, stderr %q", code, stderr.String())
+	}
+}

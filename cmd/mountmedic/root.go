@@ -38,9 +38,14 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
+	// Of klog's flags only the verbosity ones: the others (--log_dir,
+	// --logtostderr, --skip_headers...) are its legacy file and format
+	// switches, which Kubernetes components deprecated; logs go to stderr.
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
-	root.PersistentFlags().AddGoFlagSet(klogFlags)
+	for _, name := range []string{"v", "vmodule"} {
+		root.PersistentFlags().AddGoFlag(klogFlags.Lookup(name))
+	}
 	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
 	return root
 }
