@@ -8,7 +8,9 @@ import (
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/json"
 	"encoding/pem"
+	"fmt"
 	"math/big"
 	"os"
 	"path/filepath"
@@ -186,5 +188,42 @@ func TestLegacyKlogFlagsGone(t *testing.T) {
 	}
 	if code := execute(context.Background(), []string{"version", "-v=2"}, &stdout, &stderr); code != exitOK {
 		t.Errorf("version -v=2: exit %d, stderr %q", code, stderr.String())
+	}
+}
+
+// TestLogFormatJSON runs the agent up to its first log line (the API
+// server of its node kubeconfig does not answer, so it logs that it goes
+// on without checking the credentials, then stops at the missing
+// ServiceAccount kubeconfig) with --log-format=json: the line is one JSON
+// object with the message and its keys.
+func TestLogFormatJSON(t *testing.T) {
+	t.Setenv("NODE_NAME", "")
+	dir := t.TempDir()
+	n1 := nodeKubeconfig(t, dir, "n1", "system:node:n1", "system:nodes")
+	args := []string{"agent", "--log-format=json", "--node-name", "n1", "--node-kubeconfig", n1, "--failover",
+		"--kubeconfig", filepath.Join(dir, "missing"), "--api-timeout", "1s"}
+	var stdout, stderr bytes.Buffer
+	if code := execute(context.Background(), args, &stdout, &stderr); code != exitError {
+		t.Fatalf("execute(%v) = %d, want %d; stderr %q", args, code, exitError, stderr.String())
+	}
+	var found bool
+	for _, l := range strings.Split(stderr.String(), "\n") {
+		if !strings.HasPrefix(l, "{") {
+			continue
+		}
+		var line map[string]any
+		if err := json.Unmarshal([]byte(l), &line); err != nil {
+			t.Errorf("log line %q is not JSON: %v", l, err)
+			continue
+		}
+		if strings.Contains(fmt.Sprint(line["msg"]), "Cannot check the node credentials") && line["ts"] != nil && line["err"] != nil {
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("stderr %q: want the credentials line as a JSON object with ts, msg and err", stderr.String())
+	}
+	if strings.Contains(stderr.String(), "] Cannot check") {
+		t.Errorf("stderr %q: a klog text line with --log-format=json", stderr.String())
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"path/filepath"
 
+	"github.com/go-logr/logr/funcr"
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 )
@@ -46,6 +47,21 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 	for _, name := range []string{"v", "vmodule"} {
 		root.PersistentFlags().AddGoFlag(klogFlags.Lookup(name))
 	}
+	var logFormat string
+	root.PersistentFlags().StringVar(&logFormat, "log-format", "text", "format of the log lines on stderr: text (klog's) or json (one object a line: ts, level, msg and the line's keys)")
+	root.PersistentPreRunE = func(*cobra.Command, []string) error {
+		switch logFormat {
+		case "text":
+		case "json":
+			// klog still decides what is logged (-v, --vmodule) and
+			// passes each line on to this sink, so its verbosity is open.
+			klog.SetLogger(funcr.NewJSON(func(obj string) { fmt.Fprintln(stderr, obj) },
+				funcr.Options{LogTimestamp: true, TimestampFormat: "2006-01-02T15:04:05.000000Z07:00", Verbosity: 1 << 20}))
+		default:
+			return fmt.Errorf("--log-format %q: want text or json", logFormat)
+		}
+		return nil
+	}
 	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
 	return root
 }
@@ -53,6 +69,7 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 func execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	klog.SetOutput(stderr)
 	klog.LogToStderr(false)
+	defer klog.ClearLogger() // --log-format=json's, for the next call
 	root := newRootCommand(stdout, stderr)
 	root.SetArgs(args)
 	err := root.ExecuteContext(klog.NewContext(ctx, klog.Background()))
