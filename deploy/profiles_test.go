@@ -225,7 +225,9 @@ func TestChartProfiles(t *testing.T) {
 // TestProfilesApply applies every profile, as kustomize and as the chart
 // render it, to a real kube-apiserver: a server-side dry run (schema,
 // admission, Pod Security of the privileged namespace), then for real,
-// one profile after the other, and reads the DaemonSet back.
+// one profile after the other, and reads the DaemonSet back. The chart
+// render holds its own Namespace (namespace.create), as a GitOps tool
+// would apply it.
 func TestProfilesApply(t *testing.T) {
 	kc := kubectl(t)
 	helm := lab.RequireTool(t, "helm")
@@ -239,7 +241,7 @@ func TestProfilesApply(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			dir := overlayDir(t, "profile-"+name, componentOverlay("profiles/"+name))
 			rendered := filepath.Join(t.TempDir(), "chart.yaml")
-			out := run(t, ".", helm, "template", "mountmedic", chartDir, "--namespace", baseNamespace, "--kube-version", kubeVersion, "--set", "profile="+name)
+			out := run(t, ".", helm, "template", "mountmedic", chartDir, "--namespace", baseNamespace, "--kube-version", kubeVersion, "--set", "profile="+name, "--set", "namespace.create=true")
 			if err := os.WriteFile(rendered, out, 0o644); err != nil {
 				t.Fatal(err)
 			}
