@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"math/big"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -195,16 +196,21 @@ func TestLegacyKlogFlagsGone(t *testing.T) {
 // server of its node kubeconfig does not answer, so it logs that it goes
 // on without checking the credentials, then stops at the missing
 // ServiceAccount kubeconfig) with --log-format=json: the line is one JSON
-// object with the message and its keys.
+// object with the message and its keys. It runs in a child process: klog's
+// logger is global, and client-go goroutines of other tests still log.
 func TestLogFormatJSON(t *testing.T) {
-	t.Setenv("NODE_NAME", "")
-	dir := t.TempDir()
-	n1 := nodeKubeconfig(t, dir, "n1", "system:node:n1", "system:nodes")
-	args := []string{"agent", "--log-format=json", "--node-name", "n1", "--node-kubeconfig", n1, "--failover",
-		"--kubeconfig", filepath.Join(dir, "missing"), "--api-timeout", "1s"}
-	var stdout, stderr bytes.Buffer
-	if code := execute(context.Background(), args, &stdout, &stderr); code != exitError {
-		t.Fatalf("execute(%v) = %d, want %d; stderr %q", args, code, exitError, stderr.String())
+	if dir := os.Getenv("MOUNTMEDIC_TEST_JSON_DIR"); dir != "" {
+		n1 := nodeKubeconfig(t, dir, "n1", "system:node:n1", "system:nodes")
+		args := []string{"agent", "--log-format=json", "--node-name", "n1", "--node-kubeconfig", n1, "--failover",
+			"--kubeconfig", filepath.Join(dir, "missing"), "--api-timeout", "1s"}
+		os.Exit(execute(context.Background(), args, os.Stdout, os.Stderr))
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLogFormatJSON$")
+	cmd.Env = append(os.Environ(), "MOUNTMEDIC_TEST_JSON_DIR="+t.TempDir(), "NODE_NAME=")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err == nil {
+		t.Fatalf("the agent exited 0; want the missing --kubeconfig refused. stderr %q", stderr.String())
 	}
 	var found bool
 	for _, l := range strings.Split(stderr.String(), "\n") {

@@ -27,6 +27,9 @@ type exitCodeError struct{ code int }
 
 func (e exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
 
+// jsonLogger is whether --log-format=json set klog's logger.
+var jsonLogger bool
+
 func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 	root := &cobra.Command{
 		Use:   "mountmedic",
@@ -57,6 +60,7 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 			// passes each line on to this sink, so its verbosity is open.
 			klog.SetLogger(funcr.NewJSON(func(obj string) { fmt.Fprintln(stderr, obj) },
 				funcr.Options{LogTimestamp: true, TimestampFormat: "2006-01-02T15:04:05.000000Z07:00", Verbosity: 1 << 20}))
+			jsonLogger = true
 		default:
 			return fmt.Errorf("--log-format %q: want text or json", logFormat)
 		}
@@ -69,7 +73,15 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 func execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	klog.SetOutput(stderr)
 	klog.LogToStderr(false)
-	defer klog.ClearLogger() // --log-format=json's, for the next call
+	defer func() {
+		// --log-format=json's logger, for a next call in the same process
+		// (tests). klog does not guard its logger against goroutines that
+		// still log, so it is touched only when it was set.
+		if jsonLogger {
+			klog.ClearLogger()
+			jsonLogger = false
+		}
+	}()
 	root := newRootCommand(stdout, stderr)
 	root.SetArgs(args)
 	err := root.ExecuteContext(klog.NewContext(ctx, klog.Background()))
