@@ -3,6 +3,7 @@
 # registry and without a daemon (see the Dockerfile header for why).
 #
 #   scripts/image.sh [--version V] [--name NAME] [--archive FILE [--format F]] [--no-verify] [--rm]
+#                    [--chart DIR [--chart-only]]
 #
 #   --version V    image tag and main.version (default: $VERSION, else
 #                  `git describe --tags --always --dirty`, else dev)
@@ -17,6 +18,13 @@
 #   --rm           remove the image from buildah's storage at the end (after
 #                  the verification and the archive): a build check leaves
 #                  nothing behind
+#   --chart DIR    also package the Helm chart (deploy/chart/mountmedic) into
+#                  DIR as mountmedic-<chart version>.tgz: appVersion V (so the
+#                  chart's default image is NAME:V, the version `mountmedic
+#                  version` prints), chart version V without a leading v
+#                  (SemVer; a V that is no version number gives 0.0.0-V)
+#   --chart-only   package the chart and build no image (needs neither root
+#                  nor buildah)
 #
 # Environment: GOARCH (default: the host's), STORAGE_DRIVER (buildah storage
 # driver; default overlay when the kernel has it and the storage root is not
@@ -40,6 +48,8 @@ archive=
 format=docker-archive
 verify=1
 remove=0
+chartdir=
+chartonly=0
 while [ $# -gt 0 ]; do
 	case $1 in
 	--version) version=${2:?--version needs a value}; shift 2 ;;
@@ -52,7 +62,10 @@ while [ $# -gt 0 ]; do
 	--format=*) format=${1#*=}; shift ;;
 	--no-verify) verify=0; shift ;;
 	--rm) remove=1; shift ;;
-	-h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	--chart) chartdir=${2:?--chart needs a directory}; shift 2 ;;
+	--chart=*) chartdir=${1#*=}; shift ;;
+	--chart-only) chartonly=1; shift ;;
+	-h | --help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) die "unknown argument $1 (see scripts/image.sh --help)" ;;
 	esac
 done
@@ -61,13 +74,35 @@ docker-archive | oci-archive) ;;
 *) die "--format $format: want docker-archive or oci-archive" ;;
 esac
 
-command -v go >/dev/null || die "go is not on PATH"
-command -v buildah >/dev/null || die "buildah is not installed (apt-get install buildah)"
-[ "$(id -u)" = 0 ] || die "run as root: buildah's rootless mode needs subuid ranges this script does not set up"
+[ "$chartonly" = 0 ] || [ -n "$chartdir" ] || die "--chart-only needs --chart DIR"
 
 if [ -z "$version" ]; then
 	version=$(git describe --tags --always --dirty 2>/dev/null || echo dev)
 fi
+
+# package_chart writes the chart with this version into $chartdir.
+package_chart() {
+	local helm chartver
+	helm=$(command -v helm || true)
+	if [ -z "$helm" ]; then helm=${MOUNTMEDIC_CACHE:-/var/cache/mountmedic}/bin/current/helm; fi
+	[ -x "$helm" ] || die "helm is not on PATH nor in the tools cache (scripts/tools.sh helm)"
+	chartver=${version#v}
+	if ! printf '%s' "$chartver" | grep -Eq '^[0-9]+\.[0-9]+\.[0-9]+(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$'; then
+		chartver=0.0.0-$(printf '%s' "$version" | tr -c '0-9A-Za-z.-' '-')
+	fi
+	mkdir -p "$chartdir"
+	"$helm" package deploy/chart/mountmedic --version "$chartver" --app-version "$version" --destination "$chartdir" >/dev/null
+	echo "chart $chartdir/mountmedic-$chartver.tgz (version $chartver, appVersion $version)"
+}
+if [ "$chartonly" = 1 ]; then
+	package_chart
+	exit 0
+fi
+
+command -v go >/dev/null || die "go is not on PATH"
+command -v buildah >/dev/null || die "buildah is not installed (apt-get install buildah)"
+[ "$(id -u)" = 0 ] || die "run as root: buildah's rootless mode needs subuid ranges this script does not set up"
+
 # A tag is [A-Za-z0-9_.-]{1,128} and does not start with . or -.
 tag=$(printf '%s' "$version" | tr -c 'A-Za-z0-9_.-' '-' | cut -c1-128)
 case $tag in [.-]*) tag=v$tag ;; esac
@@ -148,6 +183,8 @@ if [ -n "$archive" ]; then
 	bah push --quiet "$ref" "$format:$archive:$full" >/dev/null
 	echo "archive $archive ($format, $full, $(du -h "$archive" | cut -f1)); load it with: ctr -n k8s.io images import $archive"
 fi
+
+if [ -n "$chartdir" ]; then package_chart; fi
 
 if [ "$remove" = 1 ]; then
 	bah rmi "$ref" >/dev/null

@@ -34,6 +34,12 @@ type agentFlags struct {
 func newAgentCommand() *cobra.Command {
 	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers.Names(), failover: failover.DefaultConfig()}
 	f.cfg.NodeName = os.Getenv("NODE_NAME")
+	// The heartbeat identity is $POD_NAME, else the node's name, chosen at
+	// run time: a default taken from the host name would print the
+	// building machine's name in --help and in the docs made from it.
+	if os.Getenv("POD_NAME") == "" {
+		f.failover.Identity = ""
+	}
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the node agent: watch, probe and repair this node's pod volume mounts",
@@ -72,6 +78,7 @@ and deploy/README.md before enabling it).`,
 	}
 	bindAgentFlags(cmd.Flags(), f)
 	f.failover.AddFlags(cmd.Flags())
+	cmd.Flags().Lookup("failover-identity").Usage = "this agent's name in the heartbeat Lease it holds (default $POD_NAME, else the node's name)"
 	return cmd
 }
 
@@ -148,6 +155,24 @@ func checkNodeIdentity(ctx context.Context, client kubernetes.Interface, cfg age
 	return nil
 }
 
+// checkNoExecPlugin refuses a node kubeconfig whose user is an exec
+// credential plugin (EKS: aws-iam-authenticator): the agent's image has
+// no such program, and client-go would fail every request later, one by
+// one, instead of at start. A file that cannot be read is left to
+// NewNodeClient, whose errors name the fix.
+func checkNoExecPlugin(path string) error {
+	raw, err := clientcmd.LoadFromFile(path)
+	if err != nil {
+		return nil
+	}
+	cc := clientcmd.NewNonInteractiveClientConfig(*raw, "", &clientcmd.ConfigOverrides{}, nil)
+	rc, err := cc.ClientConfig()
+	if err != nil || rc.ExecProvider == nil {
+		return nil
+	}
+	return fmt.Errorf("--node-kubeconfig %s: kubelet's credentials come from the exec plugin %q (EKS' IAM authenticator), which the agent cannot run: mountmedic acts with a node identity from a client certificate or token and has no identity of its own yet (deploy/profiles/README.md)", path, rc.ExecProvider.Command)
+}
+
 func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	cfg, err := agentConfig(f)
 	if err != nil {
@@ -155,8 +180,14 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	}
 	fcfg := f.failover
 	fcfg.NodeName = cfg.NodeName
+	if fcfg.Identity == "" && !cmd.Flags().Changed("failover-identity") {
+		fcfg.Identity = cfg.NodeName
+	}
 	fcfg.DryRun = fcfg.DryRun || cfg.DryRun
 	if err := fcfg.Validate(); err != nil {
+		return err
+	}
+	if err := checkNoExecPlugin(cfg.NodeKubeconfig); err != nil {
 		return err
 	}
 	client, err := agent.NewNodeClient(cfg)

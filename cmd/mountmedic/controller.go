@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -31,6 +32,11 @@ type controllerFlags struct {
 
 func newControllerCommand() *cobra.Command {
 	f := &controllerFlags{cfg: failover.DefaultControllerConfig(), metricsAddr: ":9810", qps: failover.DefaultControllerQPS, burst: failover.DefaultControllerBurst}
+	// $POD_NAME, else the host name read at run time (runController), so
+	// that --help and the docs made from it name no machine.
+	if os.Getenv("POD_NAME") == "" {
+		f.cfg.Identity = ""
+	}
 	cmd := &cobra.Command{
 		Use:   "controller",
 		Short: "Run the cluster side of node failover: move pods with ReadWriteOnce volumes off dead nodes",
@@ -57,11 +63,15 @@ With --failover-dry-run it decides, records events (marked [dry-run]) and
 metrics, and changes nothing. See agent/failover and deploy/README.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if f.cfg.Identity == "" && !cmd.Flags().Changed("failover-identity") {
+				f.cfg.Identity, _ = os.Hostname()
+			}
 			return runController(cmd.Context(), f)
 		},
 	}
 	fl := cmd.Flags()
 	f.cfg.AddFlags(fl)
+	fl.Lookup("failover-identity").Usage = "this replica's name in the leader Lease (default $POD_NAME, else the host name)"
 	fl.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; empty uses the in-cluster service account")
 	fl.StringVar(&f.metricsAddr, "metrics-addr", f.metricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
 	fl.Float32Var(&f.qps, "kube-api-qps", f.qps, "steady requests per second to the API server (events, fresh reads, taints and deletions; watches are not counted, and leader election has a rate of its own)")

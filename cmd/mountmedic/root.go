@@ -8,6 +8,7 @@ import (
 	"io"
 	"path/filepath"
 
+	"github.com/go-logr/logr/funcr"
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 )
@@ -26,6 +27,9 @@ type exitCodeError struct{ code int }
 
 func (e exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
 
+// jsonLogger is whether --log-format=json set klog's logger.
+var jsonLogger bool
+
 func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 	root := &cobra.Command{
 		Use:   "mountmedic",
@@ -38,9 +42,30 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
+	// Of klog's flags only the verbosity ones: the others (--log_dir,
+	// --logtostderr, --skip_headers...) are its legacy file and format
+	// switches, which Kubernetes components deprecated; logs go to stderr.
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
-	root.PersistentFlags().AddGoFlagSet(klogFlags)
+	for _, name := range []string{"v", "vmodule"} {
+		root.PersistentFlags().AddGoFlag(klogFlags.Lookup(name))
+	}
+	var logFormat string
+	root.PersistentFlags().StringVar(&logFormat, "log-format", "text", "format of the log lines on stderr: text (klog's) or json (one object a line: ts, level, msg and the line's keys)")
+	root.PersistentPreRunE = func(*cobra.Command, []string) error {
+		switch logFormat {
+		case "text":
+		case "json":
+			// klog still decides what is logged (-v, --vmodule) and
+			// passes each line on to this sink, so its verbosity is open.
+			klog.SetLogger(funcr.NewJSON(func(obj string) { fmt.Fprintln(stderr, obj) },
+				funcr.Options{LogTimestamp: true, TimestampFormat: "2006-01-02T15:04:05.000000Z07:00", Verbosity: 1 << 20}))
+			jsonLogger = true
+		default:
+			return fmt.Errorf("--log-format %q: want text or json", logFormat)
+		}
+		return nil
+	}
 	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
 	return root
 }
@@ -48,6 +73,15 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 func execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	klog.SetOutput(stderr)
 	klog.LogToStderr(false)
+	defer func() {
+		// --log-format=json's logger, for a next call in the same process
+		// (tests). klog does not guard its logger against goroutines that
+		// still log, so it is touched only when it was set.
+		if jsonLogger {
+			klog.ClearLogger()
+			jsonLogger = false
+		}
+	}()
 	root := newRootCommand(stdout, stderr)
 	root.SetArgs(args)
 	err := root.ExecuteContext(klog.NewContext(ctx, klog.Background()))
