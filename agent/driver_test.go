@@ -359,7 +359,7 @@ func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
 	if err := s.reads("unstaged"); err != nil {
 		t.Fatalf("the pod's binds stopped reading with the staging mount gone: %v", err)
 	}
-	ev := d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "staged again by restage")
+	ev := d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "staged again, the staging mount was gone")
 	if got, err := os.ReadFile(filepath.Join(s.staging, "data.txt")); err != nil || string(got) != "data of unstaged" {
 		t.Errorf("staging path after the repair: read %q, %v; want the volume's data.txt", got, err)
 	}

@@ -452,7 +452,7 @@ func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.
 			switch {
 			case remount.Changed(out.Actions) && j.vol.lostStaging() != nil:
 				a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
-					a.report.message("staged again by %s in %.2fs: the staging mount was gone under the running pods (broken for %.1fs; a stale FUSE daemon unmounting its old mountpoint by path does this)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
+					a.report.message("repaired by %s in %.2fs: staged again, the staging mount was gone under the running pods (broken for %.1fs; a stale FUSE daemon unmounting its mountpoint by path, or a repair cut short, leaves this)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
 			case remount.Changed(out.Actions):
 				a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonVolumeRepaired, actionRepair,
 					a.report.message("repaired by %s in %.2fs (broken for %.1fs)", tier, out.Took.Seconds(), time.Since(j.since).Seconds()))
