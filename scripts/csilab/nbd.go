@@ -79,8 +79,12 @@ func StartNBDDaemon(t testing.TB, image, socket string) *NBDDaemon {
 	t.Helper()
 	bin := lab.RequireBinary(t, "nbdkit")
 	_ = os.Remove(socket)
+	// nbdkit writes its pidfile once it accepts connections: waiting for
+	// it spares the daemon a probing connection.
+	pidfile := socket + ".pid"
+	_ = os.Remove(pidfile)
 	d := &NBDDaemon{t: t, Image: image, Socket: socket, exited: make(chan struct{})}
-	d.cmd = exec.Command(bin, "--foreground", "--exit-with-parent", "-U", socket, "file", "file="+image)
+	d.cmd = exec.Command(bin, "--foreground", "--exit-with-parent", "-P", pidfile, "-U", socket, "file", "file="+image)
 	d.cmd.Stdout, d.cmd.Stderr = os.Stderr, os.Stderr
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := lab.StartProcess(d.cmd); err != nil {
@@ -90,8 +94,7 @@ func StartNBDDaemon(t testing.TB, image, socket string) *NBDDaemon {
 	t.Cleanup(d.Kill)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if c, err := net.Dial("unix", socket); err == nil {
-			c.Close()
+		if raw, err := os.ReadFile(pidfile); err == nil && strings.TrimSpace(string(raw)) == strconv.Itoa(d.cmd.Process.Pid) {
 			return d
 		}
 		select {

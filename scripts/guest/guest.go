@@ -72,7 +72,8 @@ func FindKernel() (Kernel, error) {
 }
 
 // Command is what runs in the guest, as root, in its initial mount
-// namespace, with the guest's /tmp, /run and /var/tmp on fresh tmpfs.
+// namespace, with the guest's /tmp on a fresh ext4 scratch disk and /run and
+// /var/tmp on fresh tmpfs.
 type Command struct {
 	// Args is the program and its arguments; the program is a host path
 	// (the guest's root is the host's, read-only under a tmpfs overlay).
@@ -99,6 +100,9 @@ type Config struct {
 	// RunDir is the directory shared with the guest; a new one under
 	// os.TempDir() when empty.
 	RunDir string
+	// ScratchMiB sizes the guest's /tmp, a sparse ext4 image in RunDir
+	// (default 4096; only what the guest writes takes host disk).
+	ScratchMiB int
 }
 
 // Result is what came back from the guest.
@@ -156,6 +160,13 @@ func (k Kernel) Run(ctx context.Context, cfg Config, cmd Command) (*Result, erro
 			return nil, err
 		}
 	}
+	if cfg.ScratchMiB == 0 {
+		cfg.ScratchMiB = 4096
+	}
+	scratch := filepath.Join(run, "scratch.img")
+	if err := makeScratch(scratch, cfg.ScratchMiB); err != nil {
+		return nil, err
+	}
 	initrd := filepath.Join(run, "initramfs.cpio")
 	if err := writeInitramfs(initrd, busybox, k.ModulesDir()); err != nil {
 		return nil, fmt.Errorf("build the guest initramfs: %w", err)
@@ -178,6 +189,7 @@ func (k Kernel) Run(ctx context.Context, cfg Config, cmd Command) (*Result, erro
 		"-append", "console=ttyS0 panic=-1 loglevel=4 mountmedic.run=" + run,
 		"-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
 		"-virtfs", "local,path=" + run + ",mount_tag=run,security_model=none,multidevs=remap",
+		"-drive", "file=" + scratch + ",if=virtio,format=raw,cache=unsafe",
 	}
 	if accel == "kvm" {
 		args = append(args, "-cpu", "max")
@@ -244,7 +256,7 @@ func (k Kernel) stage2(run string, cmd Command) string {
 	b.WriteString("export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n")
 	b.WriteString("off() { sync; echo o > /proc/sysrq-trigger; sleep 60; }\n")
 	// A directory that holds the run directory stays on the overlay.
-	fmt.Fprintf(&b, "for d in /tmp /run /var/tmp /dev/shm; do case %s/ in $d/*) continue;; esac; mkdir -p $d; mount -t tmpfs -o mode=1777 tmpfs $d; done\n", shq(run))
+	fmt.Fprintf(&b, "for d in /run /var/tmp /dev/shm; do case %s/ in $d/*) continue;; esac; mkdir -p $d; mount -t tmpfs -o mode=1777 tmpfs $d; done\n", shq(run))
 	b.WriteString("mkdir -p /dev/pts && mount -t devpts devpts /dev/pts\n")
 	b.WriteString("mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null\n")
 	// modprobe reads /lib/modules/<release> of the root: show it the
@@ -273,6 +285,29 @@ func (k Kernel) stage2(run string, cmd Command) string {
 	fmt.Fprintf(&b, "echo $? >%s/exit\n", shq(run))
 	b.WriteString("off\n")
 	return b.String()
+}
+
+// makeScratch makes the sparse ext4 image of the guest's /tmp.
+func makeScratch(path string, mib int) error {
+	mkfs, err := exec.LookPath("mkfs.ext4")
+	if err != nil {
+		return fmt.Errorf("no mkfs.ext4 for the guest's scratch disk (Debian e2fsprogs): %w", err)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	err = f.Truncate(int64(mib) << 20)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("size the guest's scratch disk: %w", err)
+	}
+	if out, err := exec.Command(mkfs, "-q", "-F", "-E", "nodiscard", path).CombinedOutput(); err != nil {
+		return fmt.Errorf("mkfs.ext4 the guest's scratch disk: %v: %s", err, out)
+	}
+	return nil
 }
 
 // shq quotes s for sh.

@@ -11,9 +11,10 @@ import (
 )
 
 // bootModules are the modules the initramfs loads to mount the host's root
-// over 9p and lay a tmpfs overlay on it; their dependencies come from
-// modules.dep.
-var bootModules = []string{"virtio_pci", "9pnet_virtio", "9p", "overlay"}
+// over 9p, lay a tmpfs overlay on it and mount the scratch disk (ext4 on
+// virtio-blk); their dependencies come from modules.dep, and crc32c is
+// ext4's soft dependency (modules.softdep), which insmod does not follow.
+var bootModules = []string{"virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_blk", "crc32c_generic", "ext4"}
 
 // moduleOrder returns the files (relative to lib/modules/<release>) of the
 // named modules and of everything they depend on, each after its
@@ -125,9 +126,11 @@ func (c *cpioWriter) close() error {
 }
 
 // initScript is the initramfs's /init: it loads the boot modules, mounts the
-// host's root read-only over 9p under a tmpfs overlay, mounts the run
-// directory read-write at its host path, and switches to the new root to run
-// the stage-two script there.
+// host's root read-only over 9p under a tmpfs overlay, the scratch disk at
+// /tmp and the run directory read-write at its host path, and switches to the
+// new root to run the stage-two script there. The scratch disk is ext4
+// because tests need what tmpfs lacks on 6.1 (user xattrs: versitygw
+// refuses a directory without them).
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mkdir -p /proc /sys /dev /host /rw /newroot
@@ -141,6 +144,8 @@ mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288 hostroot /host || f
 mount -t tmpfs -o mode=0755 tmpfs /rw
 mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/host,upperdir=/rw/upper,workdir=/rw/work /newroot || fail "mount the overlay"
+mount -t ext4 /dev/vda /newroot/tmp || fail "mount the scratch disk"
+chmod 1777 /newroot/tmp
 mkdir -p /newroot$run
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 run /newroot$run || fail "mount the run directory"
 for d in proc sys dev; do mount --move /$d /newroot/$d; done
