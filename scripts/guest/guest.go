@@ -100,6 +100,10 @@ type Config struct {
 	// RunDir is the directory shared with the guest; a new one under
 	// os.TempDir() when empty.
 	RunDir string
+	// Network gives the guest qemu's user-mode network: eth0 is 10.0.2.15
+	// and 10.0.2.2 reaches the host's loopback (a Ceph cluster on
+	// 127.0.0.1 for rbd-nbd in the guest).
+	Network bool
 	// ScratchMiB sizes the guest's /tmp, a sparse ext4 image in RunDir
 	// (default 4096; only what the guest writes takes host disk).
 	ScratchMiB int
@@ -171,9 +175,6 @@ func (k Kernel) Run(ctx context.Context, cfg Config, cmd Command) (*Result, erro
 	if err := writeInitramfs(initrd, busybox, k.ModulesDir()); err != nil {
 		return nil, fmt.Errorf("build the guest initramfs: %w", err)
 	}
-	if err := os.WriteFile(filepath.Join(run, "stage2"), []byte(k.stage2(run, cmd)), 0o755); err != nil {
-		return nil, err
-	}
 
 	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	defer cancel()
@@ -191,8 +192,15 @@ func (k Kernel) Run(ctx context.Context, cfg Config, cmd Command) (*Result, erro
 		"-virtfs", "local,path=" + run + ",mount_tag=run,security_model=none,multidevs=remap",
 		"-drive", "file=" + scratch + ",if=virtio,format=raw,cache=unsafe",
 	}
+	if cfg.Network {
+		args = append(args, "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0")
+		cmd.Modules = append([]string{"virtio_net"}, cmd.Modules...)
+	}
 	if accel == "kvm" {
 		args = append(args, "-cpu", "max")
+	}
+	if err := os.WriteFile(filepath.Join(run, "stage2"), []byte(k.stage2(run, cmd, cfg.Network)), 0o755); err != nil {
+		return nil, err
 	}
 	q := exec.CommandContext(ctx, qemu, args...)
 	q.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -250,7 +258,7 @@ func (k Kernel) Run(ctx context.Context, cfg Config, cmd Command) (*Result, erro
 // stage2 is the script the guest runs in its new root: the mounts a test
 // expects, the modules, then the command, its output and its status into the
 // run directory, and power-off.
-func (k Kernel) stage2(run string, cmd Command) string {
+func (k Kernel) stage2(run string, cmd Command, network bool) string {
 	var b strings.Builder
 	b.WriteString("#!/bin/sh\n")
 	b.WriteString("export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n")
@@ -267,6 +275,9 @@ func (k Kernel) stage2(run string, cmd Command) string {
 		fmt.Fprintf(&b, "modprobe %s || echo 'guest: modprobe %s failed'\n", shq(m), m)
 	}
 	b.WriteString("busybox ip link set lo up\n")
+	if network {
+		b.WriteString("busybox ip addr add 10.0.2.15/24 dev eth0 && busybox ip link set eth0 up && busybox ip route add default via 10.0.2.2\n")
+	}
 	b.WriteString("hostname guest\n")
 	fmt.Fprintf(&b, "echo \"%s uptime $(cut -d' ' -f1 /proc/uptime)\"\n", readyMarker)
 	dir := cmd.Dir

@@ -30,6 +30,7 @@ func run() int {
 	timeout := flag.Duration("timeout", 10*time.Minute, "bound on the whole run")
 	dir := flag.String("dir", "", "directory shared read-write with the guest at its host path (default: a new temporary one)")
 	verbose := flag.Bool("v", false, "copy the guest console to stderr")
+	network := flag.Bool("net", false, "give the guest qemu's user-mode network (10.0.2.2 is the host's loopback)")
 	flag.Parse()
 	if flag.NArg() == 0 {
 		fmt.Fprintln(os.Stderr, "usage: run [flags] -- PROGRAM ARGS...")
@@ -40,7 +41,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	cfg := guest.Config{MemoryMiB: *mem, CPUs: *cpus, Timeout: *timeout, RunDir: *dir}
+	cfg := guest.Config{MemoryMiB: *mem, CPUs: *cpus, Timeout: *timeout, RunDir: *dir, Network: *network}
 	if *verbose {
 		cfg.Console = os.Stderr
 	}
