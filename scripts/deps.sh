@@ -5,7 +5,7 @@
 # for the image.
 # Installs nothing that is already there.
 set -euo pipefail
-pkgs=(s3fs rclone fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static)
+pkgs=(s3fs rclone fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client)
 missing=()
 for p in "${pkgs[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

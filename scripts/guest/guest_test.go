@@ -1,0 +1,136 @@
+package guest
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+// knownOn61 are the tests of each package that fail on the guest's 6.1
+// kernel or CPU for a reason docs/kernel-facts.md records; they are left out
+// (-test.skip) so the rest keeps guarding, and listed in the log.
+var knownOn61 = map[string]string{
+	// 6.1 shows no "shutdown" super option after EXT4_IOC_SHUTDOWN: the
+	// probe misses a shut-down ext4 whose device still reads.
+	"probe": "^TestProbeRealFaults$" +
+		// Expects 1,000 fake-syscall probes to start within one cycle: TCG's
+		// CPU starts ~730.
+		"|^TestManyHungBackendsDoNotStallACycle$",
+	// The real k8s-csi-s3 driver, s3fs and versitygw under TCG miss the
+	// tests' deadlines (versitygw's start, the CSI call timeout); the host
+	// run covers them.
+	"remount": "^TestRealDriver$|^TestLiveSwapReadOnlyStaysReadOnly$",
+}
+
+// guestModules are loaded before a test binary runs: the nbd driver, and what
+// the lab's root tests use (ext4, loop devices, FUSE).
+var guestModules = []string{"nbd", "ext4", "loop", "fuse"}
+
+// requireKernel returns the cached guest kernel and qemu, or fails: these
+// tests never skip (the guest lab is how NBD gets tested at all), and need
+// root for the root tests inside.
+func requireKernel(t *testing.T) Kernel {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Fatalf("the guest lab needs root (uid %d): run as root", os.Geteuid())
+	}
+	k, err := FindKernel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Fatal("no qemu-system-x86_64: scripts/deps.sh installs Debian's qemu-system-x86")
+	}
+	return k
+}
+
+// TestGuestBoots boots the guest and runs a shell in it: the command's
+// output, its exit status and the console come back.
+func TestGuestBoots(t *testing.T) {
+	k := requireKernel(t)
+	res, err := k.Run(context.Background(), Config{RunDir: t.TempDir(), Timeout: 5 * time.Minute},
+		Command{Args: []string{"sh", "-c", "uname -r; test -e /sys/block/nbd0 && echo nbd; exit 3"}, Modules: []string{"nbd"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Exit != 3 {
+		t.Errorf("exit status = %d, want 3 (the command's)", res.Exit)
+	}
+	if want := k.Release + "\nnbd\n"; string(res.Output) != want {
+		t.Errorf("output = %q, want %q", res.Output, want)
+	}
+	t.Logf("guest figures: kernel %s boot (qemu start -> command) %.2fs, guest uptime then %.2fs, whole run %.2fs",
+		k.Release, res.Boot.Seconds(), res.GuestUptime, res.Took.Seconds())
+}
+
+// TestInGuest builds the test binaries of packages (with the tag guest, which
+// adds their NBD tests) and runs each inside the guest on the distribution
+// kernel with MOUNTMEDIC_REQUIRE_ROOT=1: a root test that cannot run fails.
+// MOUNTMEDIC_GUEST_RUN narrows the tests (go test's -run pattern).
+// The guest's CPU is emulated: tests of speed are out of place here.
+func TestInGuest(t *testing.T) {
+	k := requireKernel(t)
+	root := moduleRoot(t)
+	for _, pkg := range []string{"probe", "remount"} {
+		t.Run(pkg, func(t *testing.T) {
+			run := t.TempDir()
+			bin := filepath.Join(run, pkg+".test")
+			build := exec.Command("go", "test", "-c", "-tags", "guest", "-o", bin, "./"+pkg)
+			build.Dir = root
+			if out, err := build.CombinedOutput(); err != nil {
+				t.Fatalf("go test -c ./%s: %v\n%s", pkg, err, out)
+			}
+			args := []string{bin, "-test.v", "-test.count=1", "-test.timeout=20m"}
+			if p := os.Getenv("MOUNTMEDIC_GUEST_RUN"); p != "" {
+				args = append(args, "-test.run", p)
+			}
+			if skip := knownOn61[pkg]; skip != "" && os.Getenv("MOUNTMEDIC_GUEST_ALL") != "1" {
+				args = append(args, "-test.skip", skip)
+				t.Logf("left out on 6.1 (docs/kernel-facts.md; MOUNTMEDIC_GUEST_ALL=1 runs them): %s", skip)
+			}
+			res, err := k.Run(context.Background(), Config{RunDir: run, Timeout: 25 * time.Minute, MemoryMiB: 1536},
+				Command{Args: args, Dir: filepath.Join(root, pkg), Modules: guestModules,
+					Env: []string{"MOUNTMEDIC_REQUIRE_ROOT=1", "GOTRACEBACK=all"}})
+			if res != nil {
+				t.Logf("guest figures: %s on %s: boot %.2fs, whole run %.2fs, exit %d",
+					pkg, k.Release, res.Boot.Seconds(), res.Took.Seconds(), res.Exit)
+				t.Logf("summary of ./%s in the guest:\n%s", pkg, summary(res.Output))
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Exit != 0 {
+				t.Errorf("./%s in the guest exited %d; its output:\n%s\nconsole tail:\n%s", pkg, res.Exit, res.Output, tail(res.Console, 4000))
+			}
+		})
+	}
+}
+
+var resultLine = regexp.MustCompile(`^\s*--- (PASS|FAIL|SKIP)|^(ok|FAIL|PASS)\b|nbd (facts|figures):`)
+
+// summary keeps the result lines of a test binary's -test.v output.
+func summary(out []byte) string {
+	var b strings.Builder
+	for _, l := range bytes.Split(out, []byte("\n")) {
+		if resultLine.Match(l) {
+			b.Write(l)
+			b.WriteByte('\n')
+		}
+	}
+	return b.String()
+}
+
+func moduleRoot(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil || strings.TrimSpace(string(out)) == "" {
+		t.Fatalf("find the module root: %v", err)
+	}
+	return filepath.Dir(strings.TrimSpace(string(out)))
+}
