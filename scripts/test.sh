@@ -16,6 +16,10 @@ scripts/deps.sh
 # must stop the run (an eval of a failed command substitution would not).
 tools_env=$(scripts/tools.sh all)
 eval "$tools_env"
+# Debian's 6.1 kernel for the guest lab (scripts/guest), unpacked into the
+# cache once per version.
+kernel_env=$(scripts/guest/kernel.sh)
+eval "$kernel_env"
 export MOUNTMEDIC_REQUIRE_ROOT=1
 
 unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
@@ -24,7 +28,8 @@ if [ -n "$unformatted" ]; then
 	exit 1
 fi
 go vet ./...
-go test -race -count=1 -timeout 30m $(go list ./... | grep -v -e /scripts/e2e$ -e /scripts/scale$) 2>&1 | tee /tmp/mountmedic-test.log
+go vet -tags guest ./probe ./remount
+go test -race -count=1 -timeout 30m $(go list ./... | grep -v -e /scripts/e2e$ -e /scripts/scale$ -e /scripts/guest$) 2>&1 | tee /tmp/mountmedic-test.log
 # The failover duty at cluster size (scripts/scale: kwok nodes, 100 real
 # heartbeats, the real controller, on the real etcd + kube-apiserver), alone
 # and without the race detector: its heartbeats keep scaled-down timings
@@ -42,6 +47,15 @@ go test -count=1 -timeout 20m ./scripts/scale 2>&1 | tee /tmp/mountmedic-scale.l
 if ! go test -race -count=1 -timeout 20m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-e2e.log | grep -E '^(=== RUN|--- |\s+--- |\||ok|FAIL|PASS)|e2e figures'; then
 	echo "--- the e2e run failed; its test messages (whole log: /tmp/mountmedic-e2e.log):"
 	grep -v -E '^(=== RUN|\||--- (PASS|SKIP)|\s+--- (PASS|SKIP))' /tmp/mountmedic-e2e.log | tail -n 400
+	exit 1
+fi
+# The guest lab (scripts/guest), alone and without the race detector: it
+# boots Debian's 6.1 kernel under qemu (software emulation) and runs the
+# probe and remount root tests there, NBD included, which the host kernel
+# cannot run. About 7 min.
+if ! go test -count=1 -timeout 30m -v ./scripts/guest 2>&1 | tee /tmp/mountmedic-guest.log | grep -E '^(=== RUN|--- |\s+--- |ok|FAIL|PASS)|guest figures|nbd (facts|figures)|left out'; then
+	echo "--- the guest run failed (whole log: /tmp/mountmedic-guest.log):"
+	tail -n 200 /tmp/mountmedic-guest.log
 	exit 1
 fi
 # A count, not a duration: go1.26's fuzz coordinator can fail a duration
