@@ -103,9 +103,14 @@ type Heartbeat struct {
 	nodeUID       types.UID
 	plan          []fenceTarget
 	planSynced    bool
-	fenced        []fenceTarget
-	isFenced      bool
-	renewed       chan struct{} // a renewal succeeded
+	// sent are the pods of every plan a write since the last successful
+	// one carried, and of that one: what the Lease may hold now. The fence
+	// stops them all, so that the controller never moves a pod the node
+	// did not fence.
+	sent     []fenceTarget
+	fenced   []fenceTarget
+	isFenced bool
+	renewed  chan struct{} // a renewal succeeded
 	// podInf is the informer of this node's pods; its owner starts and
 	// stops it.
 	podInf cache.SharedIndexInformer
@@ -349,6 +354,16 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 
 	h.mu.Lock()
 	cur := h.lease
+	var plan []fenceTarget
+	if h.planSynced {
+		plan = slices.Clone(h.plan)
+		if plan == nil {
+			plan = []fenceTarget{}
+		}
+	}
+	// Whatever happens to this write, the Lease may carry its plan from
+	// now on (a write that timed out may have landed).
+	h.sent = unionTargets(h.sent, plan)
 	h.mu.Unlock()
 	var got *coordinationv1.Lease
 	var err error
@@ -356,14 +371,14 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 		if cur == nil {
 			cur, err = leases.Get(ctx, h.cfg.NodeName, metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
-				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, wall), metav1.CreateOptions{})
+				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, wall, plan), metav1.CreateOptions{})
 				break
 			}
 			if err != nil {
 				return fmt.Errorf("get heartbeat lease: %w", err)
 			}
 		}
-		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), wall), metav1.UpdateOptions{})
+		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), wall, plan), metav1.UpdateOptions{})
 		if apierrors.IsConflict(err) {
 			cur = nil
 			continue
@@ -385,12 +400,16 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 	}
 	h.mu.Lock()
 	h.lease = got
+	// Every write is conditioned on the resourceVersion: none sent before
+	// this one can land after it, so the Lease holds this plan alone.
+	h.sent = plan
 	h.mu.Unlock()
 	return nil
 }
 
-// leaseSpec fills l as this node's heartbeat, renewed at now.
-func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinationv1.Lease {
+// leaseSpec fills l as this node's heartbeat, renewed at now, publishing
+// plan as its fence plan (nil: not known yet, none published).
+func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time, plan []fenceTarget) *coordinationv1.Lease {
 	l.Name, l.Namespace = h.cfg.NodeName, h.cfg.Namespace
 	if l.Labels == nil {
 		l.Labels = map[string]string{}
@@ -408,6 +427,14 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinat
 		l.Annotations[PeerAddressAnnotation] = addr
 	} else {
 		delete(l.Annotations, PeerAddressAnnotation)
+	}
+	if plan != nil {
+		if l.Annotations == nil {
+			l.Annotations = map[string]string{}
+		}
+		l.Annotations[FencePlanAnnotation] = encodeFencePlan(h.cfg.FenceAfter, plan)
+	} else {
+		delete(l.Annotations, FencePlanAnnotation)
 	}
 	if uid != "" {
 		// Owned by the Node, so that it is collected with it. No
@@ -539,7 +566,9 @@ func (h *Heartbeat) lapse(ctx context.Context) {
 func (h *Heartbeat) fence(ctx context.Context, silent time.Duration, v peerVerdict, tally peerTally) {
 	logger := klog.FromContext(ctx)
 	h.mu.Lock()
-	targets, synced := slices.Clone(h.plan), h.planSynced
+	// The plan now, and every plan the Lease may hold: the controller
+	// moves only pods of the published one, so each of them is fenced.
+	targets, synced := unionTargets(h.plan, h.sent), h.planSynced
 	h.mu.Unlock()
 	if !synced {
 		// Never reached the API server: fence every pod with a CSI
@@ -549,7 +578,7 @@ func (h *Heartbeat) fence(ctx context.Context, silent time.Duration, v peerVerdi
 			logger.Error(err, "Fence: cannot list the pods with CSI volumes; fencing none")
 		}
 		for _, uid := range uids {
-			targets = append(targets, fenceTarget{UID: uid})
+			targets = unionTargets(targets, []fenceTarget{{UID: uid}})
 		}
 	}
 	h.mu.Lock()
