@@ -19,8 +19,10 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 )
@@ -111,6 +113,10 @@ type Heartbeat struct {
 	fenced   []fenceTarget
 	isFenced bool
 	renewed  chan struct{} // a renewal succeeded
+	// degraded is why the peer check cannot hold a fence ("" if it can).
+	degraded string
+	// rec writes events about this node (nil: none).
+	rec eventRecorder
 	// podInf is the informer of this node's pods; its owner starts and
 	// stops it.
 	podInf cache.SharedIndexInformer
@@ -199,6 +205,15 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("node", h.cfg.NodeName, "lease", klog.KRef(h.cfg.Namespace, h.cfg.NodeName))
 	ctx = klog.NewContext(ctx, logger)
 
+	if h.rec == nil {
+		b := events.NewBroadcaster(&events.EventSinkImpl{Interface: h.client.EventsV1()})
+		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
+			logger.Error(err, "Cannot record failover events; logging only")
+		} else {
+			defer b.Shutdown()
+			h.rec = b.NewRecorder(scheme.Scheme, ReportingController)
+		}
+	}
 	stopPeers := func() {}
 	if h.peerClient != nil {
 		if _, err := readPeerKey(h.cfg.PeerKeyFile); err != nil {
@@ -216,7 +231,10 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 		h.peerAddr = addr
 		h.mu.Unlock()
 	} else {
-		logger.Info("No --failover-peer-key-file: no peer check, so an API server outage longer than --failover-fence-after fences this node")
+		logger.Error(nil, "No --failover-peer-key-file: no peer check, so an API server outage longer than --failover-fence-after fences this node's RWO pods")
+		h.peerMetrics.degraded.WithLabelValues(degradedNoKey).Set(1)
+		h.degraded = degradedNoKey
+		h.nodeEvent(corev1.EventTypeWarning, ReasonPeerCheckDegraded, "Failover peer check off (no peer key): an API server outage longer than %s fences this node's pods with ReadWriteOnce volumes", h.cfg.FenceAfter)
 	}
 	defer stopPeers()
 	logger.Info("Starting failover heartbeat", "interval", h.cfg.HeartbeatInterval, "fenceAfter", h.cfg.FenceAfter,
@@ -276,6 +294,7 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 					wait = min(wait, 6*h.cfg.HeartbeatInterval)
 				}
 				nextPeers = h.boot() + h.jitter(wait)
+				h.probePeers(ctx)
 			}
 			if synced() {
 				h.refreshPlan(ctx)
@@ -825,4 +844,22 @@ func (c *claimCache) sweep() {
 		}
 	}
 	clear(c.used)
+}
+
+// Events the heartbeat writes on its Node.
+const (
+	ReasonPeerCheckDegraded = "FailoverPeerCheckDegraded"
+	ReasonPeerCheckOK       = "FailoverPeerCheckOK"
+)
+
+// nodeEvent writes an event about this node.
+func (h *Heartbeat) nodeEvent(eventtype, reason, format string, args ...any) {
+	if h.rec == nil {
+		return
+	}
+	h.mu.Lock()
+	uid := h.nodeUID
+	h.mu.Unlock()
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: h.cfg.NodeName, UID: uid}}
+	h.rec.Eventf(node, nil, eventtype, reason, "PeerCheck", format, args...)
 }

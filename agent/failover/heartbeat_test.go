@@ -226,7 +226,11 @@ func TestHeartbeat(t *testing.T) {
 	t.Run("hostile peers do not hold a fence", func(t *testing.T) { testHostilePeers(t, l) })
 	t.Run("suspend fences", func(t *testing.T) { testSuspend(t, l) })
 	t.Run("steady state requests", func(t *testing.T) { testSteadyRequests(t, l) })
-	t.Run("api server stopped: no fence", func(t *testing.T) { testAPIServerStopped(t, l) })
+	t.Run("api server stopped: no fence", func(t *testing.T) { testAPIServerStopped(t, l, 4, 0) })
+	// Anyone on the pod network floods every peer endpoint during the
+	// outage (45 unauthenticated checks a second each, which spent the
+	// endpoint's whole budget before checks were authenticated first).
+	t.Run("api server stopped, peers flooded: no fence", func(t *testing.T) { testAPIServerStopped(t, l, 8, 45) })
 }
 
 func testLeaseOwner(t *testing.T, l *hbLab) {
@@ -391,16 +395,36 @@ func testSuspend(t *testing.T, l *hbLab) {
 // testAPIServerStopped stops kube-apiserver for twice the fence window
 // with several heartbeats running: every one holds, none fences, and all
 // renew again once it is back.
-func testAPIServerStopped(t *testing.T, l *hbLab) {
+func testAPIServerStopped(t *testing.T, l *hbLab, n, flood int) {
 	cfg := l.hbConfig()
+	cfg.Peers = n - 1
 	var nodes []*hbNode
-	for i := range 4 {
-		nodes = append(nodes, l.node(t, fmt.Sprintf("outage-%c", 'a'+i), cfg))
+	prefix := "outage"
+	if flood > 0 {
+		prefix = "flood"
+	}
+	for i := range n {
+		nodes = append(nodes, l.node(t, fmt.Sprintf("%s-%c", prefix, 'a'+i), cfg))
 	}
 	waitPeers(t, nodes...)
 	down := 2 * (cfg.FenceAfter + 6*time.Second) // twice the window a controller with a 6 s margin waits
+	var sent func() int64
+	if flood > 0 {
+		var targets []peerInfo
+		for _, n := range nodes {
+			n.hb.mu.Lock()
+			targets = append(targets, peerInfo{Node: n.name, Addr: n.hb.peerAddr})
+			n.hb.mu.Unlock()
+		}
+		ctx, stop := context.WithCancel(context.Background())
+		defer stop()
+		sent = floodPeers(ctx, targets, flood)
+	}
 	l.c.StopAPIServer()
 	time.Sleep(down)
+	if sent != nil {
+		t.Logf("flood: %d unauthenticated checks sent to %d peer endpoints during the %s outage", sent(), len(nodes), down)
+	}
 	if err := l.c.StartAPIServer(); err != nil {
 		t.Fatalf("start kube-apiserver again: %v", err)
 	}
@@ -415,7 +439,12 @@ func testAPIServerStopped(t *testing.T, l *hbLab) {
 	if err != nil {
 		t.Errorf("heartbeats not renewing after the API server came back: %v", err)
 	}
+	fenced := 0
+	defer func() { t.Logf("nodes fenced during an API server outage of %s (flood %d/s per peer): %d of %d", down, flood, fenced, len(nodes)) }()
 	for _, n := range nodes {
+		if n.fences(t) != 0 {
+			fenced++
+		}
 		if got := n.fences(t); got != 0 {
 			t.Errorf("%s fenced %v times during an API server outage of %s (outage verdicts %v, other verdicts: isolated %v not_unanimous %v peer_renews %v)",
 				n.name, got, down, n.verdicts(t, verdictOutage), n.verdicts(t, verdictIsolated), n.verdicts(t, verdictNotUnanimous), n.verdicts(t, verdictPeerRenews))
