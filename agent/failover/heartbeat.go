@@ -97,6 +97,10 @@ type Heartbeat struct {
 	lease         *coordinationv1.Lease
 	lastOK        time.Duration // boot clock: start of the last successful renewal
 	lastAttemptOK bool
+	// lastAPIOK is when a read with the node's client last succeeded after
+	// a failed renewal (boot clock; apiOKSet once there was one).
+	lastAPIOK     time.Duration
+	apiOKSet      bool
 	held          bool          // past FenceAfter, not fenced: an outage
 	lastPeerCheck time.Duration // boot clock
 	lastRefence   time.Duration // boot clock
@@ -274,6 +278,9 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 				// The first failure in a row is Info; the fence itself
 				// logs at error level.
 				logger.Info("Heartbeat renewal failed", "err", err, "failuresInARow", failures)
+			}
+			if h.peerClient != nil && ctx.Err() == nil {
+				h.probeAPI(ctx)
 			}
 		} else {
 			h.metrics.renewals.WithLabelValues(resultSuccess).Inc()

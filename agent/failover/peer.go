@@ -663,13 +663,33 @@ func (h *Heartbeat) refreshPeers(ctx context.Context) int {
 	return len(peers)
 }
 
-// canRenew is this agent's answer to a peer: its last renewal attempt
-// succeeded, recently.
+// canRenew is this agent's answer to a peer: the API server answers it,
+// recently: its last renewal attempt succeeded, or, when its heartbeat
+// writes fail, a read with the node's identity (another client, another
+// API Priority and Fairness flow) did. Only an API server that answers
+// neither is an outage: heartbeat writes throttled or refused for every
+// agent (a flooded flow) while the API server serves the controller must
+// not make a partitioned node hold its fence.
 func (h *Heartbeat) canRenew() bool {
 	now := h.boot()
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.lastAttemptOK && now-h.lastOK < h.cfg.FenceAfter/2
+	return (h.lastAttemptOK && now-h.lastOK < h.cfg.FenceAfter/2) ||
+		(h.apiOKSet && now-h.lastAPIOK < h.cfg.FenceAfter/2)
+}
+
+// probeAPI reads this node with the node's client after a failed renewal
+// and records when the API server answered.
+func (h *Heartbeat) probeAPI(ctx context.Context) {
+	start := h.boot()
+	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.FenceAfter/4))
+	defer cancel()
+	if _, err := h.client.CoreV1().Nodes().Get(ctx, h.cfg.NodeName, metav1.GetOptions{}); err != nil {
+		return
+	}
+	h.mu.Lock()
+	h.lastAPIOK, h.apiOKSet = start, true
+	h.mu.Unlock()
 }
 
 // askPeers runs one peer check and returns its verdict.
