@@ -672,7 +672,10 @@ func (s *scenario) statefulSet(name string, annotations map[string]string) *core
 	firstNode := h.placement[s.ns][0]
 	h.mu.Unlock()
 	s.waitAttachedInUse(pv, firstNode.name)
-	if firstNode.hb != nil && annotations[Annotation] != "false" {
+	firstNode.mu.Lock()
+	hasAgent := firstNode.hb != nil
+	firstNode.mu.Unlock()
+	if hasAgent && annotations[Annotation] != "false" {
 		// The controller moves only what the node's published fence plan
 		// holds: a case that kills the node needs the pod in it.
 		s.waitPublished(firstNode.name, s.podOf(h.ctx, name).UID)
