@@ -48,6 +48,26 @@ func TestControllerBlastRadius(t *testing.T) {
 		}
 	}
 	taints := func(ts ...corev1.Taint) map[string]any { return map[string]any{"spec": map[string]any{"taints": ts}} }
+	// The node's taints now (the API server's TaintNodesByCondition added
+	// node.kubernetes.io/not-ready) plus one, as the controller patches
+	// them; or minus the duty's.
+	current := func(node string) []corev1.Taint {
+		n, err := admin.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n.Spec.Taints
+	}
+	withTaint := func(node string, tn corev1.Taint) map[string]any { return taints(append(current(node), tn)...) }
+	withoutOurs := func(node string) map[string]any {
+		keep := []corev1.Taint{}
+		for _, tn := range current(node) {
+			if tn.Value != failover.TaintValue {
+				keep = append(keep, tn)
+			}
+		}
+		return taints(keep...)
+	}
 	annotate := func(k string, v any) map[string]any {
 		return map[string]any{"metadata": map[string]any{"annotations": map[string]any{k: v}}}
 	}
@@ -60,31 +80,36 @@ func TestControllerBlastRadius(t *testing.T) {
 		return patch(dead.Name, map[string]any{"metadata": map[string]any{"labels": map[string]any{"probe": fmt.Sprint(try)}}})()
 	})
 	refused := map[string]func() error{
-		"taint a Ready node":             patch(ready.Name, taints(ours)),
-		"mark a Ready node":              patch(ready.Name, annotate(failover.FailedOverAnnotation, "2026-01-01T00:00:00Z")),
-		"taint a dead node NoSchedule":   patch(dead.Name, taints(corev1.Taint{Key: ours.Key, Value: ours.Value, Effect: corev1.TaintEffectNoSchedule})),
-		"another taint on a dead node":   patch(dead.Name, taints(corev1.Taint{Key: failover.TaintOutOfService, Value: "other", Effect: corev1.TaintEffectNoExecute})),
-		"relabel a dead node":            patch(dead.Name, map[string]any{"metadata": map[string]any{"labels": map[string]any{"zone": "x"}}}),
-		"another annotation":             patch(dead.Name, annotate("example.com/x", "y")),
-		"cordon a dead node":             patch(dead.Name, map[string]any{"spec": map[string]any{"unschedulable": true}}),
-		"taint and relabel a dead node":  patch(dead.Name, map[string]any{"spec": map[string]any{"taints": []corev1.Taint{ours}}, "metadata": map[string]any{"labels": map[string]any{"zone": "x"}}}),
-		"delete a node (no RBAC either)": func() error { return stolen.CoreV1().Nodes().Delete(ctx, dead.Name, metav1.DeleteOptions{}) },
+		"taint a Ready node":              patch(ready.Name, withTaint(ready.Name, ours)),
+		"mark a Ready node":               patch(ready.Name, annotate(failover.FailedOverAnnotation, "2026-01-01T00:00:00Z")),
+		"taint a dead node NoSchedule":    patch(dead.Name, withTaint(dead.Name, corev1.Taint{Key: ours.Key, Value: ours.Value, Effect: corev1.TaintEffectNoSchedule})),
+		"another taint on a dead node":    patch(dead.Name, withTaint(dead.Name, corev1.Taint{Key: failover.TaintOutOfService, Value: "other", Effect: corev1.TaintEffectNoExecute})),
+		"relabel a dead node":             patch(dead.Name, map[string]any{"metadata": map[string]any{"labels": map[string]any{"zone": "x"}}}),
+		"another annotation":              patch(dead.Name, annotate("example.com/x", "y")),
+		"cordon a dead node":              patch(dead.Name, map[string]any{"spec": map[string]any{"unschedulable": true}}),
+		"drop a dead node's other taints": patch(dead.Name, taints(ours)),
+		"taint and relabel a dead node":   patch(dead.Name, map[string]any{"spec": withTaint(dead.Name, ours)["spec"], "metadata": map[string]any{"labels": map[string]any{"zone": "x"}}}),
+		"delete a node (no RBAC either)":  func() error { return stolen.CoreV1().Nodes().Delete(ctx, dead.Name, metav1.DeleteOptions{}) },
 	}
 	for what, do := range refused {
 		if err := do(); !apierrors.IsForbidden(err) {
 			t.Errorf("stolen controller token: %s: err = %v, want forbidden", what, err)
 		}
 	}
-	// The controller's own node writes.
-	for what, do := range map[string]func() error{
-		"taint a dead node":                patch(dead.Name, taints(ours)),
-		"remove the taint":                 patch(dead.Name, taints()),
-		"mark a dead node":                 patch(dead.Name, annotate(failover.FailedOverAnnotation, "2026-01-01T00:00:00Z")),
-		"unmark it":                        patch(dead.Name, annotate(failover.FailedOverAnnotation, nil)),
-		"remove nothing from a Ready node": patch(ready.Name, annotate(failover.FailedOverAnnotation, nil)),
+	// The controller's own node writes, in the order it makes them.
+	for _, step := range []struct {
+		what string
+		node string
+		body func() map[string]any
+	}{
+		{"taint a dead node", dead.Name, func() map[string]any { return withTaint(dead.Name, ours) }},
+		{"remove the taint", dead.Name, func() map[string]any { return withoutOurs(dead.Name) }},
+		{"mark a dead node", dead.Name, func() map[string]any { return annotate(failover.FailedOverAnnotation, "2026-01-01T00:00:00Z") }},
+		{"unmark it", dead.Name, func() map[string]any { return annotate(failover.FailedOverAnnotation, nil) }},
+		{"remove nothing from a Ready node", ready.Name, func() map[string]any { return withoutOurs(ready.Name) }},
 	} {
-		if err := do(); err != nil {
-			t.Errorf("controller token: %s: %v, want allowed", what, err)
+		if err := patch(step.node, step.body())(); err != nil {
+			t.Errorf("controller token: %s: %v, want allowed", step.what, err)
 		}
 	}
 

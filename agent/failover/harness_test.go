@@ -98,7 +98,11 @@ func startHarness(t testing.TB, kcmArgs ...string) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "controller/serviceaccount.yaml", "controller/rbac.yaml"} {
+	// The controller's admission policy too: every case proves the
+	// controller does its job within it. Not no-force-detach-policy.yaml:
+	// the cases that force-detach opt in (--failover-force-detach).
+	for _, f := range []string{"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "controller/serviceaccount.yaml", "controller/rbac.yaml",
+		"controller/admission-policy.yaml"} {
 		if out, err := c.Kubectl("apply", "-f", filepath.Join(deploy, f)); err != nil {
 			t.Fatalf("kubectl apply deploy/%s: %v\n%s", f, err, out)
 		}
