@@ -31,7 +31,7 @@ var kustomizations = []struct {
 	kinds []string
 }{
 	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "DaemonSet", "Service",
-		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration"}},
+		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration", "NetworkPolicy"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
 }

@@ -28,8 +28,9 @@ const (
 	// (Not before: the taint eviction controller deletes by name, and would
 	// delete a StatefulSet's replacement, which has the same name.)
 	ModeTaint Mode = "taint"
-	// ModeForceDelete force-deletes the eligible pods and deletes their
-	// VolumeAttachments on the dead node, without a taint. For clusters that
+	// ModeForceDelete force-deletes the fenced eligible pods (and, with
+	// ForceDetach, their VolumeAttachments on the dead node), without a
+	// taint. For clusters that
 	// do not want the taint (it evicts every pod of the node). The
 	// attach/detach controller notices a deleted VolumeAttachment only at
 	// its next state sync (--attach-detach-reconcile-sync-period, default
@@ -242,6 +243,14 @@ type ControllerConfig struct {
 	// they are terminating (the pod garbage collector would do it within
 	// its 20 s period).
 	DeletePods bool
+	// ForceDetach: when the controller force-deletes a node's fenced pods
+	// itself (force-delete mode, or taint mode on a node it may not
+	// taint), it also deletes their VolumeAttachments on the node, so that
+	// the replacement attaches at the attach/detach controller's next sync
+	// instead of after its 6 minute wait. Off by default; the admission
+	// policy deploy/controller/ ships refuses the deletion unless its
+	// parameter allows it too.
+	ForceDetach bool
 
 	// FenceAfter is the least fence window the controller assumes for a
 	// heartbeat: a Lease advertising a longer one (leaseDurationSeconds)
@@ -329,6 +338,7 @@ func (c *ControllerConfig) AddFlags(fl *pflag.FlagSet) {
 	fl.DurationVar(&c.RenewDeadline, "failover-leader-renew-deadline", c.RenewDeadline, "leader election renew deadline")
 	fl.DurationVar(&c.RetryPeriod, "failover-leader-retry-period", c.RetryPeriod, "leader election retry period")
 	fl.Var(newModeValue(&c.Mode), "failover-mode", "how to fail a dead node over: taint (node.kubernetes.io/out-of-service) or force-delete (pods and VolumeAttachments)")
+	fl.BoolVar(&c.ForceDetach, "failover-force-detach", c.ForceDetach, "when force-deleting a dead node's fenced pods (force-delete mode, or a node the taint would strip of unfenced pods), also delete their VolumeAttachments on it instead of waiting for the attach/detach controller's 6m")
 	fl.BoolVar(&c.DeletePods, "failover-delete-pods", c.DeletePods, "in taint mode, force-delete the eligible pods as soon as they are terminating instead of waiting for the pod garbage collector's 20s period")
 	fl.DurationVar(&c.FenceAfter, "failover-fence-after", c.FenceAfter, "the agents' --failover-fence-after: the least time a heartbeat must be silent (a Lease advertising more is waited for longer)")
 	fl.DurationVar(&c.FenceMargin, "failover-fence-margin", c.FenceMargin, "extra time the controller waits past the fence window before acting (covers the time fencing takes)")

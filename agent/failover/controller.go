@@ -49,6 +49,9 @@ const (
 	ReasonFailoverHeld     = "FailoverHeld"
 	ReasonNodeRecovered    = "FailoverEnded"
 	ReasonOperatorTaint    = "OutOfServiceByOperator"
+	// ReasonFailoverLeft is on a pod with a ReadWriteOnce volume that
+	// stays on a dead node: not eligible, or not in the node's fence plan.
+	ReasonFailoverLeft = "FailoverLeft"
 	// ReasonStandDown and ReasonStandDownOver are on the leader Lease:
 	// too many nodes are not Ready at once to fail any over, and no longer.
 	ReasonStandDown     = "FailoverStandDown"
@@ -309,6 +312,10 @@ type nodeState struct {
 	// nextCheck: a dead node with nothing to fail over is listed again
 	// only after this.
 	nextCheck time.Time
+	// leftReported: the pods this outage leaves on the node were reported.
+	leftReported bool
+	// planHeld: a dead node with nothing planned to move was reported.
+	planHeld bool
 }
 
 // term is one leadership term: the watches, the queue and what the leader
@@ -534,7 +541,7 @@ func (t *term) handle(ctx context.Context, node *corev1.Node, ev evidence, j jud
 	case marked:
 		st.verdict, st.announced = verdictDead, true
 		if !st.done {
-			done, err := t.continueFailover(ctx, node)
+			done, err := t.continueFailover(ctx, node, ev)
 			if err != nil {
 				t.failing[name] = true
 				return err
@@ -555,6 +562,7 @@ func (t *term) handle(ctx context.Context, node *corev1.Node, ev evidence, j jud
 	delete(t.failing, name)
 	if j.verdict != st.verdict {
 		st.deferred, st.dryRunActed, st.nextCheck = false, false, time.Time{}
+		st.leftReported, st.planHeld = false, false
 	}
 	if j.verdict != st.verdict || j.code != st.code {
 		st.verdict, st.code, st.announced = j.verdict, j.code, false
@@ -690,15 +698,16 @@ func (t *term) consider(ctx context.Context, node *corev1.Node, ev evidence, j j
 		t.queue.AddAfter(name, c.cfg.Recheck)
 		return nil
 	}
-	pods, uncertain, err := c.eligiblePods(ctx, name)
+	pods, eligible, uncertain, err := c.nodePods(ctx, name)
 	if err != nil {
 		logger.Error(err, "List the pods of a dead node")
 		return errRetry
 	}
-	if len(pods) == 0 {
+	if eligible == 0 {
 		if !st.announced {
 			st.announced = true
 			logger.Info("Node is dead but runs no pod to fail over", append([]any{"reason", j.why, "uncertainPods", uncertain}, ev.keysAndValues()...)...)
+			c.reportLeft(ctx, node, judgePods(pods, publishedPlan{}, false).left, st)
 		}
 		// A claim that could not be read is retried after the backoff;
 		// otherwise the node is looked at again now and then.
@@ -713,6 +722,8 @@ func (t *term) consider(ctx context.Context, node *corev1.Node, ev evidence, j j
 	if acted {
 		t.failing[name] = true
 		t.queue.AddAfter(name, c.cfg.Recheck)
+	} else if err == nil && st.nextCheck.After(now) {
+		t.queue.AddAfter(name, st.nextCheck.Sub(now))
 	}
 	return err
 }
@@ -729,7 +740,7 @@ type candidate struct {
 // observer: a Lease whose fresh version differs from the one the informer
 // gave was renewed meanwhile, which restarts its silence. It returns the
 // fresh node, its evidence and the judgement.
-func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.Node, evidence, judgement, error) {
+func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.Node, evidence, judgement, publishedPlan, error) {
 	c := t.c
 	get := func(f func(context.Context) error) error {
 		cctx, cancel := context.WithTimeout(ctx, c.cfg.APITimeout)
@@ -743,7 +754,7 @@ func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.N
 		return err
 	})
 	if err != nil {
-		return nil, evidence{}, judgement{}, fmt.Errorf("get node %s: %w", name, err)
+		return nil, evidence{}, judgement{}, publishedPlan{}, fmt.Errorf("get node %s: %w", name, err)
 	}
 	err = get(func(ctx context.Context) (err error) {
 		kl, err = c.client.CoordinationV1().Leases(KubeletLeaseNamespace).Get(ctx, name, metav1.GetOptions{})
@@ -753,7 +764,7 @@ func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.N
 		kl, err = nil, nil
 	}
 	if err != nil {
-		return nil, evidence{}, judgement{}, fmt.Errorf("get kubelet lease %s/%s: %w", KubeletLeaseNamespace, name, err)
+		return nil, evidence{}, judgement{}, publishedPlan{}, fmt.Errorf("get kubelet lease %s/%s: %w", KubeletLeaseNamespace, name, err)
 	}
 	err = get(func(ctx context.Context) (err error) {
 		hb, err = c.client.CoordinationV1().Leases(c.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
@@ -763,27 +774,44 @@ func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.N
 		hb, err = nil, nil
 	}
 	if err != nil {
-		return nil, evidence{}, judgement{}, fmt.Errorf("get heartbeat lease %s/%s: %w", c.cfg.Namespace, name, err)
+		return nil, evidence{}, judgement{}, publishedPlan{}, fmt.Errorf("get heartbeat lease %s/%s: %w", c.cfg.Namespace, name, err)
 	}
 	ev := c.cfg.gather(t.obs, node, kl, hb, now)
-	return node, ev, c.cfg.judge(ev), nil
+	return node, ev, c.cfg.judge(ev), planOf(hb), nil
 }
 
 // confirm re-reads a node before a taint or a pod deletion and reports
 // whether the fresh state still says dead; the fresh node carries the
-// resourceVersion the action is conditioned on.
-func (t *term) confirm(ctx context.Context, name string, now time.Time) (*corev1.Node, evidence, bool, error) {
-	node, ev, j, err := t.fresh(ctx, name, now)
+// resourceVersion the action is conditioned on, and the fresh heartbeat
+// Lease the fence plan whose deadline the verdict says has passed.
+func (t *term) confirm(ctx context.Context, name string, now time.Time) (confirmed, error) {
+	node, ev, j, plan, err := t.fresh(ctx, name, now)
 	if err != nil {
-		return nil, ev, false, err
+		return confirmed{}, err
 	}
-	if j.verdict != verdictDead {
+	cf := confirmed{node: node, ev: ev, j: j, plan: plan, dead: j.verdict == verdictDead}
+	if !cf.dead {
 		t.c.metrics.freshRefusals.Inc()
 		klog.FromContext(ctx).Info("Not acting: the node's fresh state from the API server does not confirm it dead (the watch was behind)",
 			append([]any{"verdict", j.verdict.String(), "reason", j.why}, ev.keysAndValues()...)...)
-		return node, ev, false, nil
 	}
-	return node, ev, true, nil
+	return cf, nil
+}
+
+// confirmed is a node's fresh state.
+type confirmed struct {
+	node *corev1.Node
+	ev   evidence
+	j    judgement
+	plan publishedPlan
+	dead bool
+}
+
+// judgePods splits the node's pods by the fresh state's plan. A node the
+// cloud provider reports shut down (TrustShutdownTaint) runs nothing: its
+// plan does not limit.
+func (cf confirmed) judgePods(pods []nodePod) failoverPlan {
+	return judgePods(pods, cf.plan, cf.j.code == codeShutdown)
 }
 
 // eligiblePod is a pod of a dead node that the policy admits.
@@ -806,72 +834,134 @@ func podNames(pods []eligiblePod) []string {
 	return out
 }
 
-// eligiblePods lists the pods on node and keeps those the policy admits;
-// uncertain counts pods whose claims could not be read.
-func (c *Controller) eligiblePods(ctx context.Context, node string) ([]eligiblePod, int, error) {
+// nodePods lists the pods on node with the policy's decision for each, and
+// counts those eligible now and those uncertain (a claim could not be read).
+func (c *Controller) nodePods(ctx context.Context, node string) ([]nodePod, int, int, error) {
 	cctx, cancel := context.WithTimeout(ctx, c.cfg.APITimeout)
 	list, err := c.client.CoreV1().Pods(metav1.NamespaceAll).List(cctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
 	cancel()
 	if err != nil {
-		return nil, 0, fmt.Errorf("list pods of node %s: %w", node, err)
+		return nil, 0, 0, fmt.Errorf("list pods of node %s: %w", node, err)
 	}
-	var out []eligiblePod
-	uncertain := 0
+	var out []nodePod
+	eligible, uncertain := 0, 0
 	for i := range list.Items {
 		pod := &list.Items[i]
 		claims := c.claims.read(ctx, pod)
-		d := c.cfg.decide(pod, claims)
-		switch {
-		case d.Eligible:
-			ep := eligiblePod{pod: pod, pvs: d.PVs}
-			for _, info := range claims {
-				if info.Driver != "" && slices.Contains(d.PVs, info.PV) {
-					ep.attachments = append(ep.attachments, volumeAttachment{name: attachmentName(info.VolumeHandle, info.Driver, node), pv: info.PV})
-				}
+		np := nodePod{pod: pod, d: c.cfg.decide(pod, claims)}
+		for _, info := range claims {
+			if info.Err != nil || readWriteOnce(info.AccessModes) {
+				np.rwo = true
 			}
-			out = append(out, ep)
-		case d.Uncertain:
+			if np.d.Eligible && info.Driver != "" && slices.Contains(np.d.PVs, info.PV) {
+				np.attachments = append(np.attachments, volumeAttachment{name: attachmentName(info.VolumeHandle, info.Driver, node), pv: info.PV})
+			}
+		}
+		switch {
+		case np.d.Eligible:
+			eligible++
+		case np.d.Uncertain:
 			uncertain++
 			klog.FromContext(ctx).Info("Cannot tell whether a pod of a dead node is eligible; trying again", "pod", klog.KObj(pod))
 		default:
-			klog.FromContext(ctx).V(4).Info("Pod not failed over", "pod", klog.KObj(pod), "reason", d.Reason)
+			klog.FromContext(ctx).V(4).Info("Pod not failed over", "pod", klog.KObj(pod), "reason", np.d.Reason)
 		}
+		out = append(out, np)
 	}
 	c.claims.sweep()
-	return out, uncertain, nil
+	return out, eligible, uncertain, nil
+}
+
+// reportLeft makes the pods a fail-over leaves visible: an event on each
+// and the pods_left metric, once per outage of the node.
+func (c *Controller) reportLeft(ctx context.Context, node *corev1.Node, left []leftPod, st *nodeState) {
+	if st.leftReported {
+		return
+	}
+	st.leftReported = true
+	logger := klog.FromContext(ctx)
+	for _, l := range left {
+		c.metrics.podsLeft.WithLabelValues(l.reason).Inc()
+		logger.Info("Pod with a ReadWriteOnce volume stays on the dead node", "pod", klog.KObj(l.pod), "podUID", l.pod.UID, "reason", l.reason, "why", l.why)
+		prefix := ""
+		if c.cfg.DryRun {
+			prefix = dryRunPrefix
+		}
+		c.event(l.pod, node, corev1.EventTypeWarning, ReasonFailoverLeft, actionJudge,
+			"%sNode %s is dead but this pod stays there, not failed over: %s. Its ReadWriteOnce volumes stay attached to that node until it returns or someone deletes the pod", prefix, node.Name, l.why)
+	}
 }
 
 // act fails a dead node over once its fresh state confirms it dead; it
-// reports whether the node is in failover now.
-func (t *term) act(ctx context.Context, cd candidate, pods []eligiblePod, st *nodeState, now time.Time) (bool, error) {
+// reports whether the node is in failover now. Only the pods in the fence
+// plan the node last published move (judgePods). In taint mode, a node with
+// a pod the taint would evict that the node never fenced is not tainted: it
+// is marked and only its planned pods are force-deleted, as in force-delete
+// mode.
+func (t *term) act(ctx context.Context, cd candidate, all []nodePod, st *nodeState, now time.Time) (bool, error) {
 	c := t.c
 	logger := klog.FromContext(ctx)
-	names := podNames(pods)
-	what := fmt.Sprintf("tainted %s=%s:NoExecute", TaintOutOfService, TaintValue)
-	if c.cfg.Mode == ModeForceDelete {
-		what = "force-deleted the pods and their VolumeAttachments on the node"
-	} else if c.cfg.DeletePods {
-		what += " and force-deleted the pods"
-	}
 	if !t.isLeader() {
 		logger.Info("No longer the failover leader: not acting")
 		return false, nil
 	}
-	node, ev, dead, err := t.confirm(ctx, cd.node.Name, now)
+	cf, err := t.confirm(ctx, cd.node.Name, now)
 	if err != nil {
 		logger.Error(err, "Reading the node's fresh state before failing it over failed")
 		return false, errRetry
 	}
-	if !dead {
+	if !cf.dead {
 		st.verdict, st.announced = verdictSuspect, false
 		return false, nil
 	}
-	cd.node, cd.ev = node, ev
+	cd.node, cd.ev, cd.why = cf.node, cf.ev, cf.j.why
+	fp := cf.judgePods(all)
+	c.reportLeft(ctx, cd.node, fp.left, st)
+	if len(fp.move) == 0 {
+		why := "no eligible pod of the node is in the fence plan it last published"
+		switch {
+		case cf.plan.Err != nil:
+			why = fmt.Sprintf("its fence plan is unreadable (%v)", cf.plan.Err)
+		case !cf.plan.Known && cf.j.code != codeShutdown:
+			why = "the node published no fence plan (its agent never listed its pods, or predates fence plans)"
+		}
+		if !st.planHeld {
+			st.planHeld = true
+			logger.Info("Node is dead but nothing it fenced can move", append([]any{"why", why, "leftPods", len(fp.left)}, cd.ev.keysAndValues()...)...)
+			c.event(cd.node, nil, corev1.EventTypeWarning, ReasonFailoverHeld, actionJudge, "Node confirmed dead (%s) but not failed over: %s", cd.why, why)
+		}
+		st.nextCheck = now.Add(30 * time.Second)
+		if fp.uncertain > 0 {
+			return false, errRetry
+		}
+		return false, nil
+	}
+	pods := fp.move
+	names := podNames(pods)
+	force := c.cfg.Mode == ModeForceDelete
+	what := fmt.Sprintf("tainted %s=%s:NoExecute", TaintOutOfService, TaintValue)
+	if c.cfg.Mode == ModeTaint && len(fp.taintBlockers) > 0 {
+		force = true
+		blockers := make([]string, 0, len(fp.taintBlockers))
+		for _, p := range fp.taintBlockers {
+			blockers = append(blockers, p.Namespace+"/"+p.Name)
+		}
+		what = fmt.Sprintf("did not taint the node (the taint would evict and force-detach %s, which the node never fenced) and force-deleted the fenced pods",
+			joinNames(blockers))
+	} else if force {
+		what = "force-deleted the fenced pods"
+	} else if c.cfg.DeletePods {
+		what += " and force-deleted the pods"
+	}
+	if force && c.cfg.ForceDetach {
+		what += " and their VolumeAttachments on the node"
+	}
 	sinceLife := cd.ev.KubeletSilent
 	if cd.ev.Heartbeat == heartbeatHeld && cd.ev.HeartbeatSilent < sinceLife {
 		sinceLife = cd.ev.HeartbeatSilent
 	}
-	kv := append([]any{"reason", cd.why, "mode", string(c.cfg.Mode), "pods", names, "sinceLastLife", sinceLife.Round(time.Second).String(), "dryRun", c.cfg.DryRun}, cd.ev.keysAndValues()...)
+	kv := append([]any{"reason", cd.why, "mode", string(c.cfg.Mode), "forceDelete", force, "pods", names, "leftPods", len(fp.left),
+		"sinceLastLife", sinceLife.Round(time.Second).String(), "dryRun", c.cfg.DryRun}, cd.ev.keysAndValues()...)
 	if c.cfg.DryRun {
 		logger.Info("[dry-run] Would fail the node over", kv...)
 		c.event(cd.node, nil, corev1.EventTypeWarning, ReasonFailedOver, actionJudge, "%sWould have %s (%s): node confirmed dead: %s", dryRunPrefix, what, joinNames(names), cd.why)
@@ -883,7 +973,7 @@ func (t *term) act(ctx context.Context, cd candidate, pods []eligiblePod, st *no
 		st.dryRunActed, st.announced = true, true
 		return true, nil
 	}
-	if c.cfg.Mode == ModeForceDelete {
+	if force {
 		err = c.mark(ctx, cd.node, now)
 	} else {
 		err = c.taint(ctx, cd.node, now)
@@ -908,8 +998,8 @@ func (t *term) act(ctx context.Context, cd candidate, pods []eligiblePod, st *no
 	for _, p := range pods {
 		c.event(p.pod, cd.node, corev1.EventTypeWarning, ReasonFailedOver, actionDelete, "Failing over from dead node %s (%s): %s", cd.node.Name, what, cd.why)
 	}
-	if c.cfg.Mode == ModeForceDelete {
-		t.deletePods(ctx, cd.node.Name, pods)
+	if force {
+		t.deletePods(ctx, cd.node.Name, pods, true)
 	}
 	// In taint mode the pods are force-deleted by continueFailover once
 	// terminating: the taint eviction controller deletes a pod by name
@@ -920,51 +1010,61 @@ func (t *term) act(ctx context.Context, cd candidate, pods []eligiblePod, st *no
 }
 
 // continueFailover carries on with a node failed over earlier (by this
-// leader or a previous one) and reports whether no eligible pod is left on
-// it. In force-delete mode it force-deletes eligible pods still there; in
-// taint mode with DeletePods, those the taint eviction controller has
+// leader or a previous one) and reports whether no planned eligible pod is
+// left on it. On a marked node (force-delete mode, or taint mode that
+// could not taint) it force-deletes the planned pods still there; on a
+// tainted one with DeletePods, those the taint eviction controller has
 // marked terminating (what the pod garbage collector does every 20 s).
 // Before it deletes, it re-reads the node: a node that shows life keeps its
-// pods.
-func (t *term) continueFailover(ctx context.Context, node *corev1.Node) (bool, error) {
+// pods, and only the pods of the plan in the fresh heartbeat Lease move.
+func (t *term) continueFailover(ctx context.Context, node *corev1.Node, ev evidence) (bool, error) {
 	c := t.c
-	pods, uncertain, err := c.eligiblePods(ctx, node.Name)
+	all, eligible, uncertain, err := c.nodePods(ctx, node.Name)
 	if err != nil {
 		klog.FromContext(ctx).Error(err, "List the pods of a failed-over node")
 		return false, errRetry
 	}
-	if len(pods) == 0 && uncertain == 0 {
+	if eligible == 0 && uncertain == 0 {
 		klog.FromContext(ctx).Info("Fail-over of the node is complete: no eligible pod is left on it")
+		return true, nil
+	}
+	if c.cfg.DryRun || !t.isLeader() {
+		return false, nil
+	}
+	cf, err := t.confirm(ctx, node.Name, c.now())
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Reading the node's fresh state before deleting its pods failed")
+		return false, errRetry
+	}
+	if !cf.dead {
+		return false, nil
+	}
+	fp := cf.judgePods(all)
+	if len(fp.move) == 0 && fp.uncertain == 0 {
+		klog.FromContext(ctx).Info("Fail-over of the node is complete: no pod of its fence plan is left on it", "leftPods", len(fp.left))
 		return true, nil
 	}
 	var del []eligiblePod
 	switch {
-	case c.cfg.Mode == ModeForceDelete:
-		del = pods
+	case ev.ForceMarked:
+		del = fp.move
 	case c.cfg.DeletePods:
-		for _, p := range pods {
+		for _, p := range fp.move {
 			if p.pod.DeletionTimestamp != nil {
 				del = append(del, p)
 			}
 		}
 	}
-	if len(del) == 0 || c.cfg.DryRun || !t.isLeader() {
-		return false, nil
+	if len(del) > 0 {
+		t.deletePods(ctx, node.Name, del, ev.ForceMarked)
 	}
-	if _, _, dead, err := t.confirm(ctx, node.Name, c.now()); err != nil {
-		klog.FromContext(ctx).Error(err, "Reading the node's fresh state before deleting its pods failed")
-		return false, errRetry
-	} else if !dead {
-		return false, nil
-	}
-	t.deletePods(ctx, node.Name, del)
 	return false, nil
 }
 
 // deletePods force-deletes the pods (UID preconditions: a pod recreated
 // under the same name is never touched) and, in force-delete mode, their
 // VolumeAttachments on node, read and deleted by name.
-func (t *term) deletePods(ctx context.Context, node string, pods []eligiblePod) {
+func (t *term) deletePods(ctx context.Context, node string, pods []eligiblePod, marked bool) {
 	c := t.c
 	logger := klog.FromContext(ctx)
 	var vas []volumeAttachment
@@ -991,7 +1091,7 @@ func (t *term) deletePods(ctx context.Context, node string, pods []eligiblePod) 
 			logger.Error(err, "Force-deleting a pod of a dead node failed", "pod", klog.KObj(p.pod), "podUID", uid)
 		}
 	}
-	if c.cfg.Mode != ModeForceDelete {
+	if !marked || !c.cfg.ForceDetach {
 		return
 	}
 	for _, ref := range vas {

@@ -170,8 +170,11 @@ func testFreshRead(t *testing.T, h *harness) {
 	old := s.podOf(ctx, "db")
 	var fr freezer
 	_, reg, _ := s.controllerWith(s.ctl, "fresh-leader", ctlOptions{watchHook: fr.hook})
-	s.waitFor("the controller to lead", 20*time.Second, func(context.Context) (bool, error) {
-		return metric(t, reg, "mountmedic_failover_leader", nil) == 1, nil
+	// Frozen only once the informers synced and the nodes were judged: the
+	// initial list may come through the watch (client-go's watch-list),
+	// which the freezer would empty of the victim's Leases.
+	s.waitFor("the controller to lead and judge both nodes", 20*time.Second, func(context.Context) (bool, error) {
+		return metric(t, reg, "mountmedic_failover_leader", nil) == 1 && metric(t, reg, "mountmedic_failover_nodes_judged", nil) == 2, nil
 	})
 	fr.freeze("kubelet-leases", victim.name)
 	fr.freeze("heartbeat-leases", victim.name)

@@ -221,6 +221,11 @@ func (c *ControllerConfig) gather(o *observer, node *corev1.Node, kubelet, heart
 		if heartbeat.Spec.LeaseDurationSeconds != nil {
 			secs = *heartbeat.Spec.LeaseDurationSeconds
 		}
+		// A fresh read carries the fence plan: its own deadline counts
+		// too (the informers keep no annotations).
+		if p := planOf(heartbeat); p.Known {
+			secs = max(secs, int32(p.FenceAfter/time.Second))
+		}
 		e.FenceWindow = c.FenceWindow(secs)
 		e.HeartbeatSilent = now.Sub(o.observe(heartbeatKey(node.Name), leaseVersion(heartbeat), now))
 	}
@@ -269,7 +274,7 @@ func (c *ControllerConfig) judge(e evidence) judgement {
 		return judgement{verdictDead, "fenced", fmt.Sprintf("kubelet silent %s and the mountmedic heartbeat silent %s (>= fence window %s): the node is down or has fenced itself",
 			e.KubeletSilent.Round(time.Second), e.HeartbeatSilent.Round(time.Second), e.FenceWindow)}
 	case e.Shutdown && c.TrustShutdownTaint:
-		return judgement{verdictDead, "shutdown", fmt.Sprintf("kubelet silent %s and the cloud provider reports the instance shut down", e.KubeletSilent.Round(time.Second))}
+		return judgement{verdictDead, codeShutdown, fmt.Sprintf("kubelet silent %s and the cloud provider reports the instance shut down", e.KubeletSilent.Round(time.Second))}
 	case e.Heartbeat == heartbeatHeld:
 		return judgement{verdictSuspect, "not-fenced-yet", fmt.Sprintf("the mountmedic heartbeat is silent only %s (< fence window %s): the node may be partitioned and not fenced yet",
 			e.HeartbeatSilent.Round(time.Second), e.FenceWindow)}
@@ -279,3 +284,7 @@ func (c *ControllerConfig) judge(e evidence) judgement {
 		return judgement{verdictSuspect, "no-heartbeat", "no mountmedic heartbeat for this node: nothing confirms it fenced; run the agent with --failover there, or apply the out-of-service taint by hand if it is down"}
 	}
 }
+
+// codeShutdown is the judgement code of a node the cloud provider reports
+// shut down (TrustShutdownTaint).
+const codeShutdown = "shutdown"

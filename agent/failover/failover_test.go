@@ -135,6 +135,7 @@ func testNodeDiesTaint(t *testing.T, h *harness) {
 func testForceDelete(t *testing.T, h *harness) {
 	s := h.scenario(t, "force")
 	s.ctl.Mode = ModeForceDelete
+	s.ctl.ForceDetach = true
 	cfg := s.ctl
 	victim := s.addNode("force-a", true)
 	target := s.addNode("force-b", true)
@@ -236,51 +237,92 @@ func testHeartbeatAlive(t *testing.T, h *harness) {
 	victim.revive(t)
 }
 
+// testPartitioned: a node cut off from the API server fences its planned
+// pod, and only that pod moves. The node also runs a bare pod with an RWO
+// claim (never failed over, never fenced) and a StatefulSet pod opted out
+// that is made eligible after the cut (not in the plan the node
+// published, so not fenced): the out-of-service taint would evict and
+// force-detach both while they run, so the node is not tainted; the
+// controller force-deletes the fenced pod alone and the other two stay,
+// reported.
 func testPartitioned(t *testing.T, h *harness) {
 	s := h.scenario(t, "partition")
+	s.ctl.ForceDetach = true
 	victim := s.addNode("partition-a", true)
 	target := s.addNode("partition-b", true)
 	pv := s.statefulSet("db", nil)
+	latePV := s.statefulSet("late", map[string]string{Annotation: "false"})
 	ctx := h.ctx
 	old := s.podOf(ctx, "db")
-	// A bare pod with an RWO claim on the same node: never failed over by
-	// mountmedic, so never fenced either.
+	late := s.podOf(ctx, "late")
 	bare := s.barePod("bare", victim.name)
-	s.waitFor("agent plan to include the StatefulSet pod", 20*time.Second, func(context.Context) (bool, error) {
-		victim.hb.mu.Lock()
-		defer victim.hb.mu.Unlock()
-		return slices.ContainsFunc(victim.hb.plan, func(ft fenceTarget) bool { return ft.UID == string(old.UID) }), nil
-	})
-	s.controller(s.ctl, "partition-leader")
+	s.waitPublished(victim.name, old.UID)
+	if l, err := h.admin.CoordinationV1().Leases(agentNS).Get(ctx, victim.name, metav1.GetOptions{}); err != nil || planOf(l).has(string(late.UID)) || planOf(l).has(string(bare.UID)) {
+		t.Fatalf("published plan %v (err %v) holds the opted-out or the bare pod", l.Annotations[FencePlanAnnotation], err)
+	}
+	_, reg, _ := s.controller(s.ctl, "partition-leader")
 
 	cut := time.Now()
 	victim.partition()
+	// The pod is made eligible after the cut: the node cannot know.
+	if _, err := h.admin.CoreV1().Pods(s.ns).Patch(ctx, late.Name, types.MergePatchType,
+		[]byte(`{"metadata":{"annotations":{"`+Annotation+`":"true"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	s.waitReplacedOn("db", old.UID, pv, target.name, 90*time.Second)
 	fencedAt, ok := victim.fence.stoppedAt(string(old.UID))
 	if !ok {
 		t.Fatalf("partitioned agent did not fence the StatefulSet pod; fenced %v", victim.fence.stoppedPods())
 	}
-	if _, ok := victim.fence.stoppedAt(string(bare.UID)); ok {
-		t.Errorf("fence stopped the bare pod, which is never failed over")
+	for _, p := range []*corev1.Pod{bare, late} {
+		if _, ok := victim.fence.stoppedAt(string(p.UID)); ok {
+			t.Errorf("fence stopped %s, which was not in the plan", p.Name)
+		}
 	}
-	taint, err := s.ourTaint(ctx, victim.name)
-	if err != nil || taint == nil {
-		t.Fatalf("partitioned node not tainted after the window: %v %v", taint, err)
+	if taint, err := s.ourTaint(ctx, victim.name); err != nil || taint != nil {
+		t.Errorf("node with unfenced RWO pods tainted: %v (err %v); the taint evicts them", taint, err)
+	}
+	n, err := h.admin.CoreV1().Nodes().Get(ctx, victim.name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	markedAt, err := time.Parse(time.RFC3339, n.Annotations[FailedOverAnnotation])
+	if err != nil {
+		t.Fatalf("partitioned node's %s annotation = %q: %v", FailedOverAnnotation, n.Annotations[FailedOverAnnotation], err)
 	}
 	// Safety, not speed: the cluster acted only after the node fenced,
 	// and not before the fence window had passed since the node's last
-	// renewal (less the second TimeAdded is truncated to). The window is
-	// counted from the renewal, not from the cut: on a loaded machine the
-	// last renewal can precede the cut by more than one interval.
-	if !taint.TimeAdded.After(fencedAt) {
-		t.Errorf("tainted at %s, before the node fenced at %s", taint.TimeAdded.Format(time.RFC3339Nano), fencedAt.Format(time.RFC3339Nano))
+	// renewal (less the second the mark is truncated to).
+	if !markedAt.Add(time.Second).After(fencedAt) {
+		t.Errorf("failed over at %s, before the node fenced at %s", markedAt.Format(time.RFC3339Nano), fencedAt.Format(time.RFC3339Nano))
 	}
 	lease, err := h.admin.CoordinationV1().Leases(agentNS).Get(ctx, victim.name, metav1.GetOptions{})
 	if err != nil || lease.Spec.RenewTime == nil {
 		t.Fatalf("heartbeat lease of the partitioned node: %v %v", lease, err)
 	}
-	if min, since := s.ctl.FenceWindow(0)-time.Second, taint.TimeAdded.Sub(lease.Spec.RenewTime.Time); since < min {
-		t.Errorf("tainted %s after the last renewal (%s after the cut), want at least %s", since, taint.TimeAdded.Sub(cut), min)
+	if min, since := s.ctl.FenceWindow(0)-time.Second, markedAt.Sub(lease.Spec.RenewTime.Time); since < min {
+		t.Errorf("failed over %s after the last renewal (%s after the cut), want at least %s", since, markedAt.Sub(cut), min)
+	}
+	// Writers on the fenced side after the fail-over: the moved pod was
+	// stopped; the two that stay kept their pods and their volumes on the
+	// partitioned node (no replacement, no detach).
+	for _, p := range []*corev1.Pod{bare, late} {
+		got, err := h.admin.CoreV1().Pods(s.ns).Get(ctx, p.Name, metav1.GetOptions{})
+		if err != nil || got.UID != p.UID || got.DeletionTimestamp != nil {
+			t.Errorf("pod %s on the partitioned node: %v (err %v), want it untouched", p.Name, got, err)
+		}
+	}
+	if va := s.attachment(ctx, latePV.Name, victim.name); va == nil || va.DeletionTimestamp != nil {
+		t.Errorf("VolumeAttachment of the unfenced pod %s on the partitioned node: %v, want it kept", late.Name, va)
+	}
+	s.waitFor("FailoverLeft events on the pods that stay", 20*time.Second, func(ctx context.Context) (bool, error) {
+		return len(s.events(ctx, s.ns, "Pod", bare.Name, ReasonFailoverLeft)) == 1 && len(s.events(ctx, s.ns, "Pod", late.Name, ReasonFailoverLeft)) == 1, nil
+	})
+	if got := metric(t, reg, "mountmedic_failover_pods_left_total", map[string]string{"reason": leftNotPlanned}); got != 1 {
+		t.Errorf("pods_left_total{reason=not_planned} = %v, want 1", got)
+	}
+	if got := metric(t, reg, "mountmedic_failover_pods_left_total", map[string]string{"reason": leftNotEligible}); got != 1 {
+		t.Errorf("pods_left_total{reason=not_eligible} = %v, want 1", got)
 	}
 	if !victim.hb.Fenced(string(old.UID)) {
 		t.Errorf("Fenced(%s) = false during the fence", old.UID)
@@ -294,6 +336,14 @@ func testPartitioned(t *testing.T, h *harness) {
 	if p := s.podOf(ctx, "db"); p == nil || p.Spec.NodeName != target.name {
 		t.Errorf("replacement pod after the node returned = %v, want it left on %s", p, target.name)
 	}
+	s.waitFor("failed-over annotation removed", 30*time.Second, func(ctx context.Context) (bool, error) {
+		n, err := h.admin.CoreV1().Nodes().Get(ctx, victim.name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		_, ok := n.Annotations[FailedOverAnnotation]
+		return !ok, nil
+	})
 }
 
 // barePod creates a pod no controller owns, with its own RWO claim bound

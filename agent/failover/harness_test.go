@@ -24,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -97,7 +98,11 @@ func startHarness(t testing.TB, kcmArgs ...string) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "controller/serviceaccount.yaml", "controller/rbac.yaml"} {
+	// The controller's admission policy too: every case proves the
+	// controller does its job within it. Not no-force-detach-policy.yaml:
+	// the cases that force-detach opt in (--failover-force-detach).
+	for _, f := range []string{"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "controller/serviceaccount.yaml", "controller/rbac.yaml",
+		"controller/admission-policy.yaml"} {
 		if out, err := c.Kubectl("apply", "-f", filepath.Join(deploy, f)); err != nil {
 			t.Fatalf("kubectl apply deploy/%s: %v\n%s", f, err, out)
 		}
@@ -664,10 +669,31 @@ func (s *scenario) statefulSet(name string, annotations map[string]string) *core
 		t.Fatalf("create StatefulSet: %v", err)
 	}
 	h.mu.Lock()
-	first := h.placement[s.ns][0].name
+	firstNode := h.placement[s.ns][0]
 	h.mu.Unlock()
-	s.waitAttachedInUse(pv, first)
+	s.waitAttachedInUse(pv, firstNode.name)
+	firstNode.mu.Lock()
+	hasAgent := firstNode.hb != nil
+	firstNode.mu.Unlock()
+	if hasAgent && annotations[Annotation] != "false" {
+		// The controller moves only what the node's published fence plan
+		// holds: a case that kills the node needs the pod in it.
+		s.waitPublished(firstNode.name, s.podOf(h.ctx, name).UID)
+	}
 	return pv
+}
+
+// waitPublished waits until node's heartbeat Lease publishes a fence plan
+// holding uid.
+func (s *scenario) waitPublished(node string, uid types.UID) {
+	s.t.Helper()
+	s.waitFor("fence plan of "+node+" to hold pod "+string(uid), 30*time.Second, func(ctx context.Context) (bool, error) {
+		l, err := s.h.admin.CoordinationV1().Leases(agentNS).Get(ctx, node, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return false, nil
+		}
+		return err == nil && planOf(l).has(string(uid)), err
+	})
 }
 
 // uniqueVolume is the attach/detach controller's name of a CSI volume.

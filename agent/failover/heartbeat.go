@@ -19,8 +19,10 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 )
@@ -95,6 +97,10 @@ type Heartbeat struct {
 	lease         *coordinationv1.Lease
 	lastOK        time.Duration // boot clock: start of the last successful renewal
 	lastAttemptOK bool
+	// lastAPIOK is when a read with the node's client last succeeded after
+	// a failed renewal (boot clock; apiOKSet once there was one).
+	lastAPIOK     time.Duration
+	apiOKSet      bool
 	held          bool          // past FenceAfter, not fenced: an outage
 	lastPeerCheck time.Duration // boot clock
 	lastRefence   time.Duration // boot clock
@@ -103,9 +109,18 @@ type Heartbeat struct {
 	nodeUID       types.UID
 	plan          []fenceTarget
 	planSynced    bool
-	fenced        []fenceTarget
-	isFenced      bool
-	renewed       chan struct{} // a renewal succeeded
+	// sent are the pods of every plan a write since the last successful
+	// one carried, and of that one: what the Lease may hold now. The fence
+	// stops them all, so that the controller never moves a pod the node
+	// did not fence.
+	sent     []fenceTarget
+	fenced   []fenceTarget
+	isFenced bool
+	renewed  chan struct{} // a renewal succeeded
+	// degraded is why the peer check cannot hold a fence ("" if it can).
+	degraded string
+	// rec writes events about this node (nil: none).
+	rec eventRecorder
 	// podInf is the informer of this node's pods; its owner starts and
 	// stops it.
 	podInf cache.SharedIndexInformer
@@ -194,6 +209,15 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("node", h.cfg.NodeName, "lease", klog.KRef(h.cfg.Namespace, h.cfg.NodeName))
 	ctx = klog.NewContext(ctx, logger)
 
+	if h.rec == nil {
+		b := events.NewBroadcaster(&events.EventSinkImpl{Interface: h.client.EventsV1()})
+		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
+			logger.Error(err, "Cannot record failover events; logging only")
+		} else {
+			defer b.Shutdown()
+			h.rec = b.NewRecorder(scheme.Scheme, ReportingController)
+		}
+	}
 	stopPeers := func() {}
 	if h.peerClient != nil {
 		if _, err := readPeerKey(h.cfg.PeerKeyFile); err != nil {
@@ -211,7 +235,10 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 		h.peerAddr = addr
 		h.mu.Unlock()
 	} else {
-		logger.Info("No --failover-peer-key-file: no peer check, so an API server outage longer than --failover-fence-after fences this node")
+		logger.Error(nil, "No --failover-peer-key-file: no peer check, so an API server outage longer than --failover-fence-after fences this node's RWO pods")
+		h.peerMetrics.degraded.WithLabelValues(degradedNoKey).Set(1)
+		h.degraded = degradedNoKey
+		h.nodeEvent(corev1.EventTypeWarning, ReasonPeerCheckDegraded, "Failover peer check off (no peer key): an API server outage longer than %s fences this node's pods with ReadWriteOnce volumes", h.cfg.FenceAfter)
 	}
 	defer stopPeers()
 	logger.Info("Starting failover heartbeat", "interval", h.cfg.HeartbeatInterval, "fenceAfter", h.cfg.FenceAfter,
@@ -252,6 +279,9 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 				// logs at error level.
 				logger.Info("Heartbeat renewal failed", "err", err, "failuresInARow", failures)
 			}
+			if h.peerClient != nil && ctx.Err() == nil {
+				h.probeAPI(ctx)
+			}
 		} else {
 			h.metrics.renewals.WithLabelValues(resultSuccess).Inc()
 			if failures > 0 {
@@ -271,6 +301,7 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 					wait = min(wait, 6*h.cfg.HeartbeatInterval)
 				}
 				nextPeers = h.boot() + h.jitter(wait)
+				h.probePeers(ctx)
 			}
 			if synced() {
 				h.refreshPlan(ctx)
@@ -349,6 +380,16 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 
 	h.mu.Lock()
 	cur := h.lease
+	var plan []fenceTarget
+	if h.planSynced {
+		plan = slices.Clone(h.plan)
+		if plan == nil {
+			plan = []fenceTarget{}
+		}
+	}
+	// Whatever happens to this write, the Lease may carry its plan from
+	// now on (a write that timed out may have landed).
+	h.sent = unionTargets(h.sent, plan)
 	h.mu.Unlock()
 	var got *coordinationv1.Lease
 	var err error
@@ -356,14 +397,14 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 		if cur == nil {
 			cur, err = leases.Get(ctx, h.cfg.NodeName, metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
-				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, wall), metav1.CreateOptions{})
+				got, err = leases.Create(ctx, h.leaseSpec(&coordinationv1.Lease{}, wall, plan), metav1.CreateOptions{})
 				break
 			}
 			if err != nil {
 				return fmt.Errorf("get heartbeat lease: %w", err)
 			}
 		}
-		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), wall), metav1.UpdateOptions{})
+		got, err = leases.Update(ctx, h.leaseSpec(cur.DeepCopy(), wall, plan), metav1.UpdateOptions{})
 		if apierrors.IsConflict(err) {
 			cur = nil
 			continue
@@ -385,12 +426,16 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 	}
 	h.mu.Lock()
 	h.lease = got
+	// Every write is conditioned on the resourceVersion: none sent before
+	// this one can land after it, so the Lease holds this plan alone.
+	h.sent = plan
 	h.mu.Unlock()
 	return nil
 }
 
-// leaseSpec fills l as this node's heartbeat, renewed at now.
-func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinationv1.Lease {
+// leaseSpec fills l as this node's heartbeat, renewed at now, publishing
+// plan as its fence plan (nil: not known yet, none published).
+func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time, plan []fenceTarget) *coordinationv1.Lease {
 	l.Name, l.Namespace = h.cfg.NodeName, h.cfg.Namespace
 	if l.Labels == nil {
 		l.Labels = map[string]string{}
@@ -408,6 +453,14 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time) *coordinat
 		l.Annotations[PeerAddressAnnotation] = addr
 	} else {
 		delete(l.Annotations, PeerAddressAnnotation)
+	}
+	if plan != nil {
+		if l.Annotations == nil {
+			l.Annotations = map[string]string{}
+		}
+		l.Annotations[FencePlanAnnotation] = encodeFencePlan(h.cfg.FenceAfter, plan)
+	} else {
+		delete(l.Annotations, FencePlanAnnotation)
 	}
 	if uid != "" {
 		// Owned by the Node, so that it is collected with it. No
@@ -539,7 +592,9 @@ func (h *Heartbeat) lapse(ctx context.Context) {
 func (h *Heartbeat) fence(ctx context.Context, silent time.Duration, v peerVerdict, tally peerTally) {
 	logger := klog.FromContext(ctx)
 	h.mu.Lock()
-	targets, synced := slices.Clone(h.plan), h.planSynced
+	// The plan now, and every plan the Lease may hold: the controller
+	// moves only pods of the published one, so each of them is fenced.
+	targets, synced := unionTargets(h.plan, h.sent), h.planSynced
 	h.mu.Unlock()
 	if !synced {
 		// Never reached the API server: fence every pod with a CSI
@@ -549,7 +604,7 @@ func (h *Heartbeat) fence(ctx context.Context, silent time.Duration, v peerVerdi
 			logger.Error(err, "Fence: cannot list the pods with CSI volumes; fencing none")
 		}
 		for _, uid := range uids {
-			targets = append(targets, fenceTarget{UID: uid})
+			targets = unionTargets(targets, []fenceTarget{{UID: uid}})
 		}
 	}
 	h.mu.Lock()
@@ -796,4 +851,22 @@ func (c *claimCache) sweep() {
 		}
 	}
 	clear(c.used)
+}
+
+// Events the heartbeat writes on its Node.
+const (
+	ReasonPeerCheckDegraded = "FailoverPeerCheckDegraded"
+	ReasonPeerCheckOK       = "FailoverPeerCheckOK"
+)
+
+// nodeEvent writes an event about this node.
+func (h *Heartbeat) nodeEvent(eventtype, reason, format string, args ...any) {
+	if h.rec == nil {
+		return
+	}
+	h.mu.Lock()
+	uid := h.nodeUID
+	h.mu.Unlock()
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: h.cfg.NodeName, UID: uid}}
+	h.rec.Eventf(node, nil, eventtype, reason, "PeerCheck", format, args...)
 }

@@ -80,8 +80,11 @@ type hbNode struct {
 	hb       *Heartbeat
 	reg      *prometheus.Registry
 	offset   atomic.Int64 // added to the boot clock: a simulated suspend
-	cancel   context.CancelFunc
-	done     chan struct{}
+	// throttled answers the heartbeat's Lease writes 429, as API Priority
+	// and Fairness does to a flooded flow; its other calls go through.
+	throttled atomic.Bool
+	cancel    context.CancelFunc
+	done      chan struct{}
 }
 
 // node creates a Node and runs its heartbeat with cfg; the test's cleanup
@@ -101,7 +104,7 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 	cfg.NodeName, cfg.Identity = name, "agent-"+name
 	sa := rest.CopyConfig(l.sa)
 	sa.Host = "https://" + n.proxy.Addr()
-	sa.WrapTransport = n.requests.wrap
+	sa.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return n.requests.wrap(n.throttleLeases(rt)) }
 	// Everything but the Lease as the node, as the agent does.
 	nodeCfg := l.c.NodeConfig(t, name)
 	nodeCfg.Host = "https://" + n.proxy.Addr()
@@ -224,9 +227,14 @@ func TestHeartbeat(t *testing.T) {
 	t.Run("lease owned by its node", func(t *testing.T) { testLeaseOwner(t, l) })
 	t.Run("partitioned alone fences", func(t *testing.T) { testPartitionedAlone(t, l) })
 	t.Run("hostile peers do not hold a fence", func(t *testing.T) { testHostilePeers(t, l) })
+	t.Run("peers' heartbeat flow throttled: the cut-off node fences", func(t *testing.T) { testThrottledFlow(t, l) })
 	t.Run("suspend fences", func(t *testing.T) { testSuspend(t, l) })
 	t.Run("steady state requests", func(t *testing.T) { testSteadyRequests(t, l) })
-	t.Run("api server stopped: no fence", func(t *testing.T) { testAPIServerStopped(t, l) })
+	t.Run("api server stopped: no fence", func(t *testing.T) { testAPIServerStopped(t, l, 4, 0) })
+	// Anyone on the pod network floods every peer endpoint during the
+	// outage (45 unauthenticated checks a second each, which spent the
+	// endpoint's whole budget before checks were authenticated first).
+	t.Run("api server stopped, peers flooded: no fence", func(t *testing.T) { testAPIServerStopped(t, l, 8, 45) })
 }
 
 func testLeaseOwner(t *testing.T, l *hbLab) {
@@ -391,16 +399,36 @@ func testSuspend(t *testing.T, l *hbLab) {
 // testAPIServerStopped stops kube-apiserver for twice the fence window
 // with several heartbeats running: every one holds, none fences, and all
 // renew again once it is back.
-func testAPIServerStopped(t *testing.T, l *hbLab) {
+func testAPIServerStopped(t *testing.T, l *hbLab, n, flood int) {
 	cfg := l.hbConfig()
+	cfg.Peers = n - 1
 	var nodes []*hbNode
-	for i := range 4 {
-		nodes = append(nodes, l.node(t, fmt.Sprintf("outage-%c", 'a'+i), cfg))
+	prefix := "outage"
+	if flood > 0 {
+		prefix = "flood"
+	}
+	for i := range n {
+		nodes = append(nodes, l.node(t, fmt.Sprintf("%s-%c", prefix, 'a'+i), cfg))
 	}
 	waitPeers(t, nodes...)
 	down := 2 * (cfg.FenceAfter + 6*time.Second) // twice the window a controller with a 6 s margin waits
+	var sent func() int64
+	if flood > 0 {
+		var targets []peerInfo
+		for _, n := range nodes {
+			n.hb.mu.Lock()
+			targets = append(targets, peerInfo{Node: n.name, Addr: n.hb.peerAddr})
+			n.hb.mu.Unlock()
+		}
+		ctx, stop := context.WithCancel(context.Background())
+		defer stop()
+		sent = floodPeers(ctx, targets, flood)
+	}
 	l.c.StopAPIServer()
 	time.Sleep(down)
+	if sent != nil {
+		t.Logf("flood: %d unauthenticated checks sent to %d peer endpoints during the %s outage", sent(), len(nodes), down)
+	}
 	if err := l.c.StartAPIServer(); err != nil {
 		t.Fatalf("start kube-apiserver again: %v", err)
 	}
@@ -415,7 +443,14 @@ func testAPIServerStopped(t *testing.T, l *hbLab) {
 	if err != nil {
 		t.Errorf("heartbeats not renewing after the API server came back: %v", err)
 	}
+	fenced := 0
+	defer func() {
+		t.Logf("nodes fenced during an API server outage of %s (flood %d/s per peer): %d of %d", down, flood, fenced, len(nodes))
+	}()
 	for _, n := range nodes {
+		if n.fences(t) != 0 {
+			fenced++
+		}
 		if got := n.fences(t); got != 0 {
 			t.Errorf("%s fenced %v times during an API server outage of %s (outage verdicts %v, other verdicts: isolated %v not_unanimous %v peer_renews %v)",
 				n.name, got, down, n.verdicts(t, verdictOutage), n.verdicts(t, verdictIsolated), n.verdicts(t, verdictNotUnanimous), n.verdicts(t, verdictPeerRenews))
@@ -427,6 +462,48 @@ func testAPIServerStopped(t *testing.T, l *hbLab) {
 			t.Errorf("%s: outage_hold = %v after the API server returned, want 0", n.name, got)
 		}
 	}
+}
+
+// throttleLeases answers Lease writes 429 while n.throttled is set.
+func (n *hbNode) throttleLeases(rt http.RoundTripper) http.RoundTripper {
+	return roundTripperFunc(func(req *http.Request) (*http.Response, error) {
+		if n.throttled.Load() && req.Method != http.MethodGet && strings.Contains(req.URL.Path, "/leases") {
+			return &http.Response{StatusCode: http.StatusTooManyRequests, Status: "429 Too Many Requests", Request: req,
+				Header: http.Header{"Content-Type": {"text/plain"}}, Body: http.NoBody}, nil
+		}
+		return rt.RoundTrip(req)
+	})
+}
+
+// testThrottledFlow: every other agent's heartbeat writes are throttled
+// (a flooded API Priority and Fairness flow) while the API server answers
+// them otherwise, and one node is cut off. Its peers must not vouch for an
+// outage: the API server serves the controller, which fails the cut-off
+// node over. It fences.
+func testThrottledFlow(t *testing.T, l *hbLab) {
+	cfg := l.hbConfig()
+	var nodes []*hbNode
+	for i := range 4 {
+		nodes = append(nodes, l.node(t, fmt.Sprintf("apf-%c", 'a'+i), cfg))
+	}
+	waitPeers(t, nodes...)
+	victim := nodes[0]
+	for _, n := range nodes[1:] {
+		n.throttled.Store(true)
+	}
+	victim.proxy.Cut()
+	err := waitFor(context.Background(), 30*time.Second, func(context.Context) (bool, error) { return victim.fenced(), nil })
+	if err != nil {
+		t.Fatalf("node cut off while its peers' heartbeat writes are throttled did not fence: %v (peer checks: outage %v, peer_renews %v, isolated %v)", err,
+			victim.verdicts(t, verdictOutage), victim.verdicts(t, verdictPeerRenews), victim.verdicts(t, verdictIsolated))
+	}
+	if got := victim.verdicts(t, verdictOutage); got != 0 {
+		t.Errorf("peer_checks_total{verdict=outage} = %v: peers whose API server answers vouched for an outage", got)
+	}
+	for _, n := range nodes[1:] {
+		n.throttled.Store(false)
+	}
+	victim.proxy.Restore()
 }
 
 // requestCounter counts a client's requests by method and path kind.

@@ -37,6 +37,8 @@ type controllerMetrics struct {
 	// did not confirm what the informers said.
 	freshRefusals prometheus.Counter
 	sightRegained prometheus.Counter
+	// podsLeft: pods with ReadWriteOnce volumes a dead node keeps.
+	podsLeft *prometheus.CounterVec
 }
 
 func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error) {
@@ -90,6 +92,13 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 			Name: "mountmedic_failover_watch_regained_total",
 			Help: "Times the leader's watches reached the API server again after losing it (every node's silence clock restarted).",
 		}),
+		podsLeft: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mountmedic_failover_pods_left_total",
+			Help: "Pods with ReadWriteOnce volumes left on a dead node, once per outage, by reason (not_eligible: the policy keeps them, e.g. opted out; not_planned: not in the fence plan the node last published, so perhaps not fenced).",
+		}, []string{"reason"}),
+	}
+	for _, r := range leftReasons {
+		m.podsLeft.WithLabelValues(r)
 	}
 	for _, r := range failoverResults {
 		m.failovers.WithLabelValues(r)
@@ -98,7 +107,7 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 		m.podDeletions.WithLabelValues(r)
 	}
 	if err := register(reg, m.failovers, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered,
-		m.nodesJudged, m.nodesDead, m.standDown, m.standDowns, m.freshRefusals, m.sightRegained); err != nil {
+		m.nodesJudged, m.nodesDead, m.standDown, m.standDowns, m.freshRefusals, m.sightRegained, m.podsLeft); err != nil {
 		return nil, err
 	}
 	return m, nil

@@ -17,11 +17,13 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/util/flowcontrol"
@@ -78,8 +80,10 @@ const (
 	minHoldPeers = 2
 	// minPeerKey is the shortest key accepted (bytes of the file).
 	minPeerKey = 32
-	// peerMACContext separates these MACs from any other use of the key.
-	peerMACContext = "mountmedic-failover-peer-v1"
+	// peerMACContext separates these MACs from any other use of the key;
+	// peerRequestContext the requests' from the answers'.
+	peerMACContext     = "mountmedic-failover-peer-v1"
+	peerRequestContext = "mountmedic-failover-peer-request-v1"
 )
 
 // peerVerdict is the outcome of a peer check.
@@ -198,7 +202,19 @@ type peerMetrics struct {
 	checks   *prometheus.CounterVec
 	held     prometheus.Gauge
 	rejected prometheus.Counter
+	refused  prometheus.Counter
+	degraded *prometheus.GaugeVec
 }
+
+// Why the peer check cannot hold a fence through an outage, as
+// mountmedic_failover_peer_check_degraded labels it.
+const (
+	degradedNoKey       = "no_key"
+	degradedNoPeers     = "no_peers"
+	degradedUnreachable = "unreachable"
+)
+
+var degradedReasons = []string{degradedNoKey, degradedNoPeers, degradedUnreachable}
 
 func newPeerMetrics(reg prometheus.Registerer) (*peerMetrics, error) {
 	m := &peerMetrics{
@@ -214,11 +230,22 @@ func newPeerMetrics(reg prometheus.Registerer) (*peerMetrics, error) {
 			Name: "mountmedic_failover_peer_answers_rejected_total",
 			Help: "Peer answers that failed authentication (wrong key, replayed, from another node): each is someone answering at a peer's address without the peer key.",
 		}),
+		refused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mountmedic_failover_peer_requests_refused_total",
+			Help: "Peer checks this agent's endpoint refused before any work: not authenticated with the peer key, or a replayed nonce.",
+		}),
+		degraded: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_peer_check_degraded",
+			Help: "1 while the peer check cannot hold a fence through an API server outage, by reason: no_key (no peer key), no_peers (fewer than 2 peers known), unreachable (no peer answered the last probe). An outage longer than --failover-fence-after then fences this node.",
+		}, []string{"reason"}),
 	}
 	for _, v := range peerVerdicts {
 		m.checks.WithLabelValues(v.String())
 	}
-	if err := register(reg, m.checks, m.held, m.rejected); err != nil {
+	for _, r := range degradedReasons {
+		m.degraded.WithLabelValues(r)
+	}
+	if err := register(reg, m.checks, m.held, m.rejected, m.refused, m.degraded); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -231,12 +258,57 @@ func peerShard(node string) string {
 	return strconv.Itoa(int(h.Sum32() % peerShards))
 }
 
-// peerServer answers other agents' peer checks.
+// peerServer answers other agents' peer checks. A request costs nothing
+// before it is authenticated: the MAC over its nonce, its sender and the
+// node asked is checked first (one HMAC), a nonce is answered once, and
+// only then does the request spend a token, of its sender's bucket and of
+// the endpoint's. A flood without the key gets 401s and never takes an
+// agent's turn.
 type peerServer struct {
 	node     string
 	keyFile  string
 	canRenew func() bool
-	limit    flowcontrol.RateLimiter
+	// limit bounds the authenticated checks the endpoint answers;
+	// perSource each sender's.
+	limit     flowcontrol.RateLimiter
+	perSource func() flowcontrol.RateLimiter
+	key       *keyCache
+	// rejected counts requests refused before any work (nil: not
+	// counted).
+	rejected prometheus.Counter
+
+	mu      sync.Mutex
+	sources map[string]*sourceState
+	nonces  map[string]time.Time
+}
+
+// sourceState is one sender's bucket and when it last asked.
+type sourceState struct {
+	limit flowcontrol.RateLimiter
+	last  time.Time
+}
+
+// Peer endpoint limits: an agent asks each of its peers once per check,
+// at most once a HeartbeatInterval during an outage; a node is the peer of
+// about Peers others.
+const (
+	peerQPS, peerBurst             = 50, 100
+	peerSourceQPS, peerSourceBurst = 2, 10
+	// peerNonceTTL: a nonce seen this recently is a replay.
+	peerNonceTTL = time.Minute
+	// peerMaxTracked bounds the senders and nonces remembered.
+	peerMaxTracked = 20000
+)
+
+// newPeerServer is the endpoint an agent serves, with its limits.
+func newPeerServer(node, keyFile string, canRenew func() bool) *peerServer {
+	return &peerServer{node: node, keyFile: keyFile, canRenew: canRenew,
+		limit: flowcontrol.NewTokenBucketRateLimiter(peerQPS, peerBurst),
+		perSource: func() flowcontrol.RateLimiter {
+			return flowcontrol.NewTokenBucketRateLimiter(peerSourceQPS, peerSourceBurst)
+		},
+		key:     &keyCache{path: keyFile},
+		sources: map[string]*sourceState{}, nonces: map[string]time.Time{}}
 }
 
 func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -244,19 +316,50 @@ func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.NotFound(w, r)
 		return
 	}
-	// Anyone on the pod network can ask: bound the work it can cause.
-	if !s.limit.TryAccept() {
-		http.Error(w, "too many peer checks", http.StatusTooManyRequests)
-		return
-	}
-	nonce := r.URL.Query().Get("nonce")
+	q := r.URL.Query()
+	nonce, from, auth := q.Get("nonce"), q.Get("from"), q.Get("auth")
 	if b, err := hex.DecodeString(nonce); err != nil || len(b) != 32 {
 		http.Error(w, "nonce: want 32 random bytes in hex", http.StatusBadRequest)
 		return
 	}
-	key, err := readPeerKey(s.keyFile)
+	if from == "" || len(from) > 253 {
+		http.Error(w, "from: want the asking node's name", http.StatusBadRequest)
+		return
+	}
+	key, err := s.key.get()
 	if err != nil {
 		http.Error(w, "no peer key", http.StatusServiceUnavailable)
+		return
+	}
+	if !hmac.Equal([]byte(auth), []byte(peerRequestMAC(key, nonce, from, s.node))) {
+		s.refuse()
+		http.Error(w, "request not authenticated with the peer key", http.StatusUnauthorized)
+		return
+	}
+	now := time.Now()
+	s.mu.Lock()
+	if _, seen := s.nonces[nonce]; seen {
+		s.mu.Unlock()
+		s.refuse()
+		http.Error(w, "nonce already answered (a replay)", http.StatusUnauthorized)
+		return
+	}
+	s.forget(now)
+	s.nonces[nonce] = now
+	src := s.sources[from]
+	if src == nil {
+		src = &sourceState{limit: s.perSource()}
+		s.sources[from] = src
+	}
+	src.last = now
+	// The sender's token first: a sender over its own rate spends none of
+	// the endpoint's.
+	ok := src.limit.TryAccept() && s.limit.TryAccept()
+	s.mu.Unlock()
+	if !ok {
+		// "Ask again", not silence: the asker retries within its check.
+		w.Header().Set("Retry-After", "1")
+		http.Error(w, "too many peer checks", http.StatusTooManyRequests)
 		return
 	}
 	ans := peerAnswer{Node: s.node, Nonce: nonce, CanRenew: s.canRenew()}
@@ -265,16 +368,80 @@ func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(ans)
 }
 
+func (s *peerServer) refuse() {
+	if s.rejected != nil {
+		s.rejected.Inc()
+	}
+}
+
+// forget drops nonces past their TTL and senders silent as long, and, past
+// peerMaxTracked, the oldest half. s.mu is held.
+func (s *peerServer) forget(now time.Time) {
+	if len(s.nonces) < peerMaxTracked && len(s.sources) < peerMaxTracked {
+		for n, at := range s.nonces {
+			if now.Sub(at) > peerNonceTTL {
+				delete(s.nonces, n)
+			}
+		}
+		return
+	}
+	for n, at := range s.nonces {
+		if now.Sub(at) > peerNonceTTL/2 {
+			delete(s.nonces, n)
+		}
+	}
+	for k, src := range s.sources {
+		if now.Sub(src.last) > peerNonceTTL/2 {
+			delete(s.sources, k)
+		}
+	}
+}
+
+// peerRequestMAC authenticates a check: HMAC-SHA256 under key of the
+// request context, the nonce, the asking node and the node asked (a
+// request to one peer cannot be replayed at another).
+func peerRequestMAC(key []byte, nonce, from, to string) string {
+	m := hmac.New(sha256.New, key)
+	for _, s := range []string{peerRequestContext, nonce, from, to} {
+		m.Write([]byte(s))
+		m.Write([]byte{0})
+	}
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// keyCache reads the peer key at most once a second: a flood does not
+// read the file per request, and a rotated Secret takes effect within a
+// second of kubelet updating the file.
+type keyCache struct {
+	path string
+	mu   sync.Mutex
+	at   time.Time
+	key  []byte
+	err  error
+}
+
+func (c *keyCache) get() ([]byte, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if now := time.Now(); now.Sub(c.at) > time.Second {
+		c.key, c.err = readPeerKey(c.path)
+		c.at = now
+	}
+	return c.key, c.err
+}
+
 // peerClient asks peers.
 type peerClient struct {
 	self    string
 	keyFile string
 	timeout time.Duration
-	http    *http.Client
+	// retryPause is the wait before asking a busy peer again.
+	retryPause time.Duration
+	http       *http.Client
 }
 
 func newPeerClient(self, keyFile string, timeout time.Duration) *peerClient {
-	return &peerClient{self: self, keyFile: keyFile, timeout: timeout, http: &http.Client{
+	return &peerClient{self: self, keyFile: keyFile, timeout: timeout, retryPause: min(timeout/4, 250*time.Millisecond), http: &http.Client{
 		// Never through an HTTP proxy from the environment: peers are
 		// pod IPs.
 		Transport: &http.Transport{Proxy: nil, DialContext: (&net.Dialer{Timeout: timeout}).DialContext,
@@ -286,7 +453,9 @@ func newPeerClient(self, keyFile string, timeout time.Duration) *peerClient {
 	}}
 }
 
-// check asks every peer at once and tallies their valid answers.
+// check asks every peer at once and tallies their valid answers. A peer
+// that answers 429 or 503, or not in time, is asked again until the check's
+// budget (twice the peer timeout) runs out: busy is not silent.
 func (c *peerClient) check(ctx context.Context, peers []peerInfo, m *peerMetrics) peerTally {
 	logger := klog.FromContext(ctx)
 	t := peerTally{Asked: len(peers)}
@@ -302,9 +471,11 @@ func (c *peerClient) check(ctx context.Context, peers []peerInfo, m *peerMetrics
 	}
 	results := make(chan result, len(peers))
 	var wg sync.WaitGroup
+	budget, cancel := context.WithTimeout(ctx, 2*c.timeout)
+	defer cancel()
 	for _, p := range peers {
 		wg.Go(func() {
-			ans, err := c.ask(ctx, key, p)
+			ans, err := c.askUntil(budget, key, p)
 			results <- result{p, ans, err}
 		})
 	}
@@ -328,6 +499,37 @@ func (c *peerClient) check(ctx context.Context, peers []peerInfo, m *peerMetrics
 	return t
 }
 
+// askUntil asks one peer until it gives an answer (valid or rejected), it
+// refuses the request, or ctx ends.
+func (c *peerClient) askUntil(ctx context.Context, key []byte, p peerInfo) (*peerAnswer, error) {
+	for {
+		ans, err := c.ask(ctx, key, p)
+		var rej *rejectedError
+		var busy *busyError
+		switch {
+		case err == nil, errors.As(err, &rej):
+			return ans, err
+		case !errors.As(err, &busy) && !errors.Is(err, context.DeadlineExceeded) && !isTimeout(err):
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(c.retryPause):
+		}
+	}
+}
+
+// busyError is a peer asking to be asked again (429, 503).
+type busyError struct{ status string }
+
+func (e *busyError) Error() string { return "peer busy: " + e.status }
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
 // rejectedError is an answer that failed authentication.
 type rejectedError struct{ reason string }
 
@@ -342,7 +544,8 @@ func (c *peerClient) ask(ctx context.Context, key []byte, p peerInfo) (*peerAnsw
 	nonce := hex.EncodeToString(raw)
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	u := url.URL{Scheme: "http", Host: p.Addr, Path: peerPath, RawQuery: url.Values{"nonce": {nonce}, "from": {c.self}}.Encode()}
+	u := url.URL{Scheme: "http", Host: p.Addr, Path: peerPath, RawQuery: url.Values{
+		"nonce": {nonce}, "from": {c.self}, "auth": {peerRequestMAC(key, nonce, c.self, p.Node)}}.Encode()}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 	if err != nil {
 		return nil, fmt.Errorf("peer request: %w", err)
@@ -356,7 +559,11 @@ func (c *peerClient) ask(ctx context.Context, key []byte, p peerInfo) (*peerAnsw
 	if err != nil {
 		return nil, fmt.Errorf("read peer answer: %w", err)
 	}
-	if resp.StatusCode != http.StatusOK {
+	switch resp.StatusCode {
+	case http.StatusOK:
+	case http.StatusTooManyRequests, http.StatusServiceUnavailable:
+		return nil, &busyError{status: resp.Status}
+	default:
 		return nil, fmt.Errorf("peer answered %s", resp.Status)
 	}
 	var ans peerAnswer
@@ -456,13 +663,33 @@ func (h *Heartbeat) refreshPeers(ctx context.Context) int {
 	return len(peers)
 }
 
-// canRenew is this agent's answer to a peer: its last renewal attempt
-// succeeded, recently.
+// canRenew is this agent's answer to a peer: the API server answers it,
+// recently: its last renewal attempt succeeded, or, when its heartbeat
+// writes fail, a read with the node's identity (another client, another
+// API Priority and Fairness flow) did. Only an API server that answers
+// neither is an outage: heartbeat writes throttled or refused for every
+// agent (a flooded flow) while the API server serves the controller must
+// not make a partitioned node hold its fence.
 func (h *Heartbeat) canRenew() bool {
 	now := h.boot()
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.lastAttemptOK && now-h.lastOK < h.cfg.FenceAfter/2
+	return (h.lastAttemptOK && now-h.lastOK < h.cfg.FenceAfter/2) ||
+		(h.apiOKSet && now-h.lastAPIOK < h.cfg.FenceAfter/2)
+}
+
+// probeAPI reads this node with the node's client after a failed renewal
+// and records when the API server answered.
+func (h *Heartbeat) probeAPI(ctx context.Context) {
+	start := h.boot()
+	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.FenceAfter/4))
+	defer cancel()
+	if _, err := h.client.CoreV1().Nodes().Get(ctx, h.cfg.NodeName, metav1.GetOptions{}); err != nil {
+		return
+	}
+	h.mu.Lock()
+	h.lastAPIOK, h.apiOKSet = start, true
+	h.mu.Unlock()
 }
 
 // askPeers runs one peer check and returns its verdict.
@@ -490,9 +717,10 @@ func (h *Heartbeat) servePeers(ctx context.Context) (string, func(), error) {
 			host = ip.String()
 		}
 	}
+	ps := newPeerServer(h.cfg.NodeName, h.cfg.PeerKeyFile, h.canRenew)
+	ps.rejected = h.peerMetrics.refused
 	srv := &http.Server{
-		Handler: &peerServer{node: h.cfg.NodeName, keyFile: h.cfg.PeerKeyFile, canRenew: h.canRenew,
-			limit: flowcontrol.NewTokenBucketRateLimiter(20, 40)},
+		Handler:           ps,
 		ReadHeaderTimeout: 2 * time.Second,
 		ReadTimeout:       2 * time.Second,
 		WriteTimeout:      2 * time.Second,
@@ -516,4 +744,52 @@ func (h *Heartbeat) servePeers(ctx context.Context) (string, func(), error) {
 		return "", stop, nil
 	}
 	return net.JoinHostPort(host, port), stop, nil
+}
+
+// probePeers asks the peers while the heartbeat renews, to learn before an
+// outage whether the peer check could hold a fence through one: with no
+// key, fewer than two peers known or none answering (a default-deny
+// NetworkPolicy, a wrong key), an outage longer than FenceAfter fences this
+// node. A change is logged and reported in an event on the Node and in
+// mountmedic_failover_peer_check_degraded.
+func (h *Heartbeat) probePeers(ctx context.Context) {
+	reason, detail := "", ""
+	h.mu.Lock()
+	peers := slices.Clone(h.peers)
+	h.mu.Unlock()
+	switch _, err := readPeerKey(h.cfg.PeerKeyFile); {
+	case h.peerClient == nil:
+		reason, detail = degradedNoKey, "no --failover-peer-key-file"
+	case err != nil:
+		reason, detail = degradedNoKey, err.Error()
+	case len(peers) < minHoldPeers:
+		reason, detail = degradedNoPeers, fmt.Sprintf("%d peers known, want at least %d (peers are agents with a held, fresh heartbeat Lease and a peer address)", len(peers), minHoldPeers)
+	default:
+		t := h.peerClient.check(ctx, peers, h.peerMetrics)
+		if t.CanRenew+t.Cannot == 0 {
+			reason, detail = degradedUnreachable, fmt.Sprintf("none of %d peers answered (%d answers rejected): a NetworkPolicy blocking the peer port, or agents with another key", t.Asked, t.Rejected)
+		}
+	}
+	for _, r := range degradedReasons {
+		v := 0.0
+		if r == reason {
+			v = 1
+		}
+		h.peerMetrics.degraded.WithLabelValues(r).Set(v)
+	}
+	h.mu.Lock()
+	prev := h.degraded
+	h.degraded = reason
+	h.mu.Unlock()
+	if prev == reason {
+		return
+	}
+	logger := klog.FromContext(ctx)
+	if reason == "" {
+		logger.Info("Failover peer check works again: an API server outage holds the fence", "peers", len(peers))
+		h.nodeEvent(corev1.EventTypeNormal, ReasonPeerCheckOK, "Failover peer check works: %d peers answer; an API server outage no longer fences this node", len(peers))
+		return
+	}
+	logger.Error(nil, "Failover peer check cannot hold a fence: an API server outage longer than --failover-fence-after fences this node's RWO pods", "reason", reason, "detail", detail)
+	h.nodeEvent(corev1.EventTypeWarning, ReasonPeerCheckDegraded, "Failover peer check cannot hold a fence (%s: %s): an API server outage longer than %s fences this node's pods with ReadWriteOnce volumes", reason, detail, h.cfg.FenceAfter)
 }

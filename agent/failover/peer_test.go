@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -114,8 +115,7 @@ const testKey = "0123456789abcdef0123456789abcdef-test-key"
 // peerEndpoint serves a real peerServer for node with canRenew.
 func peerEndpoint(t *testing.T, node, keyFile string, canRenew bool) string {
 	t.Helper()
-	srv := httptest.NewServer(&peerServer{node: node, keyFile: keyFile, canRenew: func() bool { return canRenew },
-		limit: flowcontrol.NewTokenBucketRateLimiter(100, 100)})
+	srv := httptest.NewServer(newPeerServer(node, keyFile, func() bool { return canRenew }))
 	t.Cleanup(srv.Close)
 	return srv.Listener.Addr().String()
 }
@@ -244,13 +244,18 @@ func TestPeerCheck(t *testing.T) {
 	}
 }
 
-// TestPeerServerLimits: the endpoint refuses malformed nonces and bounds
-// the checks anyone on the network can make it answer.
+// TestPeerServerLimits: the endpoint refuses malformed and unauthenticated
+// requests and replays before they cost a token, and bounds each sender's
+// checks with a 429 (ask again).
 func TestPeerServerLimits(t *testing.T) {
 	var calls atomic.Int32
-	srv := httptest.NewServer(&peerServer{node: "a", keyFile: writeKey(t, testKey),
-		canRenew: func() bool { calls.Add(1); return true }, limit: flowcontrol.NewTokenBucketRateLimiter(1, 2)})
+	keyFile := writeKey(t, testKey)
+	ps := newPeerServer("a", keyFile, func() bool { calls.Add(1); return true })
+	ps.limit = flowcontrol.NewTokenBucketRateLimiter(1, 3)
+	ps.perSource = func() flowcontrol.RateLimiter { return flowcontrol.NewTokenBucketRateLimiter(1, 2) }
+	srv := httptest.NewServer(ps)
 	defer srv.Close()
+	key, _ := readPeerKey(keyFile)
 	get := func(q string) int {
 		resp, err := http.Get(srv.URL + peerPath + q)
 		if err != nil {
@@ -259,18 +264,45 @@ func TestPeerServerLimits(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	if code := get("?nonce=abc"); code != http.StatusBadRequest {
+	n := 0
+	signed := func(from, to string) string {
+		n++
+		nonce := fmt.Sprintf("%064x", n)
+		return "?nonce=" + nonce + "&from=" + from + "&auth=" + peerRequestMAC(key, nonce, from, to)
+	}
+	if code := get("?nonce=abc&from=b"); code != http.StatusBadRequest {
 		t.Errorf("short nonce: status %d, want 400", code)
 	}
-	nonce := "?nonce=" + strings.Repeat("ab", 32)
-	limited := false
-	for range 10 {
-		if get(nonce) == http.StatusTooManyRequests {
-			limited = true
+	// A flood without the key, or signed for another node, spends nothing.
+	for range 50 {
+		if code := get("?nonce=" + strings.Repeat("ab", 32) + "&from=b&auth=00"); code != http.StatusUnauthorized {
+			t.Fatalf("unauthenticated check: status %d, want 401", code)
+		}
+		if code := get(signed("b", "other")); code != http.StatusUnauthorized {
+			t.Fatalf("check signed for another node: status %d, want 401", code)
 		}
 	}
-	if !limited || calls.Load() > 4 {
-		t.Errorf("10 checks at once: limited %v, %d answered; want most refused with 429", limited, calls.Load())
+	q := signed("b", "a")
+	if code := get(q); code != http.StatusOK {
+		t.Fatalf("first authenticated check after the flood: status %d, want 200", code)
+	}
+	if code := get(q); code != http.StatusUnauthorized {
+		t.Errorf("replayed check: status %d, want 401", code)
+	}
+	// Sender b has one token left of its burst, then 429s; sender c still
+	// has its own.
+	codes := map[int]int{}
+	for range 5 {
+		codes[get(signed("b", "a"))]++
+	}
+	if codes[http.StatusTooManyRequests] == 0 || codes[http.StatusOK] > 2 {
+		t.Errorf("5 more checks from one sender: %v, want 429s past its burst", codes)
+	}
+	if code := get(signed("c", "a")); code != http.StatusOK {
+		t.Errorf("another sender's first check: status %d, want 200 (per-sender limits)", code)
+	}
+	if got := calls.Load(); got > 4 {
+		t.Errorf("answered %d checks, want only authenticated ones within the limits", got)
 	}
 }
 
@@ -307,4 +339,68 @@ func TestPickPeers(t *testing.T) {
 	if got := pickPeers("self", append(leases, leaseView{Name: "ok-3", Held: true, Addr: "a:1"}), 2, rand.New(rand.NewPCG(3, 4))); len(got) != 2 {
 		t.Errorf("pickPeers with n=2 gave %d peers", len(got))
 	}
+}
+
+// TestPeerCheckFlooded: during an API server outage, anyone on the pod
+// network sends about 45 unauthenticated checks a second to every peer's
+// endpoint. The agents' own checks must still be answered: every peer
+// says it cannot renew, the verdict is outage (hold), never isolated
+// (fence), in every one of five checks.
+func TestPeerCheckFlooded(t *testing.T) {
+	key := writeKey(t, testKey)
+	var peers []peerInfo
+	for i := range 7 {
+		node := fmt.Sprintf("peer-%d", i)
+		srv := httptest.NewServer(newPeerServer(node, key, func() bool { return false }))
+		t.Cleanup(srv.Close)
+		peers = append(peers, peerInfo{Node: node, Addr: srv.Listener.Addr().String()})
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	flooded := floodPeers(ctx, peers, 45)
+	time.Sleep(2 * time.Second) // the flood has spent any burst by now
+
+	m, err := newPeerMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newPeerClient("asker", key, 500*time.Millisecond)
+	for i := range 5 {
+		tally := c.check(ctx, peers, m)
+		if got := judgePeers(tally); got != verdictOutage {
+			t.Errorf("check %d under a flood of 45 GET/s per peer: verdict %s (tally %+v), want outage", i, got, tally)
+		}
+		time.Sleep(time.Second)
+	}
+	stop()
+	t.Logf("flood requests sent: %d", flooded())
+}
+
+// floodPeers sends perSecond unauthenticated checks a second to each peer
+// until ctx ends; it returns a function that counts them.
+func floodPeers(ctx context.Context, peers []peerInfo, perSecond int) func() int64 {
+	var sent atomic.Int64
+	client := &http.Client{Timeout: time.Second}
+	for _, p := range peers {
+		go func() {
+			tick := time.NewTicker(time.Second / time.Duration(perSecond))
+			defer tick.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
+				go func() {
+					nonce := strings.Repeat("cd", 32)
+					req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+p.Addr+peerPath+"?nonce="+nonce+"&from=flood", nil)
+					if resp, err := client.Do(req); err == nil {
+						resp.Body.Close()
+					}
+					sent.Add(1)
+				}()
+			}
+		}()
+	}
+	return sent.Load
 }
