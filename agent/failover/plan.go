@@ -30,9 +30,20 @@ type fencePlan struct {
 
 // encodeFencePlan renders a plan for the annotation.
 func encodeFencePlan(fenceAfter time.Duration, targets []fenceTarget) string {
-	p := fencePlan{FenceAfterSeconds: int32(fenceAfter / time.Second), Pods: make([]string, 0, len(targets))}
+	uids := make([]string, 0, len(targets))
 	for _, t := range targets {
-		p.Pods = append(p.Pods, t.UID)
+		uids = append(uids, t.UID)
+	}
+	return EncodeFencePlan(fenceAfter, uids)
+}
+
+// EncodeFencePlan renders FencePlanAnnotation's value for the pods with
+// these UIDs and a fence deadline of fenceAfter: what an agent publishes,
+// and what a test playing an agent publishes for its simulated node.
+func EncodeFencePlan(fenceAfter time.Duration, uids []string) string {
+	p := fencePlan{FenceAfterSeconds: int32(fenceAfter / time.Second), Pods: slices.Clone(uids)}
+	if p.Pods == nil {
+		p.Pods = []string{}
 	}
 	slices.Sort(p.Pods)
 	p.Pods = slices.Compact(p.Pods)

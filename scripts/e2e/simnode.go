@@ -36,6 +36,10 @@ type SimNode struct {
 // (kubelet renews every 10 s, mountmedic's heartbeat every 5 s).
 const beat = 2 * time.Second
 
+// simFenceAfter is the simulated agent's --failover-fence-after, the
+// agents' default, published in its fence plan.
+const simFenceAfter = 30 * time.Second
+
 // StartSimNode registers node name and starts beating for it.
 func StartSimNode(ctx context.Context, c kubernetes.Interface, name string) (*SimNode, error) {
 	n := &corev1.Node{
@@ -90,16 +94,21 @@ func (s *SimNode) beat(ctx context.Context) error {
 	if _, err := s.c.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
 		return fmt.Errorf("post status of node %s: %w", s.Name, err)
 	}
-	if err := renewLease(ctx, s.c, corev1.NamespaceNodeLease, s.Name, s.Name, 40, nil, now); err != nil {
+	if err := renewLease(ctx, s.c, corev1.NamespaceNodeLease, s.Name, s.Name, 40, nil, nil, now); err != nil {
+		return err
+	}
+	pods, err := s.runPods(ctx)
+	if err != nil {
 		return err
 	}
 	// The failover duty's heartbeat Lease: one per node, named after it, in
-	// the agent's namespace, with the duty's label.
+	// the agent's namespace, with the duty's label and the fence plan the
+	// simulated agent would keep: every pod bound to the node (a real agent
+	// plans only the ones the duty may move; the controller moves only pods
+	// both eligible and planned).
 	hb := map[string]string{failover.HeartbeatLabel: failover.HeartbeatLabelValue, "app.kubernetes.io/name": "mountmedic"}
-	if err := renewLease(ctx, s.c, AgentNamespace, s.Name, "simulated-agent-"+s.Name, 30, hb, now); err != nil {
-		return err
-	}
-	return s.runPods(ctx)
+	plan := map[string]string{failover.FencePlanAnnotation: failover.EncodeFencePlan(simFenceAfter, pods)}
+	return renewLease(ctx, s.c, AgentNamespace, s.Name, "simulated-agent-"+s.Name, 30, hb, plan, now)
 }
 
 func readySince(node *corev1.Node, now time.Time) metav1.Time {
@@ -111,12 +120,12 @@ func readySince(node *corev1.Node, now time.Time) metav1.Time {
 	return metav1.NewTime(now)
 }
 
-func renewLease(ctx context.Context, c kubernetes.Interface, ns, name, holder string, seconds int32, labels map[string]string, now time.Time) error {
+func renewLease(ctx context.Context, c kubernetes.Interface, ns, name, holder string, seconds int32, labels, annotations map[string]string, now time.Time) error {
 	leases := c.CoordinationV1().Leases(ns)
 	l, err := leases.Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		l = &coordinationv1.Lease{
-			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels, Annotations: annotations},
 			Spec: coordinationv1.LeaseSpec{
 				HolderIdentity: ptr.To(holder), LeaseDurationSeconds: ptr.To(seconds),
 				AcquireTime: &metav1.MicroTime{Time: now}, RenewTime: &metav1.MicroTime{Time: now},
@@ -132,6 +141,9 @@ func renewLease(ctx context.Context, c kubernetes.Interface, ns, name, holder st
 	}
 	l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds = ptr.To(holder), ptr.To(seconds)
 	l.Spec.RenewTime = &metav1.MicroTime{Time: now}
+	if annotations != nil {
+		l.Annotations = annotations
+	}
 	if _, err := leases.Update(ctx, l, metav1.UpdateOptions{}); err != nil {
 		return fmt.Errorf("renew lease %s/%s: %w", ns, name, err)
 	}
@@ -140,13 +152,19 @@ func renewLease(ctx context.Context, c kubernetes.Interface, ns, name, holder st
 
 // runPods reports the pods bound to the node as running and ready, as its
 // kubelet would once it started them.
-func (s *SimNode) runPods(ctx context.Context) error {
+// runPods reports the pods bound to the node running and returns the UIDs
+// of those not being deleted.
+func (s *SimNode) runPods(ctx context.Context) ([]string, error) {
 	pods, err := s.c.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("spec.nodeName", s.Name).String()})
 	if err != nil {
-		return fmt.Errorf("list pods of node %s: %w", s.Name, err)
+		return nil, fmt.Errorf("list pods of node %s: %w", s.Name, err)
 	}
+	var uids []string
 	for i := range pods.Items {
 		p := &pods.Items[i]
+		if p.DeletionTimestamp == nil {
+			uids = append(uids, string(p.UID))
+		}
 		if p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodRunning {
 			continue
 		}
@@ -166,10 +184,10 @@ func (s *SimNode) runPods(ctx context.Context) error {
 			})
 		}
 		if _, err := s.c.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil && !apierrors.IsConflict(err) {
-			return fmt.Errorf("post status of pod %s/%s: %w", p.Namespace, p.Name, err)
+			return nil, fmt.Errorf("post status of pod %s/%s: %w", p.Namespace, p.Name, err)
 		}
 	}
-	return nil
+	return uids, nil
 }
 
 // Die stops every beat at once and returns when.
