@@ -715,42 +715,6 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 	return o
 }
 
-// guardStaging mounts the guard over the volume's staging path, which lost
-// its mount under live publish targets: until the re-stage, a pod
-// published from it gets the guard (writes fail), not the node's disk.
-func (a *Agent) guardStaging(ctx context.Context, j *job, path string) {
-	act := a.repairer.Guard(ctx, path)
-	if errors.Is(act.Err, remount.ErrMountChanged) {
-		return // staged again meanwhile
-	}
-	result := resultSuccess
-	switch {
-	case act.Err != nil:
-		result = resultFailure
-	case act.DryRun:
-		result = resultDryRun
-	}
-	first := a.notes.once(j.key, noteGuard, result+" "+path)
-	if result == resultSuccess || first {
-		a.metrics.guards.WithLabelValues(result).Inc()
-	}
-	if !first {
-		return
-	}
-	if act.Err != nil {
-		klog.FromContext(ctx).Error(act.Err, "Guarding a staging path that lost its mount failed", "path", path)
-		return
-	}
-	what := "mounted a read-only guard there"
-	if act.DryRun {
-		what = "would mount a read-only guard there"
-	}
-	for _, pod := range j.active {
-		a.report.pod(pod, nil, corev1.EventTypeWarning, ReasonVolumeGuarded, actionGuard, a.report.message(
-			"the volume's staging mount is gone while this pod uses it (a stale FUSE daemon unmounting its old mountpoint does this): mountmedic %s, so that a pod published from it now fails to write instead of writing to the node's disk, until the volume is staged again", what))
-	}
-}
-
 // guardMissing mounts the guard (remount.Repairer.Guard) over each publish
 // target of the job's running pods that kubelet set up but that is no
 // longer a mount point (the probe's Missing, past kubelet's publish
@@ -758,11 +722,6 @@ func (a *Agent) guardStaging(ctx context.Context, j *job, path string) {
 // pod's target is kubelet's to publish and is left alone.
 func (a *Agent) guardMissing(ctx context.Context, j *job) {
 	logger := klog.FromContext(ctx)
-	if m := j.vol.lostStaging(); m != nil && m.ID == 0 && len(j.active) > 0 {
-		// Only for a volume the agent repairs: opted-out and excluded
-		// pods are left as they are, staging path included.
-		a.guardStaging(ctx, j, m.Path)
-	}
 	for _, pod := range j.active {
 		use := j.vol.pods[string(pod.UID)]
 		if pod.Status.Phase != corev1.PodRunning || use == nil {

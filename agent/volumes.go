@@ -50,9 +50,6 @@ func (v *brokenVolume) unguarded() bool {
 	if !v.csi {
 		return false
 	}
-	if m := v.lostStaging(); m != nil && m.ID == 0 {
-		return true
-	}
 	for _, u := range v.pods {
 		for _, m := range u.dead {
 			if m != nil && m.ID == 0 && m.Target.Kind == kubelet.KindPublish {
@@ -85,15 +82,10 @@ func (v *brokenVolume) lostStaging() *probe.Mount {
 // backend), which never heals by itself, or its daemon has not answered a
 // probe for a whole deadline (Hung: the prober never says so of a probe
 // still within its deadline, however slow), whose callers stay blocked
-// until the connection is aborted; or its staging path lost its mount
-// under live publish targets (lostStaging). Any other state may be
-// transient and waits for its strikes.
+// until the connection is aborted. Any other state, a staging path that
+// lost its mount included (kubelet leaves globalmount bare for a driver
+// that does not stage), may be transient and waits for its strikes.
 func (v *brokenVolume) certain() bool {
-	if v.lostStaging() != nil {
-		// kubelet never leaves a staging path bare under live publish
-		// targets: the next pod published would get the node's disk.
-		return true
-	}
 	if v.backend == nil || v.backend.Kind != probe.BackendFUSE {
 		return false
 	}
