@@ -752,6 +752,12 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 		if kubelet.CheckPathName("csi driver name", m.Driver) != nil {
 			continue
 		}
+		if d, ok := kubelet.LookupDriver(m.Driver); ok && d.Layout == kubelet.LayoutPublishOnly {
+			// kubelet makes globalmount and vol_data.json for every CSI
+			// volume, NodeStageVolume or not: a driver that never
+			// stages leaves it bare.
+			continue
+		}
 		p := kubelet.StagingPath(root, m.Driver, m.VolumeHandle)
 		if mounted[p] || seen[p] {
 			continue

@@ -87,6 +87,19 @@ func TestProbeRealFaults(t *testing.T) {
 	// Staging gone: the staging mount alone was unmounted by path (a stale
 	// FUSE daemon's exit) while the pod reads on through its binds.
 	unstaged := stageFaultFS(t, k, "unstaged", "pod-unstaged")
+	// A driver that never stages (csi-driver-nfs): kubelet still made
+	// globalmount and vol_data.json, and the publish target is mounted
+	// from elsewhere (a tmpfs standing in for the NFS export).
+	nfsStaging := k.StagingPath("nfs.csi.k8s.io", "server#srv/share#pv-nfs#")
+	nfsExport := filepath.Join(t.TempDir(), "export")
+	if err := os.MkdirAll(nfsExport, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("export", nfsExport, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(nfsExport, unix.MNT_DETACH) })
+	nfsPub := k.Publish("pod-nfs", "pv-nfs", "nfs.csi.k8s.io", "server#srv/share#pv-nfs#", nfsExport, false)
 	// Deleted: the subPath directory was removed under the bind.
 	delStaging := k.StagingPath(labDriver, "deleted")
 	lab.StartFaultFS(t, delStaging)
@@ -152,6 +165,12 @@ func TestProbeRealFaults(t *testing.T) {
 	}
 	if r := got[unstaged.staging]; r.Mount.Target.Kind != kubelet.KindStaging || r.Mount.VolumeHandle != "unstaged" || r.Mount.Driver != labDriver {
 		t.Errorf("staging gone under live binds: %+v, want a staging mount of %s/unstaged", r.Mount, labDriver)
+	}
+	if r, ok := got[nfsStaging]; ok {
+		t.Errorf("%s: state %v; the bare globalmount of a driver that never stages is what kubelet leaves, not a lost staging mount", nfsStaging, r.State)
+	}
+	if r := got[nfsPub]; r.State != Healthy {
+		t.Errorf("nfs publish target: state %v, want Healthy", r.State)
 	}
 	if _, ok := got[missing.staging]; ok {
 		t.Errorf("%s: a staging mount gone with every publish target of its volume is kubelet's teardown, not a fault", missing.staging)
