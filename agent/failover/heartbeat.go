@@ -381,15 +381,21 @@ func (h *Heartbeat) write(ctx context.Context, wall time.Time) error {
 	h.mu.Lock()
 	cur := h.lease
 	var plan []fenceTarget
-	if h.planSynced {
+	// A dry-run agent stops nothing, so it publishes no plan: the
+	// controller moves no pod of its node.
+	if h.planSynced && !h.cfg.DryRun {
 		plan = slices.Clone(h.plan)
 		if plan == nil {
 			plan = []fenceTarget{}
 		}
 	}
 	// Whatever happens to this write, the Lease may carry its plan from
-	// now on (a write that timed out may have landed).
+	// now on (a write that timed out may have landed), and so the fence,
+	// if it stands, covers it too.
 	h.sent = unionTargets(h.sent, plan)
+	if h.isFenced {
+		h.fenced = unionTargets(h.fenced, plan)
+	}
 	h.mu.Unlock()
 	var got *coordinationv1.Lease
 	var err error

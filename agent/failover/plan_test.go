@@ -10,6 +10,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/utils/ptr"
 )
 
@@ -204,5 +205,38 @@ func TestFenceCoversPublishedPlans(t *testing.T) {
 	}
 	if l := h.leaseSpec(&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Annotations: map[string]string{FencePlanAnnotation: "x"}}}, time.Now(), nil); l.Annotations[FencePlanAnnotation] != "" {
 		t.Errorf("a Lease written without a known plan keeps %q, want the old plan withdrawn", l.Annotations[FencePlanAnnotation])
+	}
+}
+
+// TestWriteKeepsPlanAndFenceTogether: a plan written while the node is
+// fenced joins the fence (the controller may read it, so its pods must be
+// stopped), and a dry-run agent, which stops nothing, publishes no plan.
+func TestWriteKeepsPlanAndFenceTogether(t *testing.T) {
+	for _, dry := range []bool{false, true} {
+		m, err := newHeartbeatMetrics(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := &recordingFence{}
+		cs := fake.NewClientset()
+		h := &Heartbeat{cfg: fastConfig(), containers: f, volumes: f, metrics: m, boot: bootClock, leases: cs}
+		h.cfg.NodeName, h.cfg.DryRun = "node-1", dry
+		h.plan, h.planSynced = []fenceTarget{{UID: "a"}}, true
+		h.fenced, h.isFenced = []fenceTarget{{UID: "old"}}, true
+		if err := h.write(context.Background(), time.Now()); err != nil {
+			t.Fatalf("dry run %t: write: %v", dry, err)
+		}
+		l, err := cs.CoordinationV1().Leases(h.cfg.Namespace).Get(context.Background(), "node-1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, published := l.Annotations[FencePlanAnnotation]
+		fenced := slices.ContainsFunc(h.fenced, func(t fenceTarget) bool { return t.UID == "a" })
+		switch {
+		case dry && published:
+			t.Errorf("dry run: the Lease carries plan %s, want none", l.Annotations[FencePlanAnnotation])
+		case !dry && (!published || !fenced):
+			t.Errorf("plan published %t, pod a fenced %t (fence %v): want both", published, fenced, h.fenced)
+		}
 	}
 }
