@@ -93,7 +93,7 @@ func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer
 	}
 	holders, err := idx.holders(ctx, procDir)
 	if err != nil {
-		return nil, []Action{{Op: opKillServer, Path: procDir, DryRun: u.DryRun,
+		return nil, []Action{{Op: opSkip, Path: procDir, DryRun: u.DryRun,
 			Err: fmt.Errorf("find the processes serving fuse connection %d: %w", conn, err)}}
 	}
 	self := os.Getpid()
@@ -119,6 +119,12 @@ func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer
 		if pid == 1 || pid == self {
 			leave("it is PID 1 or the agent itself", nil)
 			continue
+		}
+		// The shared scan may be up to serverScanTTL old: the process's
+		// descriptors are listed again, so that a connection it opened
+		// since (a volume re-staged through it) keeps it alive.
+		if now := fuseFDs(filepath.Join(procDir, strconv.Itoa(pid))); len(now) > 0 {
+			fds = now
 		}
 		s, why, err := verifyServer(pid, comm, fds, conn)
 		switch {

@@ -464,9 +464,14 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		return append(actions, notes...), actionsErr(actions)
 	}
 	kills := killServers(ctx, servers, conn)
-	for _, k := range kills {
+	for i, k := range kills {
 		if k.Err != nil {
+			// The abort stands: a kill refused is told, not a failed
+			// repair (the re-stage goes on), and the process is let go
+			// on rather than left stopped.
 			logger.Error(k.Err, "Killing the process that served an aborted FUSE connection failed", "conn", conn)
+			continueServers(servers[i : i+1])
+			kills[i].Op, kills[i].Detail, kills[i].Err = opSkip, k.Detail+": "+k.Err.Error()+"; let go on", nil
 		} else {
 			logger.V(2).Info("Killed the process that served an aborted FUSE connection", "conn", conn, "process", k.Path, "detail", k.Detail)
 		}
