@@ -105,7 +105,9 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 		}
 		return err
 	}
-	if err := checkRootFound(inv, f.capture == ""); err != nil {
+	// A root the user named must exist; kubelet's default missing is a
+	// host without kubelet, told plainly below.
+	if err := checkRootFound(inv, f.capture == "" && cmd.Flags().Changed("kubelet-root")); err != nil {
 		return err
 	}
 	out := cmd.OutOrStdout()
@@ -124,7 +126,7 @@ func runScan(cmd *cobra.Command, f scanFlags) error {
 }
 
 // checkRootFound fails a scan that checked nothing because it looked in
-// the wrong place: a live kubelet root that does not exist on this host,
+// the wrong place: a live kubelet root given that does not exist on this host,
 // or a table with no mount under the root but pod volume mounts under
 // another directory (kubelet run with another --root-dir: /data/kubelet,
 // microk8s', k0s', RKE's). Its error names the flag and what to give it.
