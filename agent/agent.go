@@ -631,7 +631,7 @@ func (a *Agent) guardNow(ctx context.Context, broken map[string]*brokenVolume) {
 		if st := a.decider.vols[key]; st != nil && st.inflight || !bv.unguarded() {
 			continue
 		}
-		if j := a.prepare(bv); j != nil && j.skip == "" {
+		if j := a.prepare(bv); j != nil && (j.skip == "" || j.reported) {
 			a.guardMissing(ctx, j)
 		}
 	}
@@ -737,6 +737,7 @@ func (a *Agent) prepare(bv *brokenVolume) *job {
 		j.skip = fmt.Sprintf("CSI driver %s is not in --drivers", bv.driver)
 	case bv.csi:
 		j.skip = notUnderstood(bv, a.cfg.RepairUnknownDrivers)
+		j.reported = j.skip != ""
 	}
 	n := 0
 	for _, uid := range bv.podUIDs() {

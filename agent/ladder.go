@@ -33,6 +33,10 @@ type job struct {
 	key  string
 	vol  *brokenVolume
 	skip string // non-empty: report the volume, do not repair it (why)
+	// reported: skip comes from the driver catalogue (the agent cannot
+	// heal this driver's volumes); its lost publish targets are guarded
+	// all the same.
+	reported bool
 	// active are the pods to repair; terminating are pods being deleted
 	// that still hold dead mounts; excluded are opted out or filtered
 	// pods, with why.
