@@ -24,8 +24,12 @@ var knownOn61 = map[string]string{
 		"|^TestManyHungBackendsDoNotStallACycle$",
 	// The real k8s-csi-s3 driver, s3fs and versitygw under TCG miss the
 	// tests' deadlines (versitygw's start, the CSI call timeout); the host
-	// run covers them.
-	"remount": "^TestRealDriver$|^TestLiveSwapReadOnlyStaysReadOnly$",
+	// run covers them. The kill of an aborted connection's daemon needs
+	// /dev/fuse's fdinfo to name the connection (Linux 6.16): on 6.1 the
+	// daemon is left alone, as docs/remount.md says, and these tests of
+	// the kill fail.
+	"remount": "^TestRealDriver$|^TestLiveSwapReadOnlyStaysReadOnly$" +
+		"|^TestAbortKillsOnlyTheConnectionsServer$|^TestStaleRcloneNeverUnmountsTheFreshMount$",
 }
 
 // guestModules are loaded before a test binary runs: the nbd driver, and what
