@@ -763,7 +763,10 @@ func waitStopped(t testing.TB, pid int) {
 }
 
 // s3fsOf finds the s3fs processes started for the mount at path.
-func s3fsOf(t testing.TB, path string) []int {
+func s3fsOf(t testing.TB, path string) []int { return daemonsOf(t, "s3fs", path) }
+
+// daemonsOf finds the processes named name whose arguments hold path.
+func daemonsOf(t testing.TB, name, path string) []int {
 	t.Helper()
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
@@ -780,12 +783,12 @@ func s3fsOf(t testing.TB, path string) []int {
 			continue
 		}
 		args := strings.Split(string(cmd), "\x00")
-		if len(args) > 0 && filepath.Base(args[0]) == "s3fs" && slices.Contains(args, path) {
+		if len(args) > 0 && filepath.Base(args[0]) == name && slices.Contains(args, path) {
 			pids = append(pids, pid)
 		}
 	}
 	if len(pids) == 0 {
-		t.Fatalf("no s3fs serves %s", path)
+		t.Fatalf("no %s serves %s", name, path)
 	}
 	return pids
 }

@@ -3,10 +3,6 @@ package remount
 import (
 	"context"
 	"fmt"
-	"os"
-	"path/filepath"
-	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -105,32 +101,4 @@ func fuseOrGuard(path string) bool {
 	}
 	top := infos[len(infos)-1]
 	return strings.HasPrefix(top.FSType, "fuse") || top.Source == probe.GuardSource
-}
-
-// daemonsOf finds the processes named name whose arguments hold path.
-func daemonsOf(b *testing.B, name, path string) []int {
-	b.Helper()
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		b.Fatal(err)
-	}
-	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		args := strings.Split(string(cmd), "\x00")
-		if len(args) > 0 && filepath.Base(args[0]) == name && slices.Contains(args, path) {
-			pids = append(pids, pid)
-		}
-	}
-	if len(pids) == 0 {
-		b.Fatalf("no %s serves %s", name, path)
-	}
-	return pids
 }
