@@ -145,3 +145,79 @@ func (l *podList) pod(namespace, name string) *corev1.Pod {
 	}
 	return p.DeepCopy()
 }
+
+// freshResult is the answer of freshPods.
+type freshResult struct {
+	pods []*corev1.Pod
+	gone []string
+	err  error
+}
+
+// freshPods reads the pods from the API server (a LIST of the node's pods
+// shared by the runs of a burst, nodePods, not the informer's cache) and
+// keeps those still there with the same UID, bound to this node and not
+// being deleted, in their current state; gone names the others. An API
+// server out of reach is errAPIWait: nothing is repaired on the cache's
+// word.
+func (a *Agent) freshPods(ctx context.Context, pods []*corev1.Pod) (fresh []*corev1.Pod, gone []string, err error) {
+	l, err := a.nodePods.read(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %w", errAPIWait, err)
+	}
+	for _, pod := range pods {
+		cur := l.pod(pod.Namespace, pod.Name)
+		switch {
+		case cur == nil:
+			gone = append(gone, klog.KObj(pod).String()+" (deleted, or no longer bound to this node)")
+			continue
+		case cur.UID != pod.UID:
+			gone = append(gone, fmt.Sprintf("%s (replaced: uid %s, was %s)", klog.KObj(pod), cur.UID, pod.UID))
+			continue
+		case cur.DeletionTimestamp != nil:
+			gone = append(gone, klog.KObj(pod).String()+" (being deleted)")
+			continue
+		case cur.Spec.NodeName != pod.Spec.NodeName:
+			gone = append(gone, klog.KObj(pod).String()+" (on node "+cur.Spec.NodeName+")")
+			continue
+		}
+		fresh = append(fresh, cur)
+	}
+	return fresh, gone, nil
+}
+
+// awaitFresh waits for the fresh pods and returns r for them alone (their
+// current objects), or nil when none is left or the API server could not
+// say: then nothing is repaired.
+func (a *Agent) awaitFresh(ctx context.Context, j *job, r *resolved, freshc <-chan freshResult) *resolved {
+	logger := klog.FromContext(ctx)
+	f := <-freshc
+	if f.err != nil {
+		logger.V(2).Info("Repair waits for the API server", "err", f.err)
+		if a.notes.once(j.key, noteAPIWait, "") {
+			a.report.volume(j.active, r.pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionRepair, a.report.message("repair waits: %v", f.err))
+		}
+		return nil
+	}
+	if len(f.gone) > 0 {
+		logger.V(2).Info("Pods gone or replaced since the cache saw them: not repaired", "pods", f.gone)
+	}
+	if len(f.pods) == 0 {
+		return nil
+	}
+	keep := make(map[types.UID]*corev1.Pod, len(f.pods))
+	for _, p := range f.pods {
+		keep[p.UID] = p
+	}
+	var pods []*corev1.Pod
+	for _, p := range r.pods {
+		if cur := keep[p.UID]; cur != nil {
+			pods = append(pods, cur)
+		}
+	}
+	if len(pods) == 0 {
+		return nil
+	}
+	fresh := (&residual{r: r}).forPods(pods)
+	fresh.refreshContainers()
+	return fresh
+}
