@@ -14,120 +14,147 @@ import (
 // the decider; repair runs report back on a.results.
 func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	logger := klog.FromContext(ctx)
-	var inv *probe.Inventory
-	dirty := true
-	// probing: a cycle's probes are under way (reports brings them);
-	// again: something asked for a cycle meanwhile.
-	probing, again := false, false
-	// pvsTracked: the PV store has been given a table read with the
-	// informer synced.
-	pvsTracked := false
-	reports := make(chan probed, 1)
-	probeTimer := time.NewTimer(0)
-	defer probeTimer.Stop()
+	c := &cycle{dirty: true, reports: make(chan probed, 1), timer: time.NewTimer(0)}
+	defer c.timer.Stop()
+	rel := newCodeRelease(a.cfg.ReleaseCode, a.release)
+	defer rel.stop()
 	resync := time.NewTicker(a.cfg.Resync)
 	defer resync.Stop()
 	summary := time.NewTicker(eventSummaryEvery)
 	defer summary.Stop()
 	defer a.limiter.flush(a.cfg.DryRun)
-	// The executable's pages that only start-up used go back to the
-	// kernel once it is done, a minute after the last repair run of a
-	// burst, and every ReleaseCode while no repair runs.
-	plan := releasePlan{every: a.cfg.ReleaseCode}
-	var release <-chan time.Time
-	releaseTimer := time.NewTimer(plan.first())
-	defer releaseTimer.Stop()
-	if plan.on() {
-		release = releaseTimer.C
-	}
-	released := 0
-	kick := func(driver string) {
-		a.caps.forget(driver)
-		for _, key := range a.decider.kick(driver, time.Now()) {
-			a.notes.clear(key, noteDriverDown)
-		}
-		dirty = true
-		probeTimer.Reset(0)
-	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tw.Changes():
-			dirty = true
+			c.dirty = true
 		case <-summary.C:
 			a.limiter.flush(a.cfg.DryRun)
-		case <-release:
-			now, next := plan.due(a.running)
-			if now {
-				a.releaseCode(ctx, released)
-				released++
-			}
-			releaseTimer.Reset(next)
+		case <-rel.C():
+			rel.due(ctx, a.running)
 		case <-resync.C:
-			dirty = true
-			a.decider.resync()
-			a.caps.forget("")
-			if inv != nil {
-				// Pods the informer lacked at the table's read have come since.
-				a.kube.pvs.track(publishedPVs(inv, a.pods))
-				drivers := volumeDrivers(inv)
-				pw.Watch(ctx, drivers)
-				a.checkDrivers(ctx, drivers)
-			}
+			a.resync(ctx, c, pw)
 		case driver := <-pw.Events():
 			logger.V(2).Info("CSI driver registered; probing its volumes now", "driver", driver)
-			kick(driver)
+			a.driverBack(c, driver)
 		case driver := <-a.driverUp:
 			logger.V(2).Info("CSI driver answers again; probing its volumes now", "driver", driver)
-			kick(driver)
+			a.driverBack(c, driver)
 		case <-a.stalled:
 			logger.V(2).Info("A FUSE backend's probe passed its deadline while requests wait on it; probing now")
-			if probing {
-				again = true
-			} else {
-				probeTimer.Reset(0)
-			}
+			c.soon()
 		case r := <-a.results:
-			a.running--
-			if a.running == 0 && plan.on() {
-				releaseTimer.Reset(plan.afterRuns())
-			}
-			a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
-			a.decider.setResidual(r.key, r.residual)
-			if a.synced() {
-				a.startRuns(ctx)
-			}
-		case <-probeTimer.C:
-			if probing {
-				again = true // a kick during a cycle: another one right after
-				continue
-			}
-			start := time.Now()
-			prev := inv
-			if inv = a.readTable(ctx, inv, &dirty, pw); inv == nil {
-				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
-				continue
-			}
-			// The PVs of the node's volumes, read ahead of a repair: at
-			// each new table once the informer has the node's pods.
-			if (inv != prev || !pvsTracked) && a.synced() {
-				a.kube.pvs.track(publishedPVs(inv, a.pods))
-				pvsTracked = true
-			}
-			probing = true
-			a.current.Store(inv)
-			a.probeAsync(ctx, inv, start, reports)
-		case p := <-reports:
-			probing = false
-			a.afterProbe(ctx, p)
-			if again {
-				again = false
-				probeTimer.Reset(0)
-			} else {
-				probeTimer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1))
-			}
+			a.runEnded(ctx, r, rel)
+		case <-c.timer.C:
+			a.startCycle(ctx, c, pw)
+		case p := <-c.reports:
+			a.endCycle(ctx, c, p)
 		}
+	}
+}
+
+// cycle is the loop's state of its probe cycles.
+type cycle struct {
+	// inv is the inventory of the last table read; dirty: read the
+	// table again before the next cycle.
+	inv   *probe.Inventory
+	dirty bool
+	// probing: a cycle's probes are under way (reports brings them);
+	// again: something asked for a cycle meanwhile.
+	probing, again bool
+	// pvsTracked: the PV store has been given a table read with the
+	// informer synced.
+	pvsTracked bool
+	reports    chan probed
+	// timer starts the next cycle.
+	timer *time.Timer
+}
+
+// soon starts a cycle now, or right after the one under way.
+func (c *cycle) soon() {
+	if c.probing {
+		c.again = true
+	} else {
+		c.timer.Reset(0)
+	}
+}
+
+// later starts the next cycle after the probe interval.
+func (a *Agent) later(c *cycle) { c.timer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1)) }
+
+// startCycle reads the mount table when it changed and starts the cycle's
+// probes; their report comes back on c.reports.
+func (a *Agent) startCycle(ctx context.Context, c *cycle, pw *pluginWatcher) {
+	if c.probing {
+		c.again = true // a kick during a cycle: another one right after
+		return
+	}
+	start := time.Now()
+	prev := c.inv
+	if c.inv = a.readTable(ctx, c.inv, &c.dirty, pw); c.inv == nil {
+		a.later(c)
+		return
+	}
+	// The PVs of the node's volumes, read ahead of a repair: at each new
+	// table once the informer has the node's pods.
+	if (c.inv != prev || !c.pvsTracked) && a.synced() {
+		a.kube.pvs.track(publishedPVs(c.inv, a.pods))
+		c.pvsTracked = true
+	}
+	c.probing = true
+	a.current.Store(c.inv)
+	a.probeAsync(ctx, c.inv, start, c.reports)
+}
+
+// endCycle acts on a cycle's report and schedules the next cycle.
+func (a *Agent) endCycle(ctx context.Context, c *cycle, p probed) {
+	c.probing = false
+	a.afterProbe(ctx, p)
+	if c.again {
+		c.again = false
+		c.timer.Reset(0)
+	} else {
+		a.later(c)
+	}
+}
+
+// resync reads the table again at the next cycle, forgets what the decider
+// and the capabilities cache hold back, and re-checks the node's drivers.
+func (a *Agent) resync(ctx context.Context, c *cycle, pw *pluginWatcher) {
+	c.dirty = true
+	a.decider.resync()
+	a.caps.forget("")
+	if c.inv != nil {
+		// Pods the informer lacked at the table's read have come since.
+		a.kube.pvs.track(publishedPVs(c.inv, a.pods))
+		drivers := volumeDrivers(c.inv)
+		pw.Watch(ctx, drivers)
+		a.checkDrivers(ctx, drivers)
+	}
+}
+
+// driverBack probes the volumes of a driver that registered or answers
+// again now, without the wait the decider kept them in.
+func (a *Agent) driverBack(c *cycle, driver string) {
+	a.caps.forget(driver)
+	for _, key := range a.decider.kick(driver, time.Now()) {
+		a.notes.clear(key, noteDriverDown)
+	}
+	c.dirty = true
+	c.timer.Reset(0)
+}
+
+// runEnded records how a repair run ended and starts the next ones.
+func (a *Agent) runEnded(ctx context.Context, r jobResult, rel *codeRelease) {
+	a.running--
+	if a.running == 0 {
+		rel.runsEnded()
+	}
+	a.decider.finish(r.key, r.outcome, r.reachedEvict, time.Now())
+	a.decider.setResidual(r.key, r.residual)
+	if a.synced() {
+		a.startRuns(ctx)
 	}
 }
 

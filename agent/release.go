@@ -46,9 +46,47 @@ func (p releasePlan) due(running int) (now bool, next time.Duration) {
 // afterRuns is the timer's wait once the last run in flight has ended.
 func (p releasePlan) afterRuns() time.Duration { return min(releaseAfterRepairs, p.every) }
 
-// releaseCode gives the kernel back the pages of the agent's executable it
-// no longer uses (coldpages.Release); n counts the earlier releases.
-func (a *Agent) releaseCode(ctx context.Context, n int) {
-	res, err := a.release()
-	coldpages.Log(klog.FromContext(ctx), n, res, err)
+// codeRelease is the loop's timer of releasePlan: it gives the kernel back
+// the pages of the agent's executable it no longer uses
+// (coldpages.Release).
+type codeRelease struct {
+	plan    releasePlan
+	timer   *time.Timer
+	c       <-chan time.Time // nil: never fires
+	release func() (coldpages.Result, error)
+	// n counts the releases done.
+	n int
 }
+
+func newCodeRelease(every time.Duration, release func() (coldpages.Result, error)) *codeRelease {
+	r := &codeRelease{plan: releasePlan{every: every}, release: release}
+	r.timer = time.NewTimer(r.plan.first())
+	if r.plan.on() {
+		r.c = r.timer.C
+	}
+	return r
+}
+
+// C fires when a release may be due.
+func (r *codeRelease) C() <-chan time.Time { return r.c }
+
+// due releases now unless repair runs are in flight, and sets the next
+// wait.
+func (r *codeRelease) due(ctx context.Context, running int) {
+	now, next := r.plan.due(running)
+	if now {
+		res, err := r.release()
+		coldpages.Log(klog.FromContext(ctx), r.n, res, err)
+		r.n++
+	}
+	r.timer.Reset(next)
+}
+
+// runsEnded is told when the last repair run in flight has ended.
+func (r *codeRelease) runsEnded() {
+	if r.plan.on() {
+		r.timer.Reset(r.plan.afterRuns())
+	}
+}
+
+func (r *codeRelease) stop() { r.timer.Stop() }
