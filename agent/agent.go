@@ -38,7 +38,10 @@ type Deps struct {
 	// Repairer's Capabilities (its per-driver clients) when it has them,
 	// else DialDriverCaps(cfg.KubeletRoot).
 	DriverCaps DriverCapsFunc
-	// Prober probes backends; nil makes one from the configuration.
+	// Prober probes backends; nil makes one from the configuration
+	// (NewProber). The process has one: the Repairer verifies its repairs
+	// with it too (remount.Config.Prober), and asks it whether the probe
+	// that found a volume Hung is still blocked.
 	Prober *probe.Prober
 	// Events records events; nil starts an events.k8s.io broadcaster on
 	// Client.
@@ -138,9 +141,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		deps.ReleaseCode = coldpages.Release
 	}
 	if deps.Prober == nil {
-		pc := probe.DefaultConfig()
-		pc.Timeout, pc.Parallel = cfg.ProbeTimeout, cfg.ProbeParallel
-		deps.Prober = probe.NewProber(pc)
+		deps.Prober = NewProber(cfg)
 	}
 	a := &Agent{
 		cfg:      cfg,

@@ -435,15 +435,10 @@ func TestAgentFreesTerminatingPods(t *testing.T) {
 			t.Fatalf("delete pod %s: %v", p, err)
 		}
 	}
-	rep, err := remount.New(remount.Config{KubeletRoot: e.kubelet.Root()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	cfg := e.config()
 	cfg.Tiers = remount.NewTierSet(remount.TierUnmount, remount.TierForceDelete)
 	cfg.ForceDeleteAfter = time.Second
-	e.startAgent(cfg, agent.Deps{Repairer: rep})
+	e.startAgent(cfg, e.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 
 	e.waitEvent(ownedPod.UID, string(agent.ReasonVolumeRepaired), "lazily unmounted")
 	e.waitEvent(lonePod.UID, string(agent.ReasonVolumeRepaired), "lazily unmounted")

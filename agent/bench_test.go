@@ -328,14 +328,9 @@ func procStatus(b *testing.B, pid int, field string) int {
 func BenchmarkAgentHeal(b *testing.B) {
 	d := newDriverEnv(b)
 	s := d.newVolume("bench")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { rep.Close() })
 	cfg := agent.DefaultConfig()
 	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
-	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	a := d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	inContainer := s.private.Path("/data/data.txt")
 	var detect, backHealed, killHealed []time.Duration
 	b.ResetTimer()
@@ -408,14 +403,9 @@ func quantile(ds []time.Duration, q float64) time.Duration {
 func BenchmarkAgentHungHeal(b *testing.B) {
 	d := newDriverEnv(b)
 	s := d.newVolume("hung")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { rep.Close() })
 	cfg := agent.DefaultConfig()
 	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
-	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	inContainer := s.private.Path("/data/data.txt")
 	var aborted, healed []time.Duration
 	b.ResetTimer()

@@ -12,7 +12,6 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 )
@@ -45,12 +44,6 @@ func (blockedNode) NodePublishVolume(ctx context.Context, _ *csi.NodePublishVolu
 func TestAgentWaitsForBlockedDriver(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("blocked")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second},
-		CSI: remount.CSIOptions{ProbeTimeout: 300 * time.Millisecond, StageTimeout: 300 * time.Millisecond, PublishTimeout: 300 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 
 	d.drv.Kill()
 	sock := d.drv.Socket()
@@ -66,7 +59,8 @@ func TestAgentWaitsForBlockedDriver(t *testing.T) {
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 
-	a := d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	cfg := d.config()
+	a := d.startAgent(cfg, d.withRepairer(cfg, remount.Config{CSI: remount.CSIOptions{ProbeTimeout: 300 * time.Millisecond, StageTimeout: 300 * time.Millisecond, PublishTimeout: 300 * time.Millisecond}}, agent.Deps{}))
 	d.waitEvent(s.pod.UID, string(agent.ReasonDriverDown), csilab.DriverName)
 	// Long enough for several runs at the test's backoff (0.2 s to 2 s).
 	time.Sleep(5 * time.Second)

@@ -122,8 +122,6 @@ type runningAgent struct {
 	done   chan error
 }
 
-// startAgent runs an agent with the lab node's credentials until the test
-// ends.
 // dryRunRepairer is a remount.Repairer on the lab kubelet root that only
 // plans, as a dry-run agent needs.
 func (e *env) dryRunRepairer() *remount.Repairer {
@@ -136,6 +134,26 @@ func (e *env) dryRunRepairer() *remount.Repairer {
 	return rep
 }
 
+// withRepairer is deps with a remount.Repairer of rc on the lab kubelet
+// root that verifies with the agent's prober (deps.Prober, made for cfg
+// when nil), as the command wires them: one prober per process.
+func (e *env) withRepairer(cfg agent.Config, rc remount.Config, deps agent.Deps) agent.Deps {
+	e.t.Helper()
+	if deps.Prober == nil {
+		deps.Prober = agent.NewProber(cfg)
+	}
+	rc.KubeletRoot, rc.Prober = e.kubelet.Root(), deps.Prober
+	rep, err := remount.New(rc)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { rep.Close() })
+	deps.Repairer = rep
+	return deps
+}
+
+// startAgent runs an agent with the lab node's credentials until the test
+// ends.
 func (e *env) startAgent(cfg agent.Config, deps agent.Deps) *runningAgent {
 	e.t.Helper()
 	if deps.Client == nil {

@@ -225,13 +225,8 @@ func TestAgentHealsRealDriverRestart(t *testing.T) {
 	if err := s.reads("heal"); err != nil {
 		t.Fatalf("volume not readable before the crash: %v", err)
 	}
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
-	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	a := d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	privatePid, slavePid := s.private.Pid(), s.slave.Pid()
 
 	d.drv.Kill()
@@ -303,12 +298,8 @@ func TestAgentSwapsContainersReportedLate(t *testing.T) {
 		}
 	}
 	setApp(false) // it runs (the lab container holds its binds); kubelet has not said so yet
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
-	d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	cfg := d.config()
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	privatePid := s.private.Pid()
 
 	d.drv.Kill()
@@ -344,12 +335,8 @@ func TestAgentSwapsContainersReportedLate(t *testing.T) {
 func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("unstaged")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
-	d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	cfg := d.config()
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	privatePid, slavePid := s.private.Pid(), s.slave.Pid()
 	targetID := mountID(t, s.target)
 
@@ -425,16 +412,11 @@ func TestAgentDryRunShowsTheRepairPlan(t *testing.T) {
 func TestAgentHealsRepeatedCrashes(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("again")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	// The defaults, as deployed: the plugin's return, not the probe
 	// interval, drives the repair.
 	cfg := agent.DefaultConfig()
 	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr = d.node, d.kubelet.Root(), ""
-	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	for round := 1; round <= 3; round++ {
 		d.drv.Kill()
 		if _, err := os.ReadFile(s.private.Path("/data/data.txt")); !errors.Is(err, unix.ENOTCONN) {
@@ -466,12 +448,8 @@ func TestAgentRollsForwardAfterCrashMidRepair(t *testing.T) {
 	if err := d.drv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
-	d.startAgent(d.config(), agent.Deps{Repairer: rep})
+	cfg := d.config()
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
 	if err := s.reads("midway"); err != nil {
 		t.Errorf("after the new agent's repair: %v", err)
@@ -500,14 +478,9 @@ func TestAgentEvictsWhenOnlyTheHostHealed(t *testing.T) {
 		p, err := d.admin.PolicyV1().PodDisruptionBudgets(testNamespace).Get(ctx, "resid", metav1.GetOptions{})
 		return err == nil && p.Status.ObservedGeneration == p.Generation && p.Status.CurrentHealthy == 1, err
 	})
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
 	cfg.Tiers = remount.NewTierSet(remount.TierRestage, remount.TierEvict)
-	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 
 	d.drv.Kill()
 	if err := d.drv.Restart(); err != nil {
@@ -536,14 +509,9 @@ func TestAgentEvictsWhenOnlyTheHostHealed(t *testing.T) {
 func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("alone")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
 	cfg.Tiers = remount.NewTierSet(remount.TierRestage)
-	d.startAgent(cfg, agent.Deps{Repairer: rep})
+	d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	d.drv.Kill()
 	if err := d.drv.Restart(); err != nil {
 		t.Fatal(err)
@@ -564,14 +532,9 @@ func TestAgentSaysWhenNoTierReachesTheContainers(t *testing.T) {
 func TestAgentGuardsALostPublishTarget(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("guard")
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
 	cfg.Resync = time.Hour // only the guard pass of each probe cycle can guard in time
-	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	a := d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	d.drv.Kill()
 	// The run finds the driver down and waits for it: the target lost
 	// after that is guarded all the same.

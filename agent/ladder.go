@@ -371,17 +371,6 @@ func (a *Agent) evictRung(ctx context.Context, j *job, r *resolved) outcome {
 	return outcomeFailed
 }
 
-// stuck is remount.Volume.Stuck for a broken volume: whether the agent's
-// probe that found its backend Hung is still blocked in the daemon (nil for
-// a volume not found Hung).
-func (a *Agent) stuck(bv *brokenVolume) func() bool {
-	if !bv.hung || bv.backend == nil {
-		return nil
-	}
-	dev := bv.backend.Dev
-	return func() bool { return a.prober.Stuck(dev) }
-}
-
 // tier runs one node-side rung on the repairer.
 func (a *Agent) tier(ctx context.Context, rung remount.Tier, v *remount.Volume) remount.Outcome {
 	switch rung {

@@ -9,6 +9,14 @@ import (
 	"github.com/mountmedic/mountmedic/probe"
 )
 
+// NewProber makes the prober of an agent of cfg, for its probe cycles and
+// for the Repairer to verify with (Deps.Prober, remount.Config.Prober).
+func NewProber(cfg Config) *probe.Prober {
+	pc := probe.DefaultConfig()
+	pc.Timeout, pc.Parallel = cfg.ProbeTimeout, cfg.ProbeParallel
+	return probe.NewProber(pc)
+}
+
 // readTable re-reads the mount table when it changed (or, while the node has
 // block-backed filesystems, when their super options changed) and returns
 // the inventory to probe; nil while no table could ever be read.

@@ -410,7 +410,7 @@ func (r *resolved) wipe() {
 func (a *Agent) resolve(ctx context.Context, j *job, needRequests bool) (*resolved, error) {
 	logger := klog.FromContext(ctx)
 	bv := j.vol
-	r := &resolved{vol: &remount.Volume{Driver: bv.driver, VolumeHandle: bv.volumeHandle, Backend: bv.backend, Hung: bv.hung, Stuck: a.stuck(bv)},
+	r := &resolved{vol: &remount.Volume{Driver: bv.driver, VolumeHandle: bv.volumeHandle, Backend: bv.backend, Hung: bv.hung},
 		restageable: bv.csi}
 	if !bv.csi {
 		r.why = "not a CSI volume: only eviction gets the pod fresh mounts"

@@ -356,11 +356,6 @@ type scaleResult struct {
 // (60 % of the test deadline, 30 % of the default one): slow, never hung.
 func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *runningAgent, scaleResult) {
 	s := newScaleNode(t, n, shared)
-	rep, err := remount.New(remount.Config{KubeletRoot: s.e.kubelet.Root()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	if qps, burst, ok := scaleAPILimits(t); ok {
 		s.e.agentConfig.QPS, s.e.agentConfig.Burst = qps, burst
 	}
@@ -373,7 +368,7 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	s.healthyFS.Delay(600 * time.Millisecond)
 	var res scaleResult
 	res.threadsBefore = threads(t)
-	a := s.e.startAgent(cfg, agent.Deps{Client: client, Repairer: rep})
+	a := s.e.startAgent(cfg, s.e.withRepairer(cfg, remount.Config{}, agent.Deps{Client: client}))
 	s.snapshotHealthy(t)
 	time.Sleep(3 * time.Second) // a few cycles over the slow healthy daemon
 	// A node's agent has run long before an outage: it has read the PVs

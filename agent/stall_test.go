@@ -9,7 +9,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/agent"
-	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 )
 
@@ -27,14 +26,9 @@ func TestAgentFindsAHangBetweenCycles(t *testing.T) {
 	if err := s.reads("stall"); err != nil {
 		t.Fatalf("volume not readable before the hang: %v", err)
 	}
-	rep, err := remount.New(remount.Config{KubeletRoot: d.kubelet.Root(), Probe: probe.Config{Timeout: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rep.Close() })
 	cfg := d.config()
 	cfg.ProbeInterval, cfg.Resync = time.Hour, time.Hour
-	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
+	a := d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
 	inContainer := s.private.Path("/data/data.txt")
 	pid := s3fsPid(t, "stall")
 	t.Cleanup(func() { _ = unix.Kill(pid, unix.SIGKILL) })

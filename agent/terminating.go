@@ -34,7 +34,7 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 					a.report.message("would lazily unmount %d dead mounts of the terminating pod so that kubelet can finish", len(use.dead)))
 			}
 		default:
-			v := &remount.Volume{Driver: j.vol.driver, VolumeHandle: j.vol.volumeHandle, Backend: j.vol.backend, Hung: j.vol.hung, Stuck: a.stuck(j.vol),
+			v := &remount.Volume{Driver: j.vol.driver, VolumeHandle: j.vol.volumeHandle, Backend: j.vol.backend, Hung: j.vol.hung,
 				Pods: []remount.PodVolume{{Dead: use.dead}}}
 			out := a.repairer.Unmount(ctx, v)
 			if out.Err != nil {

@@ -205,7 +205,7 @@ func (p *Prober) InFlight() int {
 // blocked in the kernel past its deadline. While it is, it holds the
 // filesystem it walked into, so the device number cannot pass to another
 // filesystem: a repair of a Hung backend asks this right before it aborts
-// the connection (remount.Volume.Stuck), and probes the mount again once it
+// the connection (remount.Prober), and probes the mount again once it
 // is false.
 func (p *Prober) Stuck(dev Dev) bool {
 	p.mu.Lock()

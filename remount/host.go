@@ -319,11 +319,10 @@ func (h *hostRun) confirmDead(ctx context.Context) {
 
 // stillBroken says whether the mount at path, on a device v names broken,
 // is still the broken one the caller found. A hung volume whose probe is
-// still stuck is (see Volume.Stuck), and so is one whose caller cannot say
-// (probing it would hang for the deadline); any other is probed, and is
-// broken unless it answers.
+// still stuck is (see Volume.Hung), and so is one without a backend to ask
+// about; any other is probed, and is broken unless it answers.
 func (r *Repairer) stillBroken(ctx context.Context, v *Volume, path string) bool {
-	if v.Hung && (v.Stuck == nil || v.Stuck()) {
+	if v.Hung && (v.Backend == nil || r.prober.Stuck(v.Backend.Dev)) {
 		return true
 	}
 	_, err := r.check(ctx, path)

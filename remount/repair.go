@@ -22,15 +22,14 @@ type Volume struct {
 	// Backend is the dead filesystem (its FUSE connection is aborted first
 	// when Hung is set).
 	Backend *probe.Backend
-	Hung    bool
-	// Stuck, when set, says whether the caller's probe that found the
-	// volume Hung is still blocked in the daemon (probe.Prober.Stuck of
-	// the backend's device). While it is, it holds the hung filesystem,
-	// so no other filesystem can have the backend's device number. Once
-	// it has returned, the repair probes the volume's mount again, as for
-	// a dead volume, before it aborts a connection or unmounts: it may be
-	// another filesystem that was given the freed number.
-	Stuck func() bool
+	// Hung: the Repairer's prober found Backend Hung. While that probe is
+	// still blocked in the daemon (Prober.Stuck), it holds the hung
+	// filesystem, so no other filesystem can have the backend's device
+	// number. Once it has returned, the repair probes the volume's mount
+	// again, as for a dead volume, before it aborts a connection or
+	// unmounts: it may be another filesystem that was given the freed
+	// number.
+	Hung bool
 	// Pods are the pods on this node that use the volume.
 	Pods []PodVolume
 }

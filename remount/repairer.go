@@ -53,8 +53,13 @@ type Config struct {
 	// Parallel bounds the volumes repaired at once, across all calls;
 	// defaultParallel when zero.
 	Parallel int
-	// Probe configures verification: Timeout is the deadline of each probe
-	// (probe.DefaultConfig's when zero).
+	// Prober verifies repairs and tells whether the probe that found a
+	// volume Hung is still blocked: the process's one prober, the one that
+	// found the volumes broken (the agent's). Nil makes one from Probe and
+	// ProbeSys, which then knows of no earlier probe.
+	Prober Prober
+	// Probe configures the prober made when Prober is nil: Timeout is the
+	// deadline of each probe (probe.DefaultConfig's when zero).
 	Probe probe.Config
 	// RestartTimeout bounds Restart's wait for the runtime to run a stopped
 	// container again; defaultRestartTimeout when zero.
@@ -67,10 +72,20 @@ type Config struct {
 
 	// Sys are the operations that change mounts.
 	Sys Syscalls
-	// ProbeSys are the verification probes (Statfs and StatxSync).
+	// ProbeSys are the verification probes (Statfs and StatxSync) of the
+	// prober made when Prober is nil.
 	ProbeSys probe.Syscalls
 	// FindDriver finds a driver's socket (FindDriver).
 	FindDriver func(ctx context.Context, kubeletRoot, driver string) (Endpoint, error)
+}
+
+// Prober is what a Repairer needs of the process's prober (a
+// *probe.Prober): probes of a path on the host and inside a container's
+// root, and whether a probe of a device is still blocked past its deadline.
+type Prober interface {
+	CheckPath(ctx context.Context, path string) (probe.State, error)
+	CheckIn(ctx context.Context, root, path string) (probe.State, error)
+	Stuck(dev probe.Dev) bool
 }
 
 // Repairer carries out the node-side rungs of the repair ladder on one
@@ -83,7 +98,7 @@ type Repairer struct {
 	root    string
 	procDir string
 	sem     chan struct{}
-	prober  *probe.Prober
+	prober  Prober
 	procs   procCache
 	tables  tableShare
 
@@ -142,12 +157,15 @@ func New(cfg Config) (*Repairer, error) {
 		cfg.ProbeSys.StatxSync = host.StatxSync
 	}
 	cfg.CSI = cfg.CSI.withDefaults()
+	if cfg.Prober == nil {
+		cfg.Prober = probe.NewProberWith(cfg.Probe, cfg.ProbeSys)
+	}
 	return &Repairer{
 		cfg:       cfg,
 		root:      root,
 		procDir:   cfg.ProcDir,
 		sem:       make(chan struct{}, cfg.Parallel),
-		prober:    probe.NewProberWith(cfg.Probe, cfg.ProbeSys),
+		prober:    cfg.Prober,
 		endpoints: map[string]Endpoint{},
 		clients:   map[string]*CSIClient{},
 	}, nil

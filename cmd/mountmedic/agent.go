@@ -19,7 +19,6 @@ import (
 
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/agent/failover"
-	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/remount"
 )
 
@@ -211,18 +210,22 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 			return err
 		}
 	}
+	// One prober: the agent's probe cycles find the broken volumes, and the
+	// repairer verifies its repairs with it and asks it whether the probe
+	// that found a volume Hung is still blocked.
+	prober := agent.NewProber(cfg)
 	repairer, err := remount.New(remount.Config{
 		KubeletRoot: cfg.KubeletRoot,
 		DryRun:      cfg.DryRun,
 		CRIEndpoint: cfg.CRISocket,
 		Parallel:    cfg.MaxConcurrentRepairs,
-		Probe:       probe.Config{Timeout: cfg.ProbeTimeout},
+		Prober:      prober,
 	})
 	if err != nil {
 		return fmt.Errorf("--kubelet-root: %w", err)
 	}
 	defer repairer.Close()
-	deps := agent.Deps{Client: client, Repairer: repairer, Registry: prometheus.NewRegistry()}
+	deps := agent.Deps{Client: client, Repairer: repairer, Prober: prober, Registry: prometheus.NewRegistry()}
 
 	ctx, cancel := context.WithCancel(cmd.Context())
 	defer cancel()
