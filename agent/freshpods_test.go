@@ -18,44 +18,6 @@ import (
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
-// recordingRepairer records the tiers called and heals nothing.
-type recordingRepairer struct {
-	mu    sync.Mutex
-	calls []string
-}
-
-func (r *recordingRepairer) record(tier string) remount.Outcome {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.calls = append(r.calls, tier)
-	return remount.Outcome{Healed: true}
-}
-
-func (r *recordingRepairer) Restage(context.Context, *remount.Volume) remount.Outcome {
-	return r.record("restage")
-}
-func (r *recordingRepairer) LiveSwap(context.Context, *remount.Volume) remount.Outcome {
-	return r.record("liveswap")
-}
-func (r *recordingRepairer) Restart(context.Context, *remount.Volume) remount.Outcome {
-	return r.record("restart")
-}
-func (r *recordingRepairer) Guard(context.Context, string) remount.Action {
-	return remount.Action{}
-}
-
-func (r *recordingRepairer) Unmount(context.Context, *remount.Volume) remount.Outcome {
-	return r.record("unmount")
-}
-
-func (r *recordingRepairer) take() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	c := r.calls
-	r.calls = nil
-	return c
-}
-
 // TestRepairReadsPodsFresh: a run whose pods came from a cache that has not
 // caught up (right after a partition) acts only on pods the API server
 // still has under the same UID on this node: a pod force-deleted, or
@@ -71,7 +33,7 @@ func TestRepairReadsPodsFresh(t *testing.T) {
 	cfg.KubeletRoot = t.TempDir()
 	cfg.MetricsAddr = ""
 	cfg.Version = "test"
-	rep := &recordingRepairer{}
+	rep := &fakeRepairer{}
 	a, err := New(cfg, Deps{Client: c.Client, Repairer: rep, DriverCaps: func(context.Context, string) (kubelet.NodeCapabilities, error) {
 		return kubelet.NodeCapabilities{}, nil
 	}})
