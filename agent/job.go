@@ -73,7 +73,7 @@ func (a *Agent) prepare(bv *brokenVolume) *job {
 			// kubelet writes vol_data.json before NodePublishVolume: a
 			// Pending pod's publish target that is not mounted yet is
 			// kubelet at work, and no container of the pod runs to write
-			// there. Repairing it raced kubelet's setup in the e2e.
+			// there: a repair would race kubelet's setup.
 			continue
 		}
 		n++

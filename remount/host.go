@@ -462,10 +462,8 @@ func (h *hostRun) abortHung(ctx context.Context) {
 	if !h.v.Hung {
 		// Requests waiting on a connection the probe did not find hung are
 		// a live daemon's work (a dead daemon's connection ends with it):
-		// aborting it would break a healthy, busy volume, as a repair of a
-		// volume whose only fault was a publish target not mounted yet
-		// (kubelet between vol_data.json and NodePublish) did to a new
-		// pod's first writes in the e2e.
+		// aborting it would break a healthy, busy volume (say, one whose
+		// only fault is a publish target kubelet has not mounted yet).
 		return
 	}
 	u := h.r.unmounter()

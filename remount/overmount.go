@@ -15,7 +15,7 @@ import (
 // containers that receive host mounts (mountPropagation HostToContainer or
 // Bidirectional).
 //
-// What the lab shows on Linux 6.18:
+// The kernel behaviour it relies on (Linux 6.18):
 //
 //   - mount(2) with MS_BIND|MS_REC onto the path of a dead FUSE mount (daemon
 //     killed: ENOTCONN) or a hung one (daemon blocked: statfs never returns)

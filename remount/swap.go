@@ -19,86 +19,16 @@ import (
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
-// Live swap.
-//
-// A running container sees a volume through its own bind mount, made by the
-// runtime when the container started, in the container's mount namespace.
-// Re-staging and re-publishing on the host never reach it when its mounts
-// are private (the default) and never reach a subPath. swapper replaces the
-// dead mount inside the container's namespace with a clone of the fresh one.
-// What the lab shows on Linux 6.18, and how swapper uses it:
-//
-//   - open_tree(OPEN_TREE_CLONE|AT_RECURSIVE) must run in the host mount
-//     namespace: it only clones a mount of the caller's namespace (EINVAL
-//     otherwise). The clone is a detached tree; it can be moved into another
-//     namespace with move_mount.
-//   - The clone of a mount below the shared kubelet root joins the source's
-//     peer group, so a clone moved as is would make the container's volume a
-//     peer of the host's. mount_setattr(AT_RECURSIVE) on the detached tree
-//     sets the propagation the container had (private for None, slave for
-//     HostToContainer, shared for Bidirectional) and MOUNT_ATTR_RDONLY for a
-//     read-only volumeMount, before anything is visible in the container.
-//   - Entering the namespace: a goroutine locks its OS thread, unshares
-//     CLONE_FS (setns of a mount namespace refuses a thread sharing its fs
-//     with others) and setns()es into /proc/<pid>/ns/mnt. The thread is never
-//     unlocked: the goroutine ends locked and Go ends the thread with it.
-//   - After setns, absolute paths resolve in the container: "/proc/self" may
-//     be the container's procfs, where our PID does not exist. So nothing
-//     inside the namespace uses an absolute path: the container path is
-//     resolved (before setns, in the host namespace) with openat2 from an
-//     O_PATH descriptor of /proc/<pid>/root — the process's own root, which
-//     works for runtimes that pivot_root and for those that chroot — with
-//     RESOLVE_IN_ROOT|RESOLVE_NO_SYMLINKS, the parent first, then the last
-//     name with O_PATH (no call into the dead filesystem, see openSafe).
-//     These descriptors point at mounts of the container's namespace; after
-//     setns, move_mount accepts the parent descriptor as its target
-//     directory and umount2 takes the last name relative to the thread's
-//     working directory, set with fchdir to the parent.
-//   - move_mount(MOVE_MOUNT_BENEATH) (6.5) puts the clone under the dead
-//     mount; umount2(MNT_DETACH) of the top then reveals it: the container
-//     never sees the bare directory below. Where the kernel refuses to mount
-//     beneath (EINVAL: a shared parent that would propagate, a locked mount,
-//     an older kernel), swapper mounts the clone on top of the dead mount
-//     (move_mount to the descriptor of the checked mount) and leaves the
-//     dead one covered. It never detaches before the move: an agent killed
-//     between the two would leave the container writing into its own root
-//     filesystem with nothing dead in view for the next run to find. At
-//     every step a mount of the volume is in place; a swap killed half-way
-//     (the clone beneath, the dead mount still on top) is finished by the
-//     next run, which finds the dead mount on top again.
-//   - The swap goes only into each container's own mount namespace: the
-//     runtime's process of the container (CRI ContainerStatus) when a CRI
-//     endpoint is set, else the process its cgroup names. A mount moved into
-//     a namespace is not locked (the kernel locks mount flags only on mounts
-//     it copies or propagates into a less privileged mount namespace), so a
-//     namespace a container user made (unshare -Urm) would let that user
-//     remount a read-only volume read-write: such namespaces are never
-//     entered (they keep the dead mount, locked read-only as copied), and a
-//     namespace our user namespace does not own is refused (a namespace
-//     whose owner is not the process's own user namespace, and a
-//     user-namespaced pod's, whose root could remount a moved mount
-//     writable or clear nosuid, nodev or noexec on it): the restart tier
-//     repairs those.
-//     A user namespace made after the swap copies the swapped mount and
-//     the kernel locks it read-only there.
-//   - A subPath is the same operation with the subdirectory of the fresh
-//     volume as source, opened below it without following any symlink (the
-//     volume's content is the user's: a symlink there must not bind a host
-//     directory into the container).
-//   - Files open and working directories on the dead mount stay dead; only
-//     new lookups see the fresh mount.
-//
-// Finding the processes: the Repairer takes a pod's processes from a
-// snapshot of /proc/*/cgroup that the repairs of the moment share (see
-// pids.go; PodPIDs is the same scan for one pod), and planSwap reads the
-// mountinfo of each container's own process (the runtime's, or the one its
-// cgroup names) and matches the dead mount by device number and mountinfo
-// root, one process per mount namespace. This needs no runtime
-// socket, works with any runtime, and finds every container of the pod (and
-// skips the sandbox, whose namespace lacks the volume). It needs hostPID,
-// which setns needs anyway. Where pods have no cgroup of their own (kubelet
-// with cgroupsPerQOS: false), CRIClient.PodContainers and
-// CRIClient.ContainerPID give the PIDs instead.
+// Live swap: a running container sees a volume through its own bind in its
+// own mount namespace, which a re-stage on the host never reaches when the
+// bind is private or a subPath. swapper clones the fresh mount on the host
+// (cloneSource), enters the container's namespace on a locked thread
+// (inMountNamespace) and puts the clone beneath the dead mount, or over it
+// where the kernel refuses (swapInNamespace), so that a mount of the volume
+// is in place at every step. It enters only each container's own namespace
+// (checkOtherNamespace, checkNamespaceOwner). Files open on the dead mount
+// stay dead; new lookups see the fresh one. The containers' processes come
+// from the Repairer's shared cgroup scan, or the CRI (docs/remount.md).
 
 // Propagation is the mount propagation of a volumeMount.
 type Propagation int
@@ -418,7 +348,10 @@ var errForeignNamespace = errors.New("mount namespace not swappable")
 
 // cloneSource resolves the target's source below the kubelet root and, unless
 // in dry-run, clones it into a detached tree with the target's read-only
-// flag and propagation.
+// flag and propagation. It runs in the host's mount namespace: open_tree
+// clones only a mount of the caller's namespace. The clone joins the
+// source's peer group until mount_setattr sets the container's propagation,
+// before anything is visible in the container.
 func (s *swapper) cloneSource(sys Syscalls, t swapTarget) (tree int, desc string, err error) {
 	src, err := openSafe(s.root(), t.Source)
 	if err != nil {
@@ -488,7 +421,9 @@ func (c *containerTarget) close() {
 	}
 }
 
-// resolveContainer resolves path inside the process root rootfd, refusing
+// resolveContainer resolves path inside the process root rootfd
+// (/proc/<pid>/root, opened before setns: inside the container's namespace
+// an absolute path, /proc/self included, is the container's), refusing
 // symlinks, without calling into the filesystem mounted there.
 func resolveContainer(rootfd int, path string) (*containerTarget, error) {
 	rel := strings.TrimPrefix(filepath.Clean(path), "/")
@@ -643,7 +578,7 @@ func (s *swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 // goroutine exits on it, it parks it for good, and /proc/self (mountinfo,
 // ns/mnt) describes the main thread. A main thread left in a container's
 // namespace would make the process read the container's mount table as its
-// own (the lab caught this). When the locked goroutine finds itself on the
+// own. When the locked goroutine finds itself on the
 // main thread, it holds that thread and does the work from a new goroutine,
 // which then runs on another one.
 func inMountNamespace(sys Syscalls, nsfd int, fn func()) error {

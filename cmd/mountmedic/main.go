@@ -12,14 +12,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// init keeps the main goroutine on the process's main thread for good, so
-// that no other goroutine ever runs there. The kernel hands a signal sent to
-// the process (kill, kubelet's SIGTERM) to the main thread first, and a
-// thread waiting on a FUSE request whose daemon hangs does not return to run
-// the handler: the signal stays pending until the daemon answers. With a
-// probe or a table read blocked on the main thread, SIGTERM was lost for as
-// long as the daemon hung (TestScanStopsOnSignalWhileReading, 1 run in ~20
-// in CI). The main thread now only waits (run), and handles every signal.
+// init keeps the main goroutine on the main thread, so that no probe or
+// table read ever blocks there: the kernel hands a process signal
+// (kubelet's SIGTERM) to the main thread first, and a thread stuck on a
+// hung FUSE daemon would hold it pending until the daemon answers.
 func init() { runtime.LockOSThread() }
 
 func main() { os.Exit(run()) }
