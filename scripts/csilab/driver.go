@@ -29,6 +29,7 @@ type Driver struct {
 	nodeID string
 	home   string
 	env    []string
+	pidNS  string
 
 	mu   sync.Mutex
 	proc *lab.Process
@@ -40,6 +41,21 @@ type Driver struct {
 // test to clean up.
 func StartDriver(t testing.TB, socketPath, nodeID string) *Driver {
 	t.Helper()
+	return StartDriverWith(t, socketPath, nodeID, DriverOptions{})
+}
+
+// DriverOptions are StartDriverWith's settings.
+type DriverOptions struct {
+	// PIDNamespace names (a /proc/<pid>/ns/pid path) the PID namespace the
+	// driver's own namespace is made in: a node's, so that the node's
+	// hostPID pods see the driver and its FUSE daemons as they see a node
+	// plugin's pod on a real node. Empty: the test's.
+	PIDNamespace string
+}
+
+// StartDriverWith is StartDriver with opts.
+func StartDriverWith(t testing.TB, socketPath, nodeID string, opts DriverOptions) *Driver {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		lab.SkipOrFail(t, "the CSI driver lab needs root for a PID namespace (uid %d)", os.Geteuid())
 	}
@@ -49,7 +65,7 @@ func StartDriver(t testing.TB, socketPath, nodeID string) *Driver {
 		t.Fatalf("socket path %q must be absolute", socketPath)
 	}
 	home := t.TempDir()
-	d := &Driver{t: t, bin: bin, socket: socketPath, nodeID: nodeID, home: home, env: driverEnv(home, filepath.Dir(s3fs))}
+	d := &Driver{t: t, bin: bin, socket: socketPath, nodeID: nodeID, home: home, env: driverEnv(home, filepath.Dir(s3fs)), pidNS: opts.PIDNamespace}
 	t.Cleanup(func() {
 		d.mu.Lock()
 		p := d.proc
@@ -95,7 +111,7 @@ func (d *Driver) start() error {
 	cmd.Env = d.env
 	cmd.Dir = d.home
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
-	p, err := lab.RunProcess("s3driver", cmd, filepath.Join(d.home, "s3driver.log"))
+	p, err := lab.RunProcessIn("s3driver", cmd, filepath.Join(d.home, "s3driver.log"), d.pidNS)
 	if err != nil {
 		return err
 	}
