@@ -14,6 +14,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
@@ -45,6 +46,14 @@ type Unmounter struct {
 	// Servers shares one scan of the processes' /dev/fuse descriptors
 	// among aborts (findServers); nil scans for each abort.
 	Servers *ServerIndex
+	// Users are the UIDs of the pods that use the volume whose connection
+	// AbortFUSE aborts: a process in one of their cgroups holding the
+	// connection is the volume's user, and is never killed as its daemon.
+	Users []string
+	// Home is where the driver catalogue puts that volume's daemon
+	// (kubelet.DaemonUnknown when not catalogued); a holder where the
+	// catalogue says the daemon does not live is left alone (killable).
+	Home kubelet.DaemonHome
 }
 
 func (u *Unmounter) procDir() string {
@@ -362,9 +371,8 @@ func detachedFusectl() (int, error) {
 // Requests in flight then fail with ECONNABORTED and later ones with
 // ENOTCONN, so a hung daemon no longer blocks callers. A connection that
 // is gone already counts as done. The processes serving the connection
-// are stopped before the abort and killed after it (findServers): woken,
-// a daemon would unmount its mountpoint by path, where the volume is
-// staged again next.
+// are killed right before the abort (findServers): woken, a daemon would
+// unmount its mountpoint by path, where the volume is staged again next.
 //
 // Connection numbers are device numbers, which the kernel hands out again
 // once a filesystem is gone: the connection is pinned and checked first.
@@ -436,13 +444,14 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		return append(actions, a), actionsErr(append(actions, a))
 	}
 	// The processes serving the connection are found while it is up and
-	// stopped before the abort: woken by it, a daemon's exit path
+	// killed before the abort: woken by it, a daemon's exit path
 	// unmounts its mountpoint by path, which holds the fresh mount once
-	// the volume is staged again. Killed after it, they never run again.
+	// the volume is staged again. A process with SIGKILL pending never
+	// runs its own code again, so no process is ever left stopped.
 	servers, notes := u.findServers(ctx, conn)
 	defer closeServers(servers)
 	logServers(logger, conn, servers, notes)
-	stopServers(ctx, u.procDir(), servers)
+	kills := signalServers(servers, conn)
 	start := time.Now()
 	err = sys.WriteFile(p, []byte("1"))
 	a.Took = time.Since(start)
@@ -456,24 +465,20 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		logger.V(2).Info("Aborted FUSE connection", "conn", conn, "waiting", waiting)
 	}
 	if len(servers) == 0 && len(notes) == 0 {
-		a.Detail += "; no process the agent can see serves it"
+		why := noServerReason()
+		a.Detail += "; no process the agent can see serves it (" + why + "): its daemon is left alone"
+		logger.Info("Left the daemon of an aborted FUSE connection alone: no process the agent can see serves it", "conn", conn, "why", why)
 	}
 	actions = append(actions, a)
-	if a.Err != nil {
-		continueServers(servers)
-		return append(actions, notes...), actionsErr(actions)
-	}
-	kills := killServers(ctx, servers, conn)
+	waitServers(ctx, servers, kills)
 	for i, k := range kills {
 		if k.Err != nil {
 			// The abort stands: a kill refused is told, not a failed
-			// repair (the re-stage goes on), and the process is let go
-			// on rather than left stopped.
+			// repair (the re-stage goes on).
 			logger.Error(k.Err, "Killing the process that served an aborted FUSE connection failed", "conn", conn)
-			continueServers(servers[i : i+1])
-			kills[i].Op, kills[i].Detail, kills[i].Err = opSkip, k.Detail+": "+k.Err.Error()+"; let go on", nil
+			kills[i].Op, kills[i].Detail, kills[i].Err = opSkip, k.Detail+": "+k.Err.Error()+"; left running", nil
 		} else {
-			logger.V(2).Info("Killed the process that served an aborted FUSE connection", "conn", conn, "process", k.Path, "detail", k.Detail)
+			logger.Info("Killed the process that served an aborted FUSE connection", "conn", conn, "process", k.Path, "detail", k.Detail)
 		}
 	}
 	actions = append(append(actions, kills...), notes...)
