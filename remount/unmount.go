@@ -181,14 +181,29 @@ func (u *Unmounter) unmountNamed(ctx context.Context, sys Syscalls, path string,
 		// propagated here. unmountOne says which path it saw.
 		return []Action{u.unmountOne(ctx, sys, unmountTarget{path: path, id: -1})}
 	}
+	var out []Action
+	// mountmedic's guard over a named mount came there by propagation: it
+	// was attached at a staging path (or a directory above), and this
+	// path is a bind of that bare directory, a peer that receives every
+	// mount made there. It is ours and hides the named mount: it goes
+	// first (and, by the same propagation, the guard it came from).
+	for len(stack) > 1 && stack[len(stack)-1].Guard && named[keyOf(stack[len(stack)-2])] {
+		g := stack[len(stack)-1]
+		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: g.ID})
+		a.Detail = "mountmedic's guard, propagated over the mount to unmount: " + a.Detail
+		out = append(out, a)
+		if a.Err != nil {
+			return out
+		}
+		stack = stack[:len(stack)-1]
+	}
 	top := stack[len(stack)-1]
 	if !named[keyOf(top)] {
 		err := fmt.Errorf("unmount %s: mount %d (device %s, root %s) is on top there in our mount namespace, not a mount the table named: %w",
 			path, top.ID, top.Dev, top.Root, ErrMountChanged)
 		klog.FromContext(ctx).V(2).Info("Left a mount the table does not name alone", "path", path, "mountID", top.ID, "dev", top.Dev.String())
-		return []Action{{Op: opUnmount, Path: path, DryRun: u.DryRun, Err: err}}
+		return append(out, Action{Op: opUnmount, Path: path, DryRun: u.DryRun, Err: err})
 	}
-	var out []Action
 	for i := len(stack) - 1; i >= 0 && named[keyOf(stack[i])]; i-- {
 		m := stack[i]
 		if u.DryRun && i < len(stack)-1 {
