@@ -49,7 +49,11 @@ func RunProcess(name string, cmd *exec.Cmd, logPath string) (*Process, error) {
 }
 
 // RunProcessIn is RunProcess in the PID namespace pidNS names
-// (StartProcessIn).
+// (StartProcessIn). There it gets no Pdeathsig: its parent is outside its
+// namespace (getppid says 0), which Go's fork takes for a parent already
+// dead, and it would kill itself at once. It dies with that namespace's
+// init instead, which the kernel takes every process of the namespace
+// with.
 func RunProcessIn(name string, cmd *exec.Cmd, logPath, pidNS string) (*Process, error) {
 	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -59,7 +63,9 @@ func RunProcessIn(name string, cmd *exec.Cmd, logPath, pidNS string) (*Process, 
 	if cmd.SysProcAttr == nil {
 		cmd.SysProcAttr = &syscall.SysProcAttr{}
 	}
-	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	if pidNS == "" {
+		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	}
 	if err := StartProcessIn(cmd, pidNS); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
