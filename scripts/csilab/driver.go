@@ -30,6 +30,8 @@ type Driver struct {
 	home   string
 	env    []string
 	pidNS  string
+	// unshare is util-linux's unshare(1), with pidNS.
+	unshare string
 
 	mu   sync.Mutex
 	proc *lab.Process
@@ -66,6 +68,9 @@ func StartDriverWith(t testing.TB, socketPath, nodeID string, opts DriverOptions
 	}
 	home := t.TempDir()
 	d := &Driver{t: t, bin: bin, socket: socketPath, nodeID: nodeID, home: home, env: driverEnv(home, filepath.Dir(s3fs)), pidNS: opts.PIDNamespace}
+	if d.pidNS != "" {
+		d.unshare = lab.RequireBinary(t, "unshare")
+	}
 	t.Cleanup(func() {
 		d.mu.Lock()
 		p := d.proc
@@ -107,10 +112,18 @@ func driverEnv(home, s3fsDir string) []string {
 }
 
 func (d *Driver) start() error {
-	cmd := exec.Command(d.bin, "--endpoint", "unix://"+d.socket, "--nodeid", d.nodeID, "--logtostderr", "--v=4")
+	args := []string{"--endpoint", "unix://" + d.socket, "--nodeid", d.nodeID, "--logtostderr", "--v=4"}
+	cmd := exec.Command(d.bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
+	if d.pidNS != "" {
+		// A thread that joined another PID namespace for its children
+		// cannot clone a new one (copy_pid_ns: EINVAL); its child can.
+		// unshare makes the namespace and forks the driver as its PID 1,
+		// which dies with it (--kill-child).
+		cmd = exec.Command(d.unshare, append([]string{"--pid", "--kill-child", "--", d.bin}, args...)...)
+	}
 	cmd.Env = d.env
 	cmd.Dir = d.home
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
 	p, err := lab.RunProcessIn("s3driver", cmd, filepath.Join(d.home, "s3driver.log"), d.pidNS)
 	if err != nil {
 		return err
