@@ -343,10 +343,28 @@ func TestAgentRestagesStagingGoneUnderLiveBinds(t *testing.T) {
 	if err := unix.Unmount(s.staging, unix.MNT_DETACH); err != nil {
 		t.Fatalf("unmount the staging mount by its path: %v", err)
 	}
+	// How long the staging path stays bare (neither the guard nor the
+	// fresh mount there): at most one probe cycle.
+	lost := time.Now()
+	bare := make(chan time.Duration, 1)
+	go func() {
+		for time.Since(lost) < time.Minute {
+			if ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(s.staging)); err == nil && len(ms) > 0 {
+				bare <- time.Since(lost)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		bare <- -1
+	}()
 	if err := s.reads("unstaged"); err != nil {
 		t.Fatalf("the pod's binds stopped reading with the staging mount gone: %v", err)
 	}
+	// A driver catalogued as staging (k8s-csi-s3): guarded and staged
+	// again at once, each said in an event.
+	guarded := d.waitEvent(s.pod.UID, string(agent.ReasonVolumeGuarded), "staging mount is gone")
 	ev := d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "staged again, the staging mount was gone")
+	t.Logf("staging path bare for %s after its mount went; %s %q", <-bare, guarded.Reason, guarded.Note)
 	if got, err := os.ReadFile(filepath.Join(s.staging, "data.txt")); err != nil || string(got) != "data of unstaged" {
 		t.Errorf("staging path after the repair: read %q, %v; want the volume's data.txt", got, err)
 	}

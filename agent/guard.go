@@ -41,6 +41,9 @@ func (a *Agent) guardNow(ctx context.Context, broken map[string]*brokenVolume) {
 // pod's target is kubelet's to publish and is left alone.
 func (a *Agent) guardMissing(ctx context.Context, j *job) {
 	logger := klog.FromContext(ctx)
+	if m := j.vol.stagingGuardable(); m != nil && m.ID == 0 {
+		a.guardStaging(ctx, j, m.Path)
+	}
 	for _, pod := range j.active {
 		use := j.vol.pods[string(pod.UID)]
 		if pod.Status.Phase != corev1.PodRunning || use == nil {

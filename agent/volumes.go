@@ -44,11 +44,15 @@ type podUse struct {
 	dead       []*probe.Mount
 }
 
-// unguarded reports a CSI volume with a publish target kubelet set up that
-// is no longer a mount point and has no guard yet.
+// unguarded reports a CSI volume with a publish target kubelet set up, or
+// a staging path (stagingGuardable), that is no longer a mount point and
+// has no guard yet.
 func (v *brokenVolume) unguarded() bool {
 	if !v.csi {
 		return false
+	}
+	if m := v.stagingGuardable(); m != nil && m.ID == 0 {
+		return true
 	}
 	for _, u := range v.pods {
 		for _, m := range u.dead {
@@ -82,10 +86,19 @@ func (v *brokenVolume) lostStaging() *probe.Mount {
 // backend), which never heals by itself, or its daemon has not answered a
 // probe for a whole deadline (Hung: the prober never says so of a probe
 // still within its deadline, however slow), whose callers stay blocked
-// until the connection is aborted. Any other state, a staging path that
-// lost its mount included (kubelet leaves globalmount bare for a driver
-// that does not stage), may be transient and waits for its strikes.
+// until the connection is aborted; or its staging path lost its mount
+// under live publish targets and its driver is catalogued as staging
+// there (stagingGuardable). Any other state, a lost staging path of a
+// driver not catalogued included (kubelet leaves globalmount bare for a
+// driver that does not stage), may be transient and waits for its
+// strikes.
 func (v *brokenVolume) certain() bool {
+	if v.stagingGuardable() != nil {
+		// kubelet never leaves the staging path of a driver that stages
+		// bare under live publish targets: the next pod published there
+		// would get the node's disk.
+		return true
+	}
 	if v.backend == nil || v.backend.Kind != probe.BackendFUSE {
 		return false
 	}

@@ -198,18 +198,23 @@ func TestLostStaging(t *testing.T) {
 	staging := kubelet.Target{Kind: kubelet.KindStaging, Plugin: kubelet.CSIPluginDir}
 	for _, tc := range []struct {
 		name                string
+		driver              string
 		m                   *probe.Mount
 		lost, cert, unguard bool
 	}{
-		// A bare staging path waits for its strikes and gets no guard:
-		// kubelet leaves globalmount bare for a driver that does not
-		// stage, and a guard there reaches every bind of the directory.
-		{"bare", &probe.Mount{Path: "/s", Target: staging}, true, false, false},
-		{"guarded", &probe.Mount{Path: "/s", ID: 7, Guard: true, Target: staging}, true, false, false},
-		{"dead mount", &probe.Mount{Path: "/s", ID: 7, Target: staging}, false, false, false},
+		// A driver catalogued as staging at globalmount (k8s-csi-s3): a
+		// lost staging path is guarded and staged again at once.
+		{"bare, stager", "ru.yandex.s3.csi", &probe.Mount{Path: "/s", Target: staging}, true, true, true},
+		{"guarded, stager", "ru.yandex.s3.csi", &probe.Mount{Path: "/s", ID: 7, Guard: true, Target: staging}, true, true, false},
+		// A driver not catalogued, or one that does not stage, waits for
+		// its strikes and gets no guard: kubelet leaves globalmount bare
+		// for a driver that does not stage.
+		{"bare, not catalogued", "lab.csi.example.com", &probe.Mount{Path: "/s", Target: staging}, true, false, false},
+		{"bare, publish-only", "gcsfuse.csi.storage.gke.io", &probe.Mount{Path: "/s", Target: staging}, true, false, false},
+		{"dead mount", "ru.yandex.s3.csi", &probe.Mount{Path: "/s", ID: 7, Target: staging}, false, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			v := &brokenVolume{csi: true, mounts: []*probe.Mount{tc.m}}
+			v := &brokenVolume{csi: true, driver: tc.driver, mounts: []*probe.Mount{tc.m}}
 			if got := v.lostStaging() != nil; got != tc.lost {
 				t.Errorf("lostStaging() = %t, want %t", got, tc.lost)
 			}

@@ -741,7 +741,8 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 // is no longer a mount point. A stale FUSE daemon that wakes up and unmounts
 // its mountpoint path by name does this to a staging mount re-staged under
 // it; the pods keep reading through their binds, and the next pod published
-// there would get the bare directory on the node's disk.
+// there would get the bare directory on the node's disk. A publish target
+// on the staging directory's own filesystem is no such evidence.
 func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*Mount {
 	var out []*Mount
 	seen := make(map[string]bool)
@@ -772,7 +773,16 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 		if err != nil {
 			continue
 		}
+		var st unix.Stat_t
+		err = unix.Fstat(int(f.Fd()), &st)
 		f.Close()
+		if err != nil || (Dev{Major: unix.Major(st.Dev), Minor: unix.Minor(st.Dev)}) == m.Dev {
+			// The publish target shows the directory's own filesystem:
+			// a bind of the bare directory (published while nothing was
+			// staged there, or a driver that publishes that directory),
+			// not a staging mount that was there and is gone.
+			continue
+		}
 		out = append(out, &Mount{Path: p, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
 			Target: kubelet.Target{Kind: kubelet.KindStaging, Plugin: kubelet.CSIPluginDir,
 				Driver: m.Driver, HandleHash: kubelet.HandleHash(m.VolumeHandle)}})

@@ -294,3 +294,38 @@ func TestPublishWindowIsNotUnmounted(t *testing.T) {
 		t.Errorf("PublishGrace -1: Unmounted = %v, want %s", inv.Unmounted, target)
 	}
 }
+
+// TestLostStagingNeedsAStagingMountBefore: a staging path that is not a
+// mount point under a live publish target is listed Unmounted (lost)
+// only when the publish target shows another filesystem than the staging
+// directory's own, the one a staging mount put there. A publish target
+// that binds the bare directory (published while nothing was staged, as
+// the failover lab does, or a driver that publishes the directory) is
+// not: guarding that staging path would propagate over the pod's volume.
+func TestLostStagingNeedsAStagingMountBefore(t *testing.T) {
+	lab.RequireRoot(t)
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	root := k.Root()
+	bare := k.StagingPath(labDriver, "bare")
+	if err := os.MkdirAll(bare, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	k.Publish("pod-bare", "pv-bare", labDriver, "bare", bare, false)
+	lost := stageFaultFS(t, k, "lost", "pod-lost")
+	if err := unix.Unmount(lost.staging, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true, PublishGrace: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, m := range inv.Unmounted {
+		if m.Target.Kind == kubelet.KindStaging {
+			got = append(got, m.Path)
+		}
+	}
+	if len(got) != 1 || got[0] != lost.staging {
+		t.Errorf("staging paths listed Unmounted = %v, want only %s (its staging mount is gone)", got, lost.staging)
+	}
+}

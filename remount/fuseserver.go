@@ -16,23 +16,20 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
-// opKillServer stops, then kills, a process that served a FUSE connection
-// the repair aborted.
+// opKillServer kills a process that served a FUSE connection the repair
+// aborts.
 const opKillServer Op = "kill-fuse-server"
 
-// Bounds of the kill around an abort. Both are waits on the kernel, not on
-// the daemon's good will: a process stops or dies at its next return to
-// user space, which a thread blocked in an uninterruptible call delays.
-const (
-	// serverStopWait bounds the wait for every thread of a server to stop
-	// before the abort is written.
-	serverStopWait = 500 * time.Millisecond
-	// serverExitWait bounds the wait for a killed server to exit (and
-	// close its descriptors) before the repair goes on.
-	serverExitWait = 2 * time.Second
-)
+// serverExitWait bounds the wait for killed servers to exit (and close
+// their descriptors) before the repair goes on. It is a wait on the
+// kernel, not on the daemon's good will: a process dies at its next
+// return to user space, which a thread blocked in an uninterruptible call
+// delays.
+const serverExitWait = 2 * time.Second
 
 // fuseServer is a process found to serve one FUSE connection: it holds a
 // descriptor of /dev/fuse attached to that connection while the
@@ -82,9 +79,10 @@ func closeServers(ss []*fuseServer) {
 //
 // A process is left alone, with an action saying why, when the agent
 // cannot tell for certain: pidfd_getfd refused (an LSM, a Yama
-// ptrace_scope of 3), or when it also serves another connection that is
-// up (a daemon of several volumes), or when it is PID 1 or the agent. On
-// a kernel without the fdinfo line no process is found.
+// ptrace_scope of 3), when it also serves another connection that is up
+// (a daemon of several volumes), when it is PID 1 or the agent, or when
+// it is not where the volume's daemon lives (killable). On a kernel
+// without the fdinfo line no process is found.
 func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer, []Action) {
 	procDir := u.procDir()
 	idx := u.Servers
@@ -129,12 +127,47 @@ func (u *Unmounter) findServers(ctx context.Context, conn uint32) ([]*fuseServer
 		s, why, err := verifyServer(pid, comm, fds, conn)
 		switch {
 		case s != nil:
+			// Checked while the pidfd holds the process: a PID reused
+			// since cannot answer for it.
+			if why := u.killable(filepath.Join(procDir, strconv.Itoa(pid))); why != "" {
+				s.close()
+				leave(why, nil)
+				continue
+			}
 			servers = append(servers, s)
 		case why != "":
 			leave(why, err)
 		}
 	}
 	return servers, notes
+}
+
+// killable says why the process at proc, found serving the aborted
+// connection, is not the volume's daemon for certain ("" when it is):
+// holding the connection's descriptor proves it can serve the volume,
+// not that it is the daemon. A process of a pod that uses the volume
+// (its cgroup names the pod) is the volume's user: a hostile user who
+// was handed a copy of the descriptor, or an application-side daemon
+// whose restart is the pod's. And the driver catalogue's DaemonHome says
+// where the daemon lives: a daemon it puts in the application pod is
+// left alone, and so is a holder in a pod when it puts the daemon on the
+// host outside any pod.
+func (u *Unmounter) killable(proc string) string {
+	if u.Home == kubelet.DaemonAppSidecar {
+		return "the driver catalogue puts this volume's daemon in the application pod (" + u.Home.String() + "): restarting that pod's container is its repair"
+	}
+	data, err := readProcHead(filepath.Join(proc, "cgroup"), maxCgroupFile+1)
+	if err != nil || len(data) > maxCgroupFile {
+		return "its cgroup cannot be read"
+	}
+	uid, _, inPod := podOfCgroup(data)
+	switch {
+	case inPod && slices.Contains(u.Users, uid):
+		return "it runs in pod " + uid + ", which uses the volume: a user of the volume, not its daemon"
+	case inPod && u.Home == kubelet.DaemonHostService:
+		return "it runs in pod " + uid + ", but the driver catalogue puts this volume's daemon on the host, outside any pod"
+	}
+	return ""
 }
 
 // ServerIndex is one scan of the processes' /dev/fuse descriptors, shared
@@ -306,79 +339,42 @@ func fdinfoConn(b []byte) (uint32, bool) {
 	return 0, false
 }
 
-// stopServers sends SIGSTOP to each server and waits, within
-// serverStopWait, until every thread of each shows stopped: from then on
-// none runs code of its own, so the abort cannot wake it into its exit
-// path (which unmounts its mountpoint by path). A server whose thread is
-// blocked in the kernel stops when the call returns, before it runs
-// anything.
-func stopServers(ctx context.Context, procDir string, ss []*fuseServer) {
-	for _, s := range ss {
-		_ = unix.PidfdSendSignal(s.pidfd, unix.SIGSTOP, nil, 0)
-	}
-	deadline := time.Now().Add(serverStopWait)
-	for _, s := range ss {
-		for !allStopped(procDir, s.pid) && time.Now().Before(deadline) && ctx.Err() == nil {
-			time.Sleep(time.Millisecond)
-		}
-	}
-}
-
-// allStopped reports whether every thread of pid is stopped (T or t in
-// /proc/<pid>/task/*/stat), or the process is gone.
-func allStopped(procDir string, pid int) bool {
-	dir := filepath.Join(procDir, strconv.Itoa(pid), "task")
-	tasks, err := os.ReadDir(dir)
-	if err != nil {
-		return true
-	}
-	for _, t := range tasks {
-		b, err := os.ReadFile(filepath.Join(dir, t.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		i := bytes.LastIndexByte(b, ')')
-		if i < 0 || i+2 >= len(b) {
-			continue
-		}
-		if st := b[i+2]; st != 'T' && st != 't' && st != 'Z' && st != 'X' {
-			return false
-		}
-	}
-	return true
-}
-
-// killServers sends SIGKILL to each server and waits, within
-// serverExitWait, for it to exit; it returns one action per server.
-// SIGKILL ends a stopped process too, and a process with SIGKILL pending
-// never returns to user space: whatever its state, it can no longer act.
-func killServers(ctx context.Context, ss []*fuseServer, conn uint32) []Action {
-	var out []Action
+// signalServers sends SIGKILL to each server, through its pidfd, and
+// returns one action per server (its Err set when the kill was refused).
+// A process with SIGKILL pending never returns to user space: whatever it
+// is doing, it runs none of its own code again, so the abort that follows
+// cannot wake it into its exit path (which unmounts its mountpoint by
+// path). A server thread blocked in the kernel dies when its call
+// returns.
+func signalServers(ss []*fuseServer, conn uint32) []Action {
+	out := make([]Action, 0, len(ss))
 	for _, s := range ss {
 		a := Action{Op: opKillServer, Path: "pid " + strconv.Itoa(s.pid),
 			Detail: fmt.Sprintf("%s served fuse connection %d, aborted: killed", s, conn)}
-		start := time.Now()
 		if err := unix.PidfdSendSignal(s.pidfd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
 			a.Err = fmt.Errorf("kill pid %d (%s), which served fuse connection %d: %w", s.pid, s.comm, conn, err)
-			out = append(out, a)
-			continue
 		}
-		if exited(ctx, s.pidfd, serverExitWait) {
-			a.Detail += ", exited"
-		} else {
-			a.Detail += fmt.Sprintf(", not exited within %s (a call of it is blocked in the kernel; it dies when the call returns, running nothing more)", serverExitWait)
-		}
-		a.Took = time.Since(start)
 		out = append(out, a)
 	}
 	return out
 }
 
-// continueServers lets stopped servers go on: the abort they were stopped
-// for did not happen.
-func continueServers(ss []*fuseServer) {
-	for _, s := range ss {
-		_ = unix.PidfdSendSignal(s.pidfd, unix.SIGCONT, nil, 0)
+// waitServers waits, within serverExitWait in all, for each server killed
+// (kills[i].Err nil) to exit and close its descriptors, and says so in its
+// action.
+func waitServers(ctx context.Context, ss []*fuseServer, kills []Action) {
+	start := time.Now()
+	deadline := start.Add(serverExitWait)
+	for i, s := range ss {
+		if kills[i].Err != nil {
+			continue
+		}
+		if exited(ctx, s.pidfd, time.Until(deadline)) {
+			kills[i].Detail += ", exited"
+		} else {
+			kills[i].Detail += fmt.Sprintf(", not exited within %s (a call of it is blocked in the kernel; it dies when the call returns, running nothing more)", serverExitWait)
+		}
+		kills[i].Took = time.Since(start)
 	}
 }
 
@@ -400,6 +396,42 @@ func exited(ctx context.Context, pidfd int, d time.Duration) bool {
 			return false
 		}
 	}
+}
+
+// fdinfoNamesConn reports whether the running kernel names a /dev/fuse
+// descriptor's connection in its fdinfo (Linux 6.16 and later), and the
+// kernel's release.
+var fdinfoNamesConn = sync.OnceValues(func() (bool, string) {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return true, "unknown"
+	}
+	release := unix.ByteSliceToString(u.Release[:])
+	return kernelAtLeast(release, 6, 16), release
+})
+
+// kernelAtLeast reports whether a kernel release ("6.18.4-foo") is at
+// least major.minor; an unreadable release counts as recent.
+func kernelAtLeast(release string, major, minor int) bool {
+	ma, rest, _ := strings.Cut(release, ".")
+	mi, _, _ := strings.Cut(rest, ".")
+	mi = strings.TrimRightFunc(mi, func(r rune) bool { return r < '0' || r > '9' })
+	x, err1 := strconv.Atoi(ma)
+	y, err2 := strconv.Atoi(mi)
+	if err1 != nil || err2 != nil {
+		return true
+	}
+	return x > major || x == major && y >= minor
+}
+
+// noServerReason says why no process was found serving a connection that
+// is up: the kernel does not say which descriptor serves which connection,
+// or the daemon is out of the agent's sight.
+func noServerReason() string {
+	if ok, release := fdinfoNamesConn(); !ok {
+		return "kernel " + release + " does not name the connection in /dev/fuse fdinfo; 6.16 and later do"
+	}
+	return "its daemon runs in a PID namespace the agent does not see (the agent needs the host's: hostPID)"
 }
 
 // logServers logs the servers found for conn and those left alone.

@@ -251,3 +251,80 @@ func rclonePids(t *testing.T) map[int]bool {
 	}
 	return out
 }
+
+// TestAbortSparesTheVolumesUsers: the hostile actor is a pod's user who
+// holds a copy of the volume's /dev/fuse descriptor (handed over by the
+// daemon, or inherited), plus a regular file named "fuse" and a fresh
+// /dev/fuse attached to nothing, hoping the agent takes it for the
+// daemon. The abort kills the daemon and leaves the user's process
+// alone, saying why; the decoys are never looked at as servers.
+func TestAbortSparesTheVolumesUsers(t *testing.T) {
+	lab.RequireRoot(t)
+	ctx := context.Background()
+	k := newKubelet(t)
+	v := newLabVolume(t, k, labHandle, labVolume)
+
+	// The user's copy of the daemon's descriptor, taken as the test's
+	// root can (a daemon handing it over does the same).
+	pidfd, err := unix.PidfdOpen(v.fs.Pid(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(pidfd)
+	var copyFD int = -1
+	for _, f := range fuseFDs(filepath.Join("/proc", strconv.Itoa(v.fs.Pid()))) {
+		if f.conn == v.fs.Conn() {
+			if copyFD, err = unix.PidfdGetfd(pidfd, f.fd, 0); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if copyFD < 0 {
+		t.Fatalf("the daemon %d holds no /dev/fuse of connection %d", v.fs.Pid(), v.fs.Conn())
+	}
+	decoyFile := filepath.Join(t.TempDir(), "fuse")
+	writeFile(t, decoyFile, "fuse_connection:\t"+strconv.FormatUint(uint64(v.fs.Conn()), 10)+"\n")
+	decoy, err := os.Open(decoyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer decoy.Close()
+	unattached, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unattached.Close()
+	user := exec.Command("sleep", "600")
+	user.ExtraFiles = []*os.File{os.NewFile(uintptr(copyFD), "fuse-copy"), decoy, unattached}
+	if err := user.Start(); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(copyFD)
+	lab.JoinPodCgroup(t, user.Process.Pid, labPod, "hostile0000000")
+	t.Cleanup(func() { _ = user.Process.Kill(); _ = user.Wait() })
+
+	if err := syscall.Kill(v.fs.Pid(), syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	waitStopped(t, v.fs.Pid())
+	blocked := blockedStatfs(t, v.staging)
+	at := &probe.Mount{Path: v.staging, ID: topID(t, k.Root(), v.staging), Dev: v.dev()}
+	u := &Unmounter{Root: k.Root(), Users: []string{labPod}}
+	acts, err := u.AbortFUSE(ctx, v.dev(), at)
+	t.Logf("actions: %v", acts)
+	if err != nil {
+		t.Fatalf("AbortFUSE = %v", err)
+	}
+	<-blocked
+	if kill := actionOf(acts, opKillServer); kill.Path != "pid "+strconv.Itoa(v.fs.Pid()) || ops(acts)[opKillServer] != 1 {
+		t.Errorf("kill actions %v; want only the daemon %d killed", acts, v.fs.Pid())
+	}
+	skip := actionOf(acts, opSkip)
+	if skip.Path != "pid "+strconv.Itoa(user.Process.Pid) || !strings.Contains(skip.Detail, "uses the volume") {
+		t.Errorf("skip action %v; want the user's process %d left alone as a user of the volume", skip, user.Process.Pid)
+	}
+	if err := syscall.Kill(user.Process.Pid, 0); err != nil {
+		t.Errorf("the volume user's process %d was killed: %v", user.Process.Pid, err)
+	}
+	waitGone(t, "the volume's daemon exited", v.fs.Exited)
+}

@@ -467,6 +467,7 @@ func (h *hostRun) abortHung(ctx context.Context) {
 		return
 	}
 	u := h.r.unmounter()
+	u.Users, u.Home = h.v.users(), h.v.daemonHome()
 	var own []string
 	if h.staging != "" {
 		own = append(own, h.staging)

@@ -1,12 +1,12 @@
 package remount
 
 import (
+	"slices"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/mountmedic/mountmedic/probe"
-
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
@@ -32,6 +32,38 @@ type Volume struct {
 	Hung bool
 	// Pods are the pods on this node that use the volume.
 	Pods []PodVolume
+}
+
+// users are the UIDs of the pods that use the volume.
+func (v *Volume) users() []string {
+	var out []string
+	for _, p := range v.Pods {
+		uids := []types.UID{p.Publish.PodUID}
+		for _, c := range p.Containers {
+			uids = append(uids, c.PodUID)
+		}
+		for _, uid := range uids {
+			if uid != "" && !slices.Contains(out, string(uid)) {
+				out = append(out, string(uid))
+			}
+		}
+	}
+	return out
+}
+
+// daemonHome is where the driver catalogue puts the daemon of the volume's
+// filesystem; kubelet.DaemonUnknown when the driver or its mounter is not
+// catalogued.
+func (v *Volume) daemonHome() kubelet.DaemonHome {
+	d, ok := kubelet.LookupDriver(v.Driver)
+	if !ok || v.Backend == nil {
+		return kubelet.DaemonUnknown
+	}
+	mt, ok := d.Mounter(v.Backend.FSType, v.Backend.Source)
+	if !ok {
+		return kubelet.DaemonUnknown
+	}
+	return mt.Daemon
 }
 
 // PodVolume is one pod's use of a Volume.

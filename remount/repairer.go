@@ -623,6 +623,7 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		u := r.unmounter()
+		u.Users, u.Home = v.users(), v.daemonHome()
 		var paths []string
 		for _, p := range v.Pods {
 			for _, m := range p.Dead {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
@@ -45,6 +46,14 @@ type Unmounter struct {
 	// Servers shares one scan of the processes' /dev/fuse descriptors
 	// among aborts (findServers); nil scans for each abort.
 	Servers *ServerIndex
+	// Users are the UIDs of the pods that use the volume whose connection
+	// AbortFUSE aborts: a process in one of their cgroups holding the
+	// connection is the volume's user, and is never killed as its daemon.
+	Users []string
+	// Home is where the driver catalogue puts that volume's daemon
+	// (kubelet.DaemonUnknown when not catalogued); a holder where the
+	// catalogue says the daemon does not live is left alone (killable).
+	Home kubelet.DaemonHome
 }
 
 func (u *Unmounter) procDir() string {
@@ -172,14 +181,29 @@ func (u *Unmounter) unmountNamed(ctx context.Context, sys Syscalls, path string,
 		// propagated here. unmountOne says which path it saw.
 		return []Action{u.unmountOne(ctx, sys, unmountTarget{path: path, id: -1})}
 	}
+	var out []Action
+	// mountmedic's guard over a named mount came there by propagation: it
+	// was attached at a staging path (or a directory above), and this
+	// path is a bind of that bare directory, a peer that receives every
+	// mount made there. It is ours and hides the named mount: it goes
+	// first (and, by the same propagation, the guard it came from).
+	for len(stack) > 1 && stack[len(stack)-1].Guard && named[keyOf(stack[len(stack)-2])] {
+		g := stack[len(stack)-1]
+		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: g.ID})
+		a.Detail = "mountmedic's guard, propagated over the mount to unmount: " + a.Detail
+		out = append(out, a)
+		if a.Err != nil {
+			return out
+		}
+		stack = stack[:len(stack)-1]
+	}
 	top := stack[len(stack)-1]
 	if !named[keyOf(top)] {
 		err := fmt.Errorf("unmount %s: mount %d (device %s, root %s) is on top there in our mount namespace, not a mount the table named: %w",
 			path, top.ID, top.Dev, top.Root, ErrMountChanged)
 		klog.FromContext(ctx).V(2).Info("Left a mount the table does not name alone", "path", path, "mountID", top.ID, "dev", top.Dev.String())
-		return []Action{{Op: opUnmount, Path: path, DryRun: u.DryRun, Err: err}}
+		return append(out, Action{Op: opUnmount, Path: path, DryRun: u.DryRun, Err: err})
 	}
-	var out []Action
 	for i := len(stack) - 1; i >= 0 && named[keyOf(stack[i])]; i-- {
 		m := stack[i]
 		if u.DryRun && i < len(stack)-1 {
@@ -362,9 +386,8 @@ func detachedFusectl() (int, error) {
 // Requests in flight then fail with ECONNABORTED and later ones with
 // ENOTCONN, so a hung daemon no longer blocks callers. A connection that
 // is gone already counts as done. The processes serving the connection
-// are stopped before the abort and killed after it (findServers): woken,
-// a daemon would unmount its mountpoint by path, where the volume is
-// staged again next.
+// are killed right before the abort (findServers): woken, a daemon would
+// unmount its mountpoint by path, where the volume is staged again next.
 //
 // Connection numbers are device numbers, which the kernel hands out again
 // once a filesystem is gone: the connection is pinned and checked first.
@@ -436,13 +459,14 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		return append(actions, a), actionsErr(append(actions, a))
 	}
 	// The processes serving the connection are found while it is up and
-	// stopped before the abort: woken by it, a daemon's exit path
+	// killed before the abort: woken by it, a daemon's exit path
 	// unmounts its mountpoint by path, which holds the fresh mount once
-	// the volume is staged again. Killed after it, they never run again.
+	// the volume is staged again. A process with SIGKILL pending never
+	// runs its own code again, so no process is ever left stopped.
 	servers, notes := u.findServers(ctx, conn)
 	defer closeServers(servers)
 	logServers(logger, conn, servers, notes)
-	stopServers(ctx, u.procDir(), servers)
+	kills := signalServers(servers, conn)
 	start := time.Now()
 	err = sys.WriteFile(p, []byte("1"))
 	a.Took = time.Since(start)
@@ -456,24 +480,20 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		logger.V(2).Info("Aborted FUSE connection", "conn", conn, "waiting", waiting)
 	}
 	if len(servers) == 0 && len(notes) == 0 {
-		a.Detail += "; no process the agent can see serves it"
+		why := noServerReason()
+		a.Detail += "; no process the agent can see serves it (" + why + "): its daemon is left alone"
+		logger.Info("Left the daemon of an aborted FUSE connection alone: no process the agent can see serves it", "conn", conn, "why", why)
 	}
 	actions = append(actions, a)
-	if a.Err != nil {
-		continueServers(servers)
-		return append(actions, notes...), actionsErr(actions)
-	}
-	kills := killServers(ctx, servers, conn)
+	waitServers(ctx, servers, kills)
 	for i, k := range kills {
 		if k.Err != nil {
 			// The abort stands: a kill refused is told, not a failed
-			// repair (the re-stage goes on), and the process is let go
-			// on rather than left stopped.
+			// repair (the re-stage goes on).
 			logger.Error(k.Err, "Killing the process that served an aborted FUSE connection failed", "conn", conn)
-			continueServers(servers[i : i+1])
-			kills[i].Op, kills[i].Detail, kills[i].Err = opSkip, k.Detail+": "+k.Err.Error()+"; let go on", nil
+			kills[i].Op, kills[i].Detail, kills[i].Err = opSkip, k.Detail+": "+k.Err.Error()+"; left running", nil
 		} else {
-			logger.V(2).Info("Killed the process that served an aborted FUSE connection", "conn", conn, "process", k.Path, "detail", k.Detail)
+			logger.Info("Killed the process that served an aborted FUSE connection", "conn", conn, "process", k.Path, "detail", k.Detail)
 		}
 	}
 	actions = append(append(actions, kills...), notes...)

@@ -220,3 +220,55 @@ func TestFusectlLeavesTheHostAsFound(t *testing.T) {
 		}
 	}
 }
+
+// TestFenceRemovesAPropagatedGuard: a publish target that binds a bare
+// staging directory (a pod published while the staging mount was gone,
+// or the lab's failover node) is a peer of the shared kubelet root, so
+// the guard attached at the staging path propagates over it. The
+// fence's UnmountFromTable, which names the publish bind only (guards
+// are never named), unmounts the guard on top first and then the bind:
+// the guard cannot keep a fenced pod on its volume (the regression that
+// took the staging guard out: TestLiveDashboardAndAlerts' fence).
+func TestFenceRemovesAPropagatedGuard(t *testing.T) {
+	lab.RequireRoot(t)
+	ctx := context.Background()
+	k := newKubelet(t)
+	staging := k.StagingPath(labDriver, labHandle)
+	if err := os.MkdirAll(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	target := k.Publish(labPod, labVolume, labDriver, labHandle, staging, false)
+	if a := (&Guarder{Root: k.Root()}).Guard(ctx, staging); a.Err != nil {
+		t.Fatalf("guard %s: %v", staging, a.Err)
+	}
+	inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: k.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var named []*probe.Mount
+	guarded := false
+	for _, m := range inv.Mounts {
+		switch {
+		case m.Path == target && m.Guard:
+			guarded = true
+		case m.Path == target:
+			named = append(named, m)
+		}
+	}
+	if !guarded || len(named) != 1 {
+		t.Fatalf("at the publish target: guard propagated %t, %d other mounts; want the guard over the one bind (the layout this test is about)", guarded, len(named))
+	}
+	u := &Unmounter{Root: k.Root()}
+	acts, err := u.UnmountFromTable(ctx, named)
+	t.Logf("actions: %v", acts)
+	if err != nil {
+		t.Fatalf("UnmountFromTable = %v; want the propagated guard and the bind unmounted", err)
+	}
+	if id := topID(t, k.Root(), target); id != 0 {
+		t.Errorf("the publish target %s is still a mount point (mount %d)", target, id)
+	}
+	// The guard at the staging path is a peer of the one unmounted: the
+	// unmount propagates to it (the agent guards the path again in its
+	// next cycle).
+	t.Logf("staging path a mount point after the fence: %t", topID(t, k.Root(), staging) != 0)
+}

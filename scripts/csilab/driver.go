@@ -29,6 +29,9 @@ type Driver struct {
 	nodeID string
 	home   string
 	env    []string
+	pidNS  string
+	// unshare is util-linux's unshare(1), with pidNS.
+	unshare string
 
 	mu   sync.Mutex
 	proc *lab.Process
@@ -40,6 +43,21 @@ type Driver struct {
 // test to clean up.
 func StartDriver(t testing.TB, socketPath, nodeID string) *Driver {
 	t.Helper()
+	return StartDriverWith(t, socketPath, nodeID, DriverOptions{})
+}
+
+// DriverOptions are StartDriverWith's settings.
+type DriverOptions struct {
+	// PIDNamespace names (a /proc/<pid>/ns/pid path) the PID namespace the
+	// driver's own namespace is made in: a node's, so that the node's
+	// hostPID pods see the driver and its FUSE daemons as they see a node
+	// plugin's pod on a real node. Empty: the test's.
+	PIDNamespace string
+}
+
+// StartDriverWith is StartDriver with opts.
+func StartDriverWith(t testing.TB, socketPath, nodeID string, opts DriverOptions) *Driver {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		lab.SkipOrFail(t, "the CSI driver lab needs root for a PID namespace (uid %d)", os.Geteuid())
 	}
@@ -49,7 +67,10 @@ func StartDriver(t testing.TB, socketPath, nodeID string) *Driver {
 		t.Fatalf("socket path %q must be absolute", socketPath)
 	}
 	home := t.TempDir()
-	d := &Driver{t: t, bin: bin, socket: socketPath, nodeID: nodeID, home: home, env: driverEnv(home, filepath.Dir(s3fs))}
+	d := &Driver{t: t, bin: bin, socket: socketPath, nodeID: nodeID, home: home, env: driverEnv(home, filepath.Dir(s3fs)), pidNS: opts.PIDNamespace}
+	if d.pidNS != "" {
+		d.unshare = lab.RequireBinary(t, "unshare")
+	}
 	t.Cleanup(func() {
 		d.mu.Lock()
 		p := d.proc
@@ -91,11 +112,19 @@ func driverEnv(home, s3fsDir string) []string {
 }
 
 func (d *Driver) start() error {
-	cmd := exec.Command(d.bin, "--endpoint", "unix://"+d.socket, "--nodeid", d.nodeID, "--logtostderr", "--v=4")
+	args := []string{"--endpoint", "unix://" + d.socket, "--nodeid", d.nodeID, "--logtostderr", "--v=4"}
+	cmd := exec.Command(d.bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
+	if d.pidNS != "" {
+		// A thread that joined another PID namespace for its children
+		// cannot clone a new one (copy_pid_ns: EINVAL); its child can.
+		// unshare makes the namespace and forks the driver as its PID 1,
+		// which dies with it (--kill-child).
+		cmd = exec.Command(d.unshare, append([]string{"--pid", "--kill-child", "--", d.bin}, args...)...)
+	}
 	cmd.Env = d.env
 	cmd.Dir = d.home
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
-	p, err := lab.RunProcess("s3driver", cmd, filepath.Join(d.home, "s3driver.log"))
+	p, err := lab.RunProcessIn("s3driver", cmd, filepath.Join(d.home, "s3driver.log"), d.pidNS)
 	if err != nil {
 		return err
 	}

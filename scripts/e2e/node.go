@@ -148,19 +148,6 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	}
 
 	n.S3 = csilab.StartS3(t)
-	if err := os.MkdirAll(filepath.Dir(DriverSocket), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	n.Driver = csilab.StartDriver(t, DriverSocket, n.Name)
-	if err := os.MkdirAll(filepath.Dir(registrationSocket), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	n.reg, err = startRegistrar(csilab.DriverName, DriverSocket, registrationSocket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(n.reg.stop)
-
 	spec, err := n.initSpec(kubelet)
 	if err != nil {
 		t.Fatal(err)
@@ -169,6 +156,23 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 		t.Fatal(err)
 	}
 	t.Cleanup(n.stopInit)
+
+	// The node plugin runs in the node's PID namespace (in one of its
+	// own, as a pod's container does): the DaemonSet's hostPID agent sees
+	// its FUSE daemons, as on a real node.
+	if err := os.MkdirAll(filepath.Dir(DriverSocket), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	n.Driver = csilab.StartDriverWith(t, DriverSocket, n.Name, csilab.DriverOptions{
+		PIDNamespace: filepath.Join("/proc", strconv.Itoa(n.init.Pid()), "ns", "pid")})
+	if err := os.MkdirAll(filepath.Dir(registrationSocket), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	n.reg, err = startRegistrar(csilab.DriverName, DriverSocket, registrationSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.reg.stop)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

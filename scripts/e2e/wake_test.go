@@ -3,7 +3,6 @@ package e2e_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,16 +22,10 @@ import (
 // wakePoll: it must never be anything but a FUSE mount (or the agent's
 // guard). A pod created at the wake must read its volume.
 //
-// They fail today with the DaemonSet as shipped: the agent in its pod does
-// not kill the stale daemon (it does in the lab's real-driver tests,
-// remount's TestStaleRcloneNeverUnmountsTheFreshMount and
-// BenchmarkWakeAfterRepair), and a woken rclone left its staging path
-// bare for 0.73 s. Until that is found and fixed they run only with
-// MOUNTMEDIC_E2E_WAKE=1, so that the e2e run stays a gate for the rest.
+// The agent runs as the DaemonSet ships it (its flags, hostPID,
+// securityContext), the node plugin in the node's PID namespace as a
+// plugin pod is: the agent must find the stale daemon and kill it.
 func init() {
-	if os.Getenv("MOUNTMEDIC_E2E_WAKE") != "1" {
-		return
-	}
 	scenarios = append(scenarios,
 		scenario{name: "wake", run: wakeScenario},
 		scenario{name: "wake-rclone", mounter: "rclone", run: wakeScenario},
@@ -69,7 +62,8 @@ func wakeScenario(t *testing.T, e *env, ns string) {
 	_, gerr := waitProcessGone(gctx, pid)
 	gcancel()
 	if gerr != nil {
-		t.Errorf("the stale %s (pid %d) still runs after the repair: the agent did not kill it", e.mounterName(), pid)
+		t.Errorf("the stale %s (pid %d) still runs after the repair: the agent did not kill it; its FUSE lines:\n%s",
+			e.mounterName(), pid, grepLines(e.agent.LogTail(2000), "FUSE"))
 	}
 
 	staging := e2e.StagingPath(w.Handle)
@@ -96,6 +90,17 @@ func wakeScenario(t *testing.T, e *env, ns string) {
 	if _, err := w.WaitLogTime(ctx, next, "ok", woken); err != nil {
 		t.Errorf("the pod created at the wake does not read its volume: %v", err)
 	}
+}
+
+// grepLines keeps the lines of text that hold s.
+func grepLines(text, s string) string {
+	var out []string
+	for _, l := range strings.Split(text, "\n") {
+		if strings.Contains(l, s) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }
 
 // wakeWatchResult is what watchStaging saw.

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -98,4 +99,23 @@ func (c *podCgroup) remove() error {
 	}
 	c.dirs = nil
 	return errors.Join(errs...)
+}
+
+// JoinPodCgroup moves process pid into a cgroup named as kubelet's
+// cgroupfs driver names a pod container's (see joinPodCgroup), as a
+// stand-in for a process of that pod. Cleanup kills the process and
+// removes the directories.
+func JoinPodCgroup(t testing.TB, pid int, podUID, containerID string) {
+	t.Helper()
+	cg, err := joinPodCgroup(pid, podUID, containerID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// A process leaves its cgroup when it exits, before it is reaped.
+		_ = unix.Kill(pid, unix.SIGKILL)
+		if err := cg.remove(); err != nil {
+			t.Error(err)
+		}
+	})
 }

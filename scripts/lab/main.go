@@ -159,9 +159,11 @@ func mountFusectl() error {
 	return nil
 }
 
-var spawner struct {
-	once sync.Once
-	reqs chan spawnRequest
+// spawners start processes, one OS thread per PID namespace ("" is the
+// test's own); see StartProcess.
+var spawners struct {
+	mu   sync.Mutex
+	reqs map[string]chan spawnRequest
 }
 
 type spawnRequest struct {
@@ -175,19 +177,60 @@ type spawnRequest struct {
 // thread, as a setns helper or a live swap does) would be killed with it.
 // Every helper process a test starts with Pdeathsig goes through here (the
 // lab's daemons, scripts/kubetest's control plane, scripts/csilab's driver).
-func StartProcess(cmd *exec.Cmd) error {
-	spawner.once.Do(func() {
-		spawner.reqs = make(chan spawnRequest)
+func StartProcess(cmd *exec.Cmd) error { return StartProcessIn(cmd, "") }
+
+// StartProcessIn is StartProcess with cmd started in the PID namespace
+// pidNS names (a /proc/<pid>/ns/pid path; "" for the test's own), as a
+// node's DaemonSet pods and plugins see each other: the thread that forks
+// joins that namespace for its children (setns), and lives as long as the
+// test binary.
+func StartProcessIn(cmd *exec.Cmd, pidNS string) error {
+	spawners.mu.Lock()
+	if spawners.reqs == nil {
+		spawners.reqs = map[string]chan spawnRequest{}
+	}
+	reqs, ok := spawners.reqs[pidNS]
+	if !ok {
+		ready := make(chan error, 1)
+		reqs = make(chan spawnRequest)
 		go func() {
 			runtime.LockOSThread() // never unlocked: this thread must live
-			for r := range spawner.reqs {
+			if err := joinPIDNamespace(pidNS); err != nil {
+				ready <- err
+				return // nothing forked from it: the thread may go
+			}
+			ready <- nil
+			for r := range reqs {
 				r.errs <- r.cmd.Start()
 			}
 		}()
-	})
+		if err := <-ready; err != nil {
+			spawners.mu.Unlock()
+			return err
+		}
+		spawners.reqs[pidNS] = reqs
+	}
+	spawners.mu.Unlock()
 	errs := make(chan error, 1)
-	spawner.reqs <- spawnRequest{cmd: cmd, errs: errs}
+	reqs <- spawnRequest{cmd: cmd, errs: errs}
 	return <-errs
+}
+
+// joinPIDNamespace makes the calling thread's children start in the PID
+// namespace pidNS names ("": no change).
+func joinPIDNamespace(pidNS string) error {
+	if pidNS == "" {
+		return nil
+	}
+	fd, err := unix.Open(pidNS, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open PID namespace: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Setns(fd, unix.CLONE_NEWPID); err != nil {
+		return fmt.Errorf("join PID namespace %s for children: %w", pidNS, err)
+	}
+	return nil
 }
 
 // RequireRoot skips the test unless it runs as root, /dev/fuse exists and the

@@ -45,6 +45,16 @@ type Process struct {
 // (keeping the caller's other SysProcAttr settings, such as Setpgid or
 // Cloneflags) and starts it from the spawner thread.
 func RunProcess(name string, cmd *exec.Cmd, logPath string) (*Process, error) {
+	return RunProcessIn(name, cmd, logPath, "")
+}
+
+// RunProcessIn is RunProcess in the PID namespace pidNS names
+// (StartProcessIn). There it gets no Pdeathsig: its parent is outside its
+// namespace (getppid says 0), which Go's fork takes for a parent already
+// dead, and it would kill itself at once. It dies with that namespace's
+// init instead, which the kernel takes every process of the namespace
+// with.
+func RunProcessIn(name string, cmd *exec.Cmd, logPath, pidNS string) (*Process, error) {
 	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("open %s log: %w", name, err)
@@ -53,8 +63,10 @@ func RunProcess(name string, cmd *exec.Cmd, logPath string) (*Process, error) {
 	if cmd.SysProcAttr == nil {
 		cmd.SysProcAttr = &syscall.SysProcAttr{}
 	}
-	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
-	if err := StartProcess(cmd); err != nil {
+	if pidNS == "" {
+		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	}
+	if err := StartProcessIn(cmd, pidNS); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
