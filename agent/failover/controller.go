@@ -516,8 +516,9 @@ func (t *term) handle(ctx context.Context, node *corev1.Node, ev evidence, j jud
 	logger := klog.FromContext(ctx)
 	name := node.Name
 	marked := ev.OutOfService == oosOurs || ev.ForceMarked
-	// A node that looks dead counts towards the stand-down: not Ready and
-	// its kubelet silent for KubeletGrace. Nodes that die together turn so
+	// A node that looks dead counts towards the stand-down: Ready Unknown
+	// (the node lifecycle controller's mark of a silent kubelet) and its
+	// kubelet silent for KubeletGrace. Nodes that die together turn so
 	// together, before any of them is confirmed dead (the heartbeat's window
 	// is longer). A node NotReady whose kubelet shows life (no network
 	// plugin, a kubelet reporting a problem) is not dying and does not
@@ -525,7 +526,7 @@ func (t *term) handle(ctx context.Context, node *corev1.Node, ev evidence, j jud
 	// which on a cluster whose nodes are NotReady for such reasons would
 	// stand the controller down for good (found by the e2e node, which has
 	// no CNI plugin).
-	if ev.Ready != corev1.ConditionTrue && ev.KubeletSilent >= c.cfg.KubeletGrace {
+	if ev.Ready == corev1.ConditionUnknown && ev.KubeletSilent >= c.cfg.KubeletGrace {
 		t.dead[name] = true
 	} else {
 		delete(t.dead, name)
@@ -776,7 +777,13 @@ func (t *term) fresh(ctx context.Context, name string, now time.Time) (*corev1.N
 	if err != nil {
 		return nil, evidence{}, judgement{}, publishedPlan{}, fmt.Errorf("get heartbeat lease %s/%s: %w", c.cfg.Namespace, name, err)
 	}
-	ev := c.cfg.gather(t.obs, node, kl, hb, now)
+	// Read from the API server after now: what changed counts as seen
+	// when the reads ended (gatherAt).
+	seen := c.now()
+	if seen.Before(now) {
+		seen = now
+	}
+	ev := c.cfg.gatherAt(t.obs, node, kl, hb, now, seen)
 	return node, ev, c.cfg.judge(ev), planOf(hb), nil
 }
 

@@ -1,6 +1,7 @@
 package failover
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -10,6 +11,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 )
 
 // TestAttachmentName pins the name kubelet's CSI attacher gives a
@@ -169,5 +173,47 @@ func TestComesOfAge(t *testing.T) {
 		if got := c.comesOfAge(tc.ev); got != tc.want {
 			t.Errorf("%s: comesOfAge = %s, want %s", name, got, tc.want)
 		}
+	}
+}
+
+// TestFreshReadStampsAfterReads: a renewal that the fresh reads find counts
+// as seen when the reads ended, not when the judgement began: a slow read
+// must not make the next renewal's silence look longer than it is.
+func TestFreshReadStampsAfterReads(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	clock := t0
+	node := testNode(corev1.ConditionUnknown)
+	kl := testLease("node-1", t0, 40)
+	kl.Namespace = KubeletLeaseNamespace
+	hb := testLease("agent", t0, 30)
+	hb.Namespace, hb.Labels = "mountmedic", map[string]string{HeartbeatLabel: HeartbeatLabelValue}
+	client := fake.NewClientset(node, kl, hb)
+	// Each read takes 10 s.
+	client.PrependReactor("get", "*", func(k8stesting.Action) (bool, runtime.Object, error) {
+		clock = clock.Add(10 * time.Second)
+		return false, nil, nil
+	})
+	cfg := validControllerConfig()
+	c, err := NewController(cfg, client, client, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.now = func() time.Time { return clock }
+	tm := c.newTerm(func() bool { return true })
+	// The informers' view at t0: the old heartbeat.
+	old := testLease("agent", t0.Add(-time.Minute), 30)
+	cfg.gather(tm.obs, node, kl, old, t0)
+	// The fresh reads (node, kubelet Lease, heartbeat Lease: 30 s) find
+	// the heartbeat renewed.
+	if _, ev, _, _, err := tm.fresh(context.Background(), "node-1", t0); err != nil {
+		t.Fatal(err)
+	} else if ev.HeartbeatSilent != 0 {
+		t.Errorf("heartbeat silent %s on the reads that found it renewed, want 0", ev.HeartbeatSilent)
+	}
+	// 40 s after the judgement began, the renewal has been silent 10 s
+	// at most as far as anyone can tell.
+	ev := cfg.gather(tm.obs, node, kl, hb, t0.Add(40*time.Second))
+	if ev.HeartbeatSilent > 10*time.Second {
+		t.Errorf("heartbeat silent %s 40 s after a judgement whose reads took 30 s and found it renewed, want at most 10s", ev.HeartbeatSilent)
 	}
 }

@@ -158,12 +158,17 @@ func (e evidence) keysAndValues() []any {
 		"fenceWindow", e.FenceWindow.String(), "shutdownTaint", e.Shutdown, "outOfService", string(e.OutOfService)}
 }
 
+// readyOrMissing names a Ready condition's status for a message.
+func readyOrMissing(s corev1.ConditionStatus) string {
+	if s == "" {
+		return "missing"
+	}
+	return string(s)
+}
+
 // String renders the evidence for an event note.
 func (e evidence) String() string {
-	ready := string(e.Ready)
-	if ready == "" {
-		ready = "missing"
-	}
+	ready := readyOrMissing(e.Ready)
 	s := fmt.Sprintf("Ready=%s, kubelet silent %s, mountmedic heartbeat %s", ready, e.KubeletSilent.Round(time.Second), e.Heartbeat)
 	if e.Heartbeat == heartbeatHeld {
 		s += fmt.Sprintf(" and silent %s (fence window %s)", e.HeartbeatSilent.Round(time.Second), e.FenceWindow)
@@ -177,6 +182,15 @@ func (e evidence) String() string {
 // gather builds a node's evidence at now from the node, its kubelet Lease
 // and its heartbeat Lease (nil when absent), recording what changed.
 func (c *ControllerConfig) gather(o *observer, node *corev1.Node, kubelet, heartbeat *coordinationv1.Lease, now time.Time) evidence {
+	return c.gatherAt(o, node, kubelet, heartbeat, now, now)
+}
+
+// gatherAt is gather for objects read from the API server between now and
+// seen: a signal that changed counts as first seen at seen (the end of the
+// reads), and silences are measured at now (their start). A slow read then
+// shortens a silence, never lengthens it.
+func (c *ControllerConfig) gatherAt(o *observer, node *corev1.Node, kubelet, heartbeat *coordinationv1.Lease, now, seen time.Time) evidence {
+	since := func(at time.Time) time.Duration { return max(now.Sub(at), 0) }
 	e := evidence{Ready: ""}
 	for _, cond := range node.Status.Conditions {
 		if cond.Type == corev1.NodeReady {
@@ -199,13 +213,13 @@ func (c *ControllerConfig) gather(o *observer, node *corev1.Node, kubelet, heart
 
 	// The kubelet's last sign of life: a change of its Lease or of the
 	// Ready heartbeat, whichever came later.
-	last := o.observe(readyKey(node.Name), readyHeartbeat(node), now)
+	last := o.observe(readyKey(node.Name), readyHeartbeat(node), seen)
 	if kubelet != nil {
-		if at := o.observe(kubeletKey(node.Name), leaseVersion(kubelet), now); at.After(last) {
+		if at := o.observe(kubeletKey(node.Name), leaseVersion(kubelet), seen); at.After(last) {
 			last = at
 		}
 	}
-	e.KubeletSilent = now.Sub(last)
+	e.KubeletSilent = since(last)
 
 	e.FenceWindow = c.FenceWindow(0)
 	switch {
@@ -214,7 +228,7 @@ func (c *ControllerConfig) gather(o *observer, node *corev1.Node, kubelet, heart
 		o.forget(heartbeatKey(node.Name))
 	case heartbeat.Spec.HolderIdentity == nil || *heartbeat.Spec.HolderIdentity == "":
 		e.Heartbeat = heartbeatReleased
-		o.observe(heartbeatKey(node.Name), leaseVersion(heartbeat), now)
+		o.observe(heartbeatKey(node.Name), leaseVersion(heartbeat), seen)
 	default:
 		e.Heartbeat = heartbeatHeld
 		var secs int32
@@ -227,7 +241,7 @@ func (c *ControllerConfig) gather(o *observer, node *corev1.Node, kubelet, heart
 			secs = max(secs, int32(p.FenceAfter/time.Second))
 		}
 		e.FenceWindow = c.FenceWindow(secs)
-		e.HeartbeatSilent = now.Sub(o.observe(heartbeatKey(node.Name), leaseVersion(heartbeat), now))
+		e.HeartbeatSilent = since(o.observe(heartbeatKey(node.Name), leaseVersion(heartbeat), seen))
 	}
 	return e
 }
@@ -267,6 +281,8 @@ func (c *ControllerConfig) judge(e evidence) judgement {
 		return judgement{verdictOperator, "operator", "someone else applied the out-of-service taint: Kubernetes fails the node over"}
 	case e.Ready == corev1.ConditionTrue:
 		return judgement{verdictAlive, "ready", "node is Ready"}
+	case e.Ready != corev1.ConditionUnknown:
+		return judgement{verdictSuspect, "kubelet-reports", fmt.Sprintf("node is not Ready but its Ready condition is %s, not Unknown: its kubelet reported it (it is running)", readyOrMissing(e.Ready))}
 	case e.KubeletSilent < c.KubeletGrace:
 		return judgement{verdictSuspect, "kubelet-alive", fmt.Sprintf("node is not Ready but kubelet showed life %s ago (< %s): it is running",
 			e.KubeletSilent.Round(time.Second), c.KubeletGrace)}

@@ -57,6 +57,12 @@ func TestJudge(t *testing.T) {
 			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictAlive},
 		"not ready, kubelet fresh": {node: testNode(corev1.ConditionFalse), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("agent", skewed, 30), elapsed: 39 * time.Second, want: verdictSuspect, because: "it is running"},
+		// kubelet posts NotReady (a network plugin down) but its Lease
+		// is frozen in this view: a kubelet that reports is not dead.
+		"not ready, kubelet reports, leases silent": {node: testNode(corev1.ConditionFalse), kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictSuspect, because: "not Unknown"},
+		"no Ready condition, leases silent": {node: &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}}, kubelet: testLease("node-1", skewed, 40),
+			heartbeat: testLease("agent", skewed, 30), elapsed: time.Hour, want: verdictSuspect, because: "missing"},
 		"partitioned, not fenced yet": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
 			heartbeat: testLease("agent", skewed, 30), elapsed: 44 * time.Second, want: verdictSuspect, because: "not fenced yet"},
 		"dead": {node: testNode(corev1.ConditionUnknown), kubelet: testLease("node-1", skewed, 40),
