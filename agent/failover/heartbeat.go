@@ -464,7 +464,7 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time, plan []fen
 		if l.Annotations == nil {
 			l.Annotations = map[string]string{}
 		}
-		l.Annotations[FencePlanAnnotation] = encodeFencePlan(h.cfg.FenceAfter, plan)
+		l.Annotations[FencePlanAnnotation] = encodeFencePlan(h.fenceDeadline(), plan)
 	} else {
 		delete(l.Annotations, FencePlanAnnotation)
 	}
@@ -487,6 +487,18 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time, plan []fen
 	l.Spec.LeaseDurationSeconds = ptr.To(int32(h.cfg.FenceAfter / time.Second))
 	l.Spec.RenewTime = &metav1.MicroTime{Time: now}
 	return l
+}
+
+// fenceDeadline is the deadline the plan promises, counted from the
+// renewal that carries it: the fence starts FenceAfter after the last
+// renewal, or, with a peer check, once the check has ended, which may take
+// twice PeerTimeout (its budget for peers that ask to be asked again).
+func (h *Heartbeat) fenceDeadline() time.Duration {
+	d := h.cfg.FenceAfter
+	if h.peerClient != nil {
+		d += 2 * h.cfg.PeerTimeout
+	}
+	return d
 }
 
 // refreshPlan recomputes the pods a fence would stop: the pods of this node

@@ -38,10 +38,11 @@ func encodeFencePlan(fenceAfter time.Duration, targets []fenceTarget) string {
 }
 
 // EncodeFencePlan renders FencePlanAnnotation's value for the pods with
-// these UIDs and a fence deadline of fenceAfter: what an agent publishes,
-// and what a test playing an agent publishes for its simulated node.
+// these UIDs and a fence deadline of fenceAfter (rounded up to a whole
+// second): what an agent publishes, and what a test playing an agent
+// publishes for its simulated node.
 func EncodeFencePlan(fenceAfter time.Duration, uids []string) string {
-	p := fencePlan{FenceAfterSeconds: int32(fenceAfter / time.Second), Pods: slices.Clone(uids)}
+	p := fencePlan{FenceAfterSeconds: int32((fenceAfter + time.Second - 1) / time.Second), Pods: slices.Clone(uids)}
 	if p.Pods == nil {
 		p.Pods = []string{}
 	}

@@ -240,3 +240,30 @@ func TestWriteKeepsPlanAndFenceTogether(t *testing.T) {
 		}
 	}
 }
+
+// TestPlanDeadlineCoversPeerCheck: the deadline a plan publishes is when
+// the fence has started at the latest: FenceAfter, plus the peer check's
+// whole budget (twice PeerTimeout) when the agent runs one, rounded up.
+func TestPlanDeadlineCoversPeerCheck(t *testing.T) {
+	for _, withPeers := range []bool{false, true} {
+		m, err := newHeartbeatMetrics(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := &recordingFence{}
+		h := &Heartbeat{cfg: fastConfig(), containers: f, volumes: f, metrics: m, boot: bootClock, leases: fake.NewClientset()}
+		h.cfg.NodeName, h.cfg.FenceAfter, h.cfg.PeerTimeout = "node-1", 30*time.Second, 2500*time.Millisecond
+		want := 30 * time.Second
+		if withPeers {
+			h.peerClient = newPeerClient("node-1", writeKey(t, "k"), h.cfg.PeerTimeout)
+			want = 35 * time.Second
+		}
+		l := h.leaseSpec(&coordinationv1.Lease{}, time.Now(), []fenceTarget{{UID: "a"}})
+		if p := planOf(l); !p.Known || p.FenceAfter != want {
+			t.Errorf("peer check %t: published plan %s, want a deadline of %s", withPeers, l.Annotations[FencePlanAnnotation], want)
+		}
+	}
+	if got := EncodeFencePlan(30*time.Second+time.Millisecond, nil); got != `{"fenceAfterSeconds":31,"pods":[]}` {
+		t.Errorf("EncodeFencePlan(30.001s) = %s, want the deadline rounded up to 31", got)
+	}
+}
