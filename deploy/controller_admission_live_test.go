@@ -39,6 +39,8 @@ func TestControllerBlastRadius(t *testing.T) {
 
 	ready := radiusNode(ctx, t, admin, "live-node", corev1.ConditionTrue)
 	dead := radiusNode(ctx, t, admin, "dead-node", corev1.ConditionUnknown)
+	// NotReady as its kubelet reports it (a network plugin down): alive.
+	notReady := radiusNode(ctx, t, admin, "notready-node", corev1.ConditionFalse)
 	ours := corev1.Taint{Key: failover.TaintOutOfService, Value: failover.TaintValue, Effect: corev1.TaintEffectNoExecute}
 	patch := func(node string, p map[string]any) func() error {
 		return func() error {
@@ -82,6 +84,8 @@ func TestControllerBlastRadius(t *testing.T) {
 	refused := map[string]func() error{
 		"taint a Ready node":              patch(ready.Name, withTaint(ready.Name, ours)),
 		"mark a Ready node":               patch(ready.Name, annotate(failover.FailedOverAnnotation, "2026-01-01T00:00:00Z")),
+		"taint a NotReady live node":      patch(notReady.Name, withTaint(notReady.Name, ours)),
+		"mark a NotReady live node":       patch(notReady.Name, annotate(failover.FailedOverAnnotation, "2026-01-01T00:00:00Z")),
 		"taint a dead node NoSchedule":    patch(dead.Name, withTaint(dead.Name, corev1.Taint{Key: ours.Key, Value: ours.Value, Effect: corev1.TaintEffectNoSchedule})),
 		"another taint on a dead node":    patch(dead.Name, withTaint(dead.Name, corev1.Taint{Key: failover.TaintOutOfService, Value: "other", Effect: corev1.TaintEffectNoExecute})),
 		"relabel a dead node":             patch(dead.Name, map[string]any{"metadata": map[string]any{"labels": map[string]any{"zone": "x"}}}),
