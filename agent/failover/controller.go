@@ -918,7 +918,10 @@ func (t *term) act(ctx context.Context, cd candidate, all []nodePod, st *nodeSta
 		return false, errRetry
 	}
 	if !cf.dead {
+		// Judge it again when the fresh evidence could say dead: the
+		// informers' view may not change before then (a silent node).
 		st.verdict, st.announced = verdictSuspect, false
+		t.queue.AddAfter(cd.node.Name, max(c.cfg.comesOfAge(cf.ev), c.cfg.Recheck)+50*time.Millisecond)
 		return false, nil
 	}
 	cd.node, cd.ev, cd.why = cf.node, cf.ev, cf.j.why

@@ -117,6 +117,13 @@ type Heartbeat struct {
 	fenced   []fenceTarget
 	isFenced bool
 	renewed  chan struct{} // a renewal succeeded
+	// apiDue and peersDue wake the peer loop: a renewal failed (probe the
+	// API with the node's identity), peers are due to be picked again.
+	apiDue, peersDue chan struct{}
+	// peerWait is the wait until the next peer refresh, set by the peer
+	// loop (peerWaitSet until the renew loop took it).
+	peerWait    time.Duration
+	peerWaitSet bool
 	// degraded is why the peer check cannot hold a fence ("" if it can).
 	degraded string
 	// rec writes events about this node (nil: none).
@@ -178,6 +185,7 @@ func NewHeartbeat(cfg Config, client, leases kubernetes.Interface, pods cache.Sh
 		now:         time.Now, boot: bootClock, rand: r, checkEvery: time.Second,
 		claims:  newClaimCache(claimReader{client: client, timeout: cfg.APITimeout}),
 		renewed: make(chan struct{}, 1),
+		apiDue:  make(chan struct{}, 1), peersDue: make(chan struct{}, 1),
 	}
 	h.jitter = func(d time.Duration) time.Duration { return jittered(d, h.rand.Float64()) }
 	if cfg.PeerKeyFile != "" {
@@ -253,6 +261,9 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 
 	var wg sync.WaitGroup
 	wg.Go(func() { h.renewLoop(ctx, h.podInf.HasSynced) })
+	if h.peerClient != nil {
+		wg.Go(func() { h.peerLoop(ctx) })
+	}
 	h.checkLoop(ctx)
 	wg.Wait()
 	h.shutdown(klog.NewContext(context.WithoutCancel(ctx), logger))
@@ -279,8 +290,8 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 				// logs at error level.
 				logger.Info("Heartbeat renewal failed", "err", err, "failuresInARow", failures)
 			}
-			if h.peerClient != nil && ctx.Err() == nil {
-				h.probeAPI(ctx)
+			if h.peerClient != nil {
+				signal(h.apiDue)
 			}
 		} else {
 			h.metrics.renewals.WithLabelValues(resultSuccess).Inc()
@@ -288,20 +299,16 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 				logger.Info("Heartbeat renewed again", "afterFailures", failures)
 			}
 			failures = 0
-			select {
-			case h.renewed <- struct{}{}:
-			default:
-			}
+			signal(h.renewed)
 			h.ensureNodeUID(ctx)
 			if h.peerClient != nil && h.boot() >= nextPeers {
-				wait := h.cfg.PeerRefresh
-				if h.refreshPeers(ctx) < h.cfg.Peers {
-					// A young cluster, or the agents are still starting:
-					// look again sooner (a minute with the defaults).
-					wait = min(wait, 6*h.cfg.HeartbeatInterval)
-				}
-				nextPeers = h.boot() + h.jitter(wait)
-				h.probePeers(ctx)
+				// The peer loop sets the next time once it knows how
+				// many peers it found; until then, not again.
+				nextPeers = h.boot() + h.cfg.PeerRefresh
+				signal(h.peersDue)
+			}
+			if d, ok := h.takePeerWait(); ok {
+				nextPeers = h.boot() + d
 			}
 			if synced() {
 				h.refreshPlan(ctx)
@@ -309,6 +316,51 @@ func (h *Heartbeat) renewLoop(ctx context.Context, synced func() bool) {
 		}
 		t.Reset(h.jitter(h.cfg.HeartbeatInterval))
 	}
+}
+
+// signal wakes the loop waiting on ch, unless it has a wake-up pending.
+func signal(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+// peerLoop does the peer check's API calls and probes beside the renewals,
+// never in their way: a slow list of the heartbeat Leases, or peers slow
+// to answer, must not delay the next renewal. After a failed renewal it
+// reads this node with the node's identity (canRenew); when peers are due
+// it picks them again and probes them.
+func (h *Heartbeat) peerLoop(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-h.apiDue:
+			h.probeAPI(ctx)
+		case <-h.peersDue:
+			wait := h.cfg.PeerRefresh
+			if h.refreshPeers(ctx) < h.cfg.Peers {
+				// A young cluster, or the agents are still starting:
+				// look again sooner (a minute with the defaults).
+				wait = min(wait, 6*h.cfg.HeartbeatInterval)
+			}
+			h.mu.Lock()
+			h.peerWait, h.peerWaitSet = h.jitter(wait), true
+			h.mu.Unlock()
+			h.probePeers(ctx)
+		}
+	}
+}
+
+// takePeerWait returns the wait until the next peer refresh that the peer
+// loop set since the last call, if any.
+func (h *Heartbeat) takePeerWait() (time.Duration, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.peerWait, h.peerWaitSet
+	h.peerWaitSet = false
+	return d, ok
 }
 
 // ensureNodeUID reads the Node's UID once, for the Lease's owner reference
@@ -484,7 +536,9 @@ func (h *Heartbeat) leaseSpec(l *coordinationv1.Lease, now time.Time, plan []fen
 		}
 	}
 	l.Spec.HolderIdentity = ptr.To(h.cfg.Identity)
-	l.Spec.LeaseDurationSeconds = ptr.To(int32(h.cfg.FenceAfter / time.Second))
+	// The promise, as the plan states it: the controller's watch keeps no
+	// annotations, so its view and its fresh reads agree.
+	l.Spec.LeaseDurationSeconds = ptr.To(int32((h.fenceDeadline() + time.Second - 1) / time.Second))
 	l.Spec.RenewTime = &metav1.MicroTime{Time: now}
 	return l
 }

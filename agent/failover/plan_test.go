@@ -2,15 +2,22 @@ package failover
 
 import (
 	"context"
+	"math/rand/v2"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
+	coordinationv1client "k8s.io/client-go/kubernetes/typed/coordination/v1"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/utils/ptr"
 )
 
@@ -262,8 +269,94 @@ func TestPlanDeadlineCoversPeerCheck(t *testing.T) {
 		if p := planOf(l); !p.Known || p.FenceAfter != want {
 			t.Errorf("peer check %t: published plan %s, want a deadline of %s", withPeers, l.Annotations[FencePlanAnnotation], want)
 		}
+		// The controller's watch sees no annotations: the Lease says it too.
+		if got := time.Duration(*l.Spec.LeaseDurationSeconds) * time.Second; got != want {
+			t.Errorf("peer check %t: leaseDurationSeconds %s, want %s", withPeers, got, want)
+		}
 	}
 	if got := EncodeFencePlan(30*time.Second+time.Millisecond, nil); got != `{"fenceAfterSeconds":31,"pods":[]}` {
 		t.Errorf("EncodeFencePlan(30.001s) = %s, want the deadline rounded up to 31", got)
 	}
+}
+
+// TestRenewalNotDelayedByPeerWork: the peer refresh (a list of the
+// heartbeat Leases) and the peer probes run beside the renewals: a list
+// that never returns must not stop the Lease from being renewed.
+func TestRenewalNotDelayedByPeerWork(t *testing.T) {
+	m, err := newHeartbeatMetrics(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pm, err := newPeerMetrics(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := fake.NewClientset()
+	release := make(chan struct{})
+	listed := make(chan struct{}, 1)
+	updates := make(chan struct{}, 100)
+	cs.PrependReactor("update", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
+		updates <- struct{}{}
+		return false, nil, nil
+	})
+	// The fake serializes its reactors: the list hangs before it.
+	leases := hangingList{Interface: cs, listed: listed, release: release}
+	f := &recordingFence{}
+	cfg := fastConfig()
+	cfg.NodeName, cfg.HeartbeatInterval, cfg.PeerKeyFile = "node-1", 10*time.Millisecond, writeKey(t, strings.Repeat("k", 64))
+	h := &Heartbeat{cfg: cfg, client: cs, leases: leases, containers: f, volumes: f, metrics: m, peerMetrics: pm, boot: bootClock, now: time.Now,
+		rand: rand.New(rand.NewPCG(1, 2)), jitter: func(d time.Duration) time.Duration { return d },
+		renewed: make(chan struct{}, 1), apiDue: make(chan struct{}, 1), peersDue: make(chan struct{}, 1)}
+	h.peerClient = newPeerClient("node-1", cfg.PeerKeyFile, time.Second)
+	h.lastOK = h.boot()
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer close(release)
+	defer cancel()
+	wg.Go(func() { h.renewLoop(ctx, func() bool { return false }) })
+	wg.Go(func() { h.peerLoop(ctx) })
+	deadline := time.After(time.Minute)
+	select {
+	case <-listed:
+	case <-deadline:
+		t.Fatal("the peer refresh never listed the heartbeat Leases")
+	}
+	for i := range 3 {
+		select {
+		case <-updates:
+		case <-deadline:
+			t.Fatalf("%d renewals while the peer refresh hangs, want 3: the refresh holds the renewals up", i)
+		}
+	}
+}
+
+// hangingList is a client whose lists of Leases hang until release closes.
+type hangingList struct {
+	kubernetes.Interface
+	listed, release chan struct{}
+}
+
+func (c hangingList) CoordinationV1() coordinationv1client.CoordinationV1Interface {
+	return hangingCoordination{c.Interface.CoordinationV1(), c}
+}
+
+type hangingCoordination struct {
+	coordinationv1client.CoordinationV1Interface
+	c hangingList
+}
+
+func (c hangingCoordination) Leases(ns string) coordinationv1client.LeaseInterface {
+	return hangingLeases{c.CoordinationV1Interface.Leases(ns), c.c}
+}
+
+type hangingLeases struct {
+	coordinationv1client.LeaseInterface
+	c hangingList
+}
+
+func (l hangingLeases) List(ctx context.Context, o metav1.ListOptions) (*coordinationv1.LeaseList, error) {
+	signal(l.c.listed)
+	<-l.c.release
+	return l.LeaseInterface.List(ctx, o)
 }
