@@ -125,6 +125,9 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 		t.Fatalf("NewHeartbeat: %v", err)
 	}
 	hb.boot = func() time.Duration { return bootClock() + time.Duration(n.offset.Load()) }
+	if hb.peerClient != nil {
+		ownSourceAddress(hb.peerClient)
+	}
 	n.hb = hb
 	runCtx, cancel := context.WithCancel(context.Background())
 	n.cancel, n.done = cancel, make(chan struct{})

@@ -83,7 +83,7 @@ const (
 	// peerMACContext separates these MACs from any other use of the key;
 	// peerRequestContext the requests' from the answers'.
 	peerMACContext     = "mountmedic-failover-peer-v1"
-	peerRequestContext = "mountmedic-failover-peer-request-v1"
+	peerRequestContext = "mountmedic-failover-peer-request-v2"
 )
 
 // peerVerdict is the outcome of a peer check.
@@ -258,34 +258,50 @@ func peerShard(node string) string {
 	return strconv.Itoa(int(h.Sum32() % peerShards))
 }
 
-// peerServer answers other agents' peer checks. A request costs nothing
-// before it is authenticated: the MAC over its nonce, its sender and the
-// node asked is checked first (one HMAC), a nonce is answered once, and
-// only then does the request spend a token, of its sender's bucket and of
-// the endpoint's. A flood without the key gets 401s and never takes an
-// agent's turn.
+// peerServer answers other agents' peer checks. What a request may cost
+// is bounded before it is read: each source address has a token bucket,
+// spent by every request from it, authenticated or not, so a flood from a
+// pod spends its own address's tokens and nobody else's. Then the MAC over
+// the request's nonce, timestamp, sender and the node asked is checked
+// (one HMAC); a timestamp outside peerMaxSkew of this node's clock or a
+// nonce answered before is refused, so a captured request cannot be
+// replayed, then or later; and only then does the request spend a token of
+// the endpoint's bucket, which only authenticated checks reach.
 type peerServer struct {
 	node     string
 	keyFile  string
 	canRenew func() bool
 	// limit bounds the authenticated checks the endpoint answers;
-	// perSource each sender's.
+	// perSource each source address's requests.
 	limit     flowcontrol.RateLimiter
 	perSource func() flowcontrol.RateLimiter
 	key       *keyCache
 	// rejected counts requests refused before any work (nil: not
 	// counted).
 	rejected prometheus.Counter
+	now      func() time.Time
 
 	mu      sync.Mutex
 	sources map[string]*sourceState
-	nonces  map[string]time.Time
+	// overflow is the bucket the sources share once peerMaxTracked are
+	// tracked.
+	overflow  flowcontrol.RateLimiter
+	lastSweep time.Time
+	// nonces answered within peerNonceTTL, and the same in the order they
+	// came (times ascending), so that expiry pops from the front.
+	nonces     map[string]time.Time
+	nonceOrder []nonceSeen
 }
 
-// sourceState is one sender's bucket and when it last asked.
+// sourceState is one source address's bucket and when it last asked.
 type sourceState struct {
 	limit flowcontrol.RateLimiter
 	last  time.Time
+}
+
+type nonceSeen struct {
+	nonce string
+	at    time.Time
 }
 
 // Peer endpoint limits: an agent asks each of its peers once per check,
@@ -294,10 +310,19 @@ type sourceState struct {
 const (
 	peerQPS, peerBurst             = 50, 100
 	peerSourceQPS, peerSourceBurst = 2, 10
-	// peerNonceTTL: a nonce seen this recently is a replay.
-	peerNonceTTL = time.Minute
-	// peerMaxTracked bounds the senders and nonces remembered.
+	// peerMaxSkew is how far a request's timestamp may be from the
+	// answering node's clock (nodes keep theirs within a second or so
+	// with NTP).
+	peerMaxSkew = 30 * time.Second
+	// peerNonceTTL: a nonce is remembered this long, past the whole span
+	// of timestamps accepted, so that a replay is refused either way.
+	peerNonceTTL = 2*peerMaxSkew + 10*time.Second
+	// peerMaxTracked bounds the sources and nonces remembered. The
+	// endpoint's bucket admits at most peerQPS*peerNonceTTL + peerBurst
+	// nonces (3,600 + 100) in a TTL: the bound is never reached by them.
 	peerMaxTracked = 20000
+	// peerSourceIdle: a source silent this long is forgotten.
+	peerSourceIdle = time.Minute
 )
 
 // newPeerServer is the endpoint an agent serves, with its limits.
@@ -307,7 +332,8 @@ func newPeerServer(node, keyFile string, canRenew func() bool) *peerServer {
 		perSource: func() flowcontrol.RateLimiter {
 			return flowcontrol.NewTokenBucketRateLimiter(peerSourceQPS, peerSourceBurst)
 		},
-		key:     &keyCache{path: keyFile},
+		overflow: flowcontrol.NewTokenBucketRateLimiter(peerSourceQPS, peerSourceBurst),
+		key:      &keyCache{path: keyFile}, now: time.Now,
 		sources: map[string]*sourceState{}, nonces: map[string]time.Time{}}
 }
 
@@ -316,8 +342,21 @@ func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.NotFound(w, r)
 		return
 	}
+	now := s.now()
+	src, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		src = r.RemoteAddr
+	}
+	s.mu.Lock()
+	s.expireNonces(now)
+	ok := s.source(src, now).TryAccept()
+	s.mu.Unlock()
+	if !ok {
+		s.busy(w)
+		return
+	}
 	q := r.URL.Query()
-	nonce, from, auth := q.Get("nonce"), q.Get("from"), q.Get("auth")
+	nonce, from, auth, ts := q.Get("nonce"), q.Get("from"), q.Get("auth"), q.Get("ts")
 	if b, err := hex.DecodeString(nonce); err != nil || len(b) != 32 {
 		http.Error(w, "nonce: want 32 random bytes in hex", http.StatusBadRequest)
 		return
@@ -326,17 +365,26 @@ func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "from: want the asking node's name", http.StatusBadRequest)
 		return
 	}
+	sent, err := strconv.ParseInt(ts, 10, 64)
+	if err != nil {
+		http.Error(w, "ts: want the asking node's clock in Unix seconds", http.StatusBadRequest)
+		return
+	}
 	key, err := s.key.get()
 	if err != nil {
 		http.Error(w, "no peer key", http.StatusServiceUnavailable)
 		return
 	}
-	if !hmac.Equal([]byte(auth), []byte(peerRequestMAC(key, nonce, from, s.node))) {
+	if !hmac.Equal([]byte(auth), []byte(peerRequestMAC(key, nonce, ts, from, s.node))) {
 		s.refuse()
 		http.Error(w, "request not authenticated with the peer key", http.StatusUnauthorized)
 		return
 	}
-	now := time.Now()
+	if skew := now.Sub(time.Unix(sent, 0)); skew > peerMaxSkew || skew < -peerMaxSkew {
+		s.refuse()
+		http.Error(w, fmt.Sprintf("timestamp %d is %s from this node's clock (at most %s): a replay, or a clock to fix", sent, skew.Round(time.Second), peerMaxSkew), http.StatusUnauthorized)
+		return
+	}
 	s.mu.Lock()
 	if _, seen := s.nonces[nonce]; seen {
 		s.mu.Unlock()
@@ -344,22 +392,14 @@ func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "nonce already answered (a replay)", http.StatusUnauthorized)
 		return
 	}
-	s.forget(now)
-	s.nonces[nonce] = now
-	src := s.sources[from]
-	if src == nil {
-		src = &sourceState{limit: s.perSource()}
-		s.sources[from] = src
+	ok = len(s.nonces) < peerMaxTracked && s.limit.TryAccept()
+	if ok {
+		s.nonces[nonce] = now
+		s.nonceOrder = append(s.nonceOrder, nonceSeen{nonce: nonce, at: now})
 	}
-	src.last = now
-	// The sender's token first: a sender over its own rate spends none of
-	// the endpoint's.
-	ok := src.limit.TryAccept() && s.limit.TryAccept()
 	s.mu.Unlock()
 	if !ok {
-		// "Ask again", not silence: the asker retries within its check.
-		w.Header().Set("Retry-After", "1")
-		http.Error(w, "too many peer checks", http.StatusTooManyRequests)
+		s.busy(w)
 		return
 	}
 	ans := peerAnswer{Node: s.node, Nonce: nonce, CanRenew: s.canRenew()}
@@ -368,41 +408,64 @@ func (s *peerServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(ans)
 }
 
+// busy answers 429: "ask again", not silence; the asker retries within its
+// check.
+func (s *peerServer) busy(w http.ResponseWriter) {
+	w.Header().Set("Retry-After", "1")
+	http.Error(w, "too many peer checks", http.StatusTooManyRequests)
+}
+
 func (s *peerServer) refuse() {
 	if s.rejected != nil {
 		s.rejected.Inc()
 	}
 }
 
-// forget drops nonces past their TTL and senders silent as long, and, past
-// peerMaxTracked, the oldest half. s.mu is held.
-func (s *peerServer) forget(now time.Time) {
-	if len(s.nonces) < peerMaxTracked && len(s.sources) < peerMaxTracked {
-		for n, at := range s.nonces {
-			if now.Sub(at) > peerNonceTTL {
-				delete(s.nonces, n)
+// source returns the bucket of the source address src. The sources idle
+// for peerSourceIdle are forgotten at most once a second; past
+// peerMaxTracked, new sources share one bucket. s.mu is held.
+func (s *peerServer) source(src string, now time.Time) flowcontrol.RateLimiter {
+	st := s.sources[src]
+	if st == nil {
+		if len(s.sources) >= peerMaxTracked && now.Sub(s.lastSweep) >= time.Second {
+			s.lastSweep = now
+			for k, v := range s.sources {
+				if now.Sub(v.last) > peerSourceIdle {
+					delete(s.sources, k)
+				}
 			}
 		}
-		return
-	}
-	for n, at := range s.nonces {
-		if now.Sub(at) > peerNonceTTL/2 {
-			delete(s.nonces, n)
+		if len(s.sources) >= peerMaxTracked {
+			return s.overflow
 		}
+		st = &sourceState{limit: s.perSource()}
+		s.sources[src] = st
 	}
-	for k, src := range s.sources {
-		if now.Sub(src.last) > peerNonceTTL/2 {
-			delete(s.sources, k)
-		}
+	st.last = now
+	return st.limit
+}
+
+// expireNonces forgets the nonces older than peerNonceTTL: those at the
+// front of the order. Each nonce is popped once, so the work per request
+// is constant on average. s.mu is held.
+func (s *peerServer) expireNonces(now time.Time) {
+	i := 0
+	for i < len(s.nonceOrder) && now.Sub(s.nonceOrder[i].at) > peerNonceTTL {
+		delete(s.nonces, s.nonceOrder[i].nonce)
+		i++
+	}
+	if i > 0 {
+		s.nonceOrder = slices.Delete(s.nonceOrder, 0, i)
 	}
 }
 
 // peerRequestMAC authenticates a check: HMAC-SHA256 under key of the
-// request context, the nonce, the asking node and the node asked (a
-// request to one peer cannot be replayed at another).
-func peerRequestMAC(key []byte, nonce, from, to string) string {
+// request context, the nonce, the sender's clock (ts, Unix seconds), the
+// asking node and the node asked (a request to one peer cannot be
+// replayed at another, nor later than peerMaxSkew).
+func peerRequestMAC(key []byte, nonce, ts, from, to string) string {
 	m := hmac.New(sha256.New, key)
-	for _, s := range []string{peerRequestContext, nonce, from, to} {
+	for _, s := range []string{peerRequestContext, nonce, ts, from, to} {
 		m.Write([]byte(s))
 		m.Write([]byte{0})
 	}
@@ -544,8 +607,9 @@ func (c *peerClient) ask(ctx context.Context, key []byte, p peerInfo) (*peerAnsw
 	nonce := hex.EncodeToString(raw)
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
+	ts := strconv.FormatInt(time.Now().Unix(), 10)
 	u := url.URL{Scheme: "http", Host: p.Addr, Path: peerPath, RawQuery: url.Values{
-		"nonce": {nonce}, "from": {c.self}, "auth": {peerRequestMAC(key, nonce, c.self, p.Node)}}.Encode()}
+		"nonce": {nonce}, "ts": {ts}, "from": {c.self}, "auth": {peerRequestMAC(key, nonce, ts, c.self, p.Node)}}.Encode()}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 	if err != nil {
 		return nil, fmt.Errorf("peer request: %w", err)

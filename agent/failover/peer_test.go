@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -244,66 +245,130 @@ func TestPeerCheck(t *testing.T) {
 	}
 }
 
-// TestPeerServerLimits: the endpoint refuses malformed and unauthenticated
-// requests and replays before they cost a token, and bounds each sender's
-// checks with a 429 (ask again).
+// TestPeerServerLimits: what a request costs is bounded per source
+// address before it is read, so a flood from one address (with or without
+// the key) leaves the others their turns; unauthenticated, mis-addressed,
+// replayed and stale checks are refused; only authenticated checks spend
+// the endpoint's own tokens.
 func TestPeerServerLimits(t *testing.T) {
 	var calls atomic.Int32
 	keyFile := writeKey(t, testKey)
 	ps := newPeerServer("a", keyFile, func() bool { calls.Add(1); return true })
-	ps.limit = flowcontrol.NewTokenBucketRateLimiter(1, 3)
-	ps.perSource = func() flowcontrol.RateLimiter { return flowcontrol.NewTokenBucketRateLimiter(1, 2) }
-	srv := httptest.NewServer(ps)
-	defer srv.Close()
+	ps.limit = flowcontrol.NewFakeAlwaysRateLimiter()
+	clock := time.Now()
+	ps.now = func() time.Time { return clock }
+	// Buckets that refill only when the test says so.
+	buckets := map[string]*countingLimiter{}
+	ps.perSource = func() flowcontrol.RateLimiter { return &countingLimiter{left: 3} }
 	key, _ := readPeerKey(keyFile)
-	get := func(q string) int {
-		resp, err := http.Get(srv.URL + peerPath + q)
-		if err != nil {
-			t.Fatal(err)
+	get := func(src, q string) int {
+		r := httptest.NewRequest(http.MethodGet, peerPath+q, nil)
+		r.RemoteAddr = src + ":40000"
+		w := httptest.NewRecorder()
+		ps.ServeHTTP(w, r)
+		if l, ok := ps.sources[src]; ok {
+			buckets[src] = l.limit.(*countingLimiter)
 		}
-		resp.Body.Close()
-		return resp.StatusCode
+		return w.Code
 	}
 	n := 0
-	signed := func(from, to string) string {
+	signedAt := func(from, to string, at time.Time) string {
 		n++
 		nonce := fmt.Sprintf("%064x", n)
-		return "?nonce=" + nonce + "&from=" + from + "&auth=" + peerRequestMAC(key, nonce, from, to)
+		ts := strconv.FormatInt(at.Unix(), 10)
+		return "?nonce=" + nonce + "&ts=" + ts + "&from=" + from + "&auth=" + peerRequestMAC(key, nonce, ts, from, to)
 	}
-	if code := get("?nonce=abc&from=b"); code != http.StatusBadRequest {
+	signed := func(from, to string) string { return signedAt(from, to, clock) }
+
+	if code := get("10.0.0.1", "?nonce=abc&from=b&ts=1"); code != http.StatusBadRequest {
 		t.Errorf("short nonce: status %d, want 400", code)
 	}
-	// A flood without the key, or signed for another node, spends nothing.
-	for range 50 {
-		if code := get("?nonce=" + strings.Repeat("ab", 32) + "&from=b&auth=00"); code != http.StatusUnauthorized {
-			t.Fatalf("unauthenticated check: status %d, want 401", code)
-		}
-		if code := get(signed("b", "other")); code != http.StatusUnauthorized {
-			t.Fatalf("check signed for another node: status %d, want 401", code)
-		}
-	}
-	q := signed("b", "a")
-	if code := get(q); code != http.StatusOK {
-		t.Fatalf("first authenticated check after the flood: status %d, want 200", code)
-	}
-	if code := get(q); code != http.StatusUnauthorized {
-		t.Errorf("replayed check: status %d, want 401", code)
-	}
-	// Sender b has one token left of its burst, then 429s; sender c still
-	// has its own.
+	// A flood from one address, without the key: 401s, then 429s once its
+	// bucket is spent; nothing answered.
 	codes := map[int]int{}
-	for range 5 {
-		codes[get(signed("b", "a"))]++
+	for range 50 {
+		codes[get("10.0.0.66", "?nonce="+strings.Repeat("ab", 32)+"&ts=1&from=b&auth=00")]++
 	}
-	if codes[http.StatusTooManyRequests] == 0 || codes[http.StatusOK] > 2 {
-		t.Errorf("5 more checks from one sender: %v, want 429s past its burst", codes)
+	if codes[http.StatusUnauthorized] != 3 || codes[http.StatusTooManyRequests] != 47 {
+		t.Errorf("50 unauthenticated checks from one address: %v, want 3 refused and 47 told to wait", codes)
 	}
-	if code := get(signed("c", "a")); code != http.StatusOK {
-		t.Errorf("another sender's first check: status %d, want 200 (per-sender limits)", code)
+	// Another address asks, authenticated, while the flood goes on.
+	if code := get("10.0.0.2", signed("b", "a")); code != http.StatusOK {
+		t.Fatalf("an agent's check during another address's flood: status %d, want 200", code)
 	}
-	if got := calls.Load(); got > 4 {
-		t.Errorf("answered %d checks, want only authenticated ones within the limits", got)
+	// The flooding address has the key too: a claimed new sender name
+	// gets no new bucket.
+	if code := get("10.0.0.66", signed("c", "a")); code != http.StatusTooManyRequests {
+		t.Errorf("check under a new sender name from the flooding address: status %d, want 429", code)
 	}
+	// Mis-addressed, replayed and stale checks are refused.
+	replay := signed("b", "a")
+	for what, c := range map[string]struct {
+		q    string
+		want int
+	}{
+		"signed for another node": {signed("b", "other"), http.StatusUnauthorized},
+		"first use":               {replay, http.StatusOK},
+	} {
+		if code := get("10.0.0.3", c.q); code != c.want {
+			t.Errorf("%s: status %d, want %d", what, code, c.want)
+		}
+	}
+	if code := get("10.0.0.4", replay); code != http.StatusUnauthorized {
+		t.Errorf("replayed check from another address: status %d, want 401", code)
+	}
+	if code := get("10.0.0.4", signedAt("b", "a", clock.Add(-peerMaxSkew-time.Second))); code != http.StatusUnauthorized {
+		t.Errorf("check signed %s ago: status %d, want 401", peerMaxSkew+time.Second, code)
+	}
+	if code := get("10.0.0.5", signedAt("b", "a", clock.Add(peerMaxSkew/2))); code != http.StatusOK {
+		t.Errorf("check from a clock %s ahead: status %d, want 200", peerMaxSkew/2, code)
+	}
+	// Past the nonce's memory, its timestamp is past the skew: still
+	// refused.
+	clock = clock.Add(peerNonceTTL + time.Second)
+	if code := get("10.0.0.6", replay); code != http.StatusUnauthorized {
+		t.Errorf("check replayed after its nonce was forgotten: status %d, want 401", code)
+	}
+	if got := calls.Load(); got != 3 {
+		t.Errorf("answered %d checks, want the 3 authenticated, fresh ones", got)
+	}
+	if len(ps.nonces) != 0 || len(ps.nonceOrder) != 0 {
+		t.Errorf("%d nonces remembered past their TTL, want none", len(ps.nonces))
+	}
+}
+
+// TestPeerServerBounded: the endpoint's memory of sources is bounded; past
+// the bound, new sources share one bucket instead of growing it.
+func TestPeerServerBounded(t *testing.T) {
+	ps := newPeerServer("a", writeKey(t, testKey), func() bool { return true })
+	clock := time.Now()
+	for i := range peerMaxTracked + 100 {
+		ps.source(fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), clock)
+	}
+	if len(ps.sources) != peerMaxTracked {
+		t.Errorf("%d sources tracked, want at most %d", len(ps.sources), peerMaxTracked)
+	}
+	if got := ps.source("192.0.2.1", clock); got != ps.overflow {
+		t.Errorf("a new source past the bound got its own bucket, want the shared one")
+	}
+	clock = clock.Add(peerSourceIdle + 2*time.Second)
+	if got := ps.source("192.0.2.1", clock); got == ps.overflow || len(ps.sources) != 1 {
+		t.Errorf("after every source went idle: %d sources tracked, new source shares the overflow bucket %t; want the idle ones forgotten", len(ps.sources), got == ps.overflow)
+	}
+}
+
+// countingLimiter accepts left times, then refuses.
+type countingLimiter struct {
+	flowcontrol.RateLimiter
+	left int
+}
+
+func (l *countingLimiter) TryAccept() bool {
+	if l.left == 0 {
+		return false
+	}
+	l.left--
+	return true
 }
 
 // prometheusGatherer registers the peer metrics on a registry to read them.
@@ -380,7 +445,8 @@ func TestPeerCheckFlooded(t *testing.T) {
 // until ctx ends; it returns a function that counts them.
 func floodPeers(ctx context.Context, peers []peerInfo, perSecond int) func() int64 {
 	var sent atomic.Int64
-	client := &http.Client{Timeout: time.Second}
+	// From an address of its own, as a pod on the network has.
+	client := &http.Client{Timeout: time.Second, Transport: &http.Transport{DialContext: loopbackDialer(250).DialContext}}
 	for _, p := range peers {
 		go func() {
 			tick := time.NewTicker(time.Second / time.Duration(perSecond))
@@ -403,4 +469,19 @@ func floodPeers(ctx context.Context, peers []peerInfo, perSecond int) func() int
 		}()
 	}
 	return sent.Load
+}
+
+// loopbackDialer dials from 127.0.1.i: the agents of a test, all on this
+// machine, each get a source address of their own, as nodes have (the
+// peer endpoint's buckets are per source address).
+func loopbackDialer(i int) *net.Dialer {
+	return &net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 1, byte(i))}}
+}
+
+var loopbacks atomic.Int32
+
+// ownSourceAddress makes c ask from a loopback address no other client of
+// the test uses.
+func ownSourceAddress(c *peerClient) {
+	c.http.Transport.(*http.Transport).DialContext = loopbackDialer(int(loopbacks.Add(1)) % 240).DialContext
 }
