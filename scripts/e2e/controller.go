@@ -25,6 +25,10 @@ type Controller struct {
 	p *lab.Process
 	// MetricsAddr serves its /metrics and /healthz.
 	MetricsAddr string
+
+	t                    testing.TB
+	bin, kubeconfig, dir string
+	runs                 int
 }
 
 // StartController applies deploy/controller's ServiceAccount and RBAC,
@@ -61,19 +65,32 @@ func StartController(t testing.TB, c *kubetest.Cluster, args ...string) (*Contro
 	if err != nil {
 		return nil, err
 	}
-	addr := "127.0.0.1:" + strconv.Itoa(ports[0])
-	cmd := exec.Command(bin, append([]string{"controller", "--kubeconfig=" + kubeconfig, "--metrics-addr=" + addr, "-v=2"}, args...)...)
+	ctl := &Controller{MetricsAddr: "127.0.0.1:" + strconv.Itoa(ports[0]), t: t, bin: bin, kubeconfig: kubeconfig, dir: dir}
+	if err := ctl.start(args); err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { ctl.p.Stop(10 * time.Second) })
+	return ctl, nil
+}
+
+// Restart stops the controller (it releases its leader Lease) and starts
+// it again, built once, with args instead of the first start's.
+func (c *Controller) Restart(args ...string) error {
+	c.p.Stop(10 * time.Second)
+	return c.start(args)
+}
+
+func (c *Controller) start(args []string) error {
+	c.runs++
+	cmd := exec.Command(c.bin, append([]string{"controller", "--kubeconfig=" + c.kubeconfig, "--metrics-addr=" + c.MetricsAddr, "-v=2"}, args...)...)
 	cmd.Env = append(os.Environ(), "POD_NAMESPACE="+AgentNamespace, "POD_NAME=mountmedic-controller-e2e")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	p, err := lab.RunProcess("mountmedic controller", cmd, filepath.Join(dir, "controller.log"))
+	p, err := lab.RunProcess("mountmedic controller", cmd, filepath.Join(c.dir, fmt.Sprintf("controller-%d.log", c.runs)))
 	if err != nil {
-		return nil, err
+		return err
 	}
-	t.Cleanup(func() { p.Stop(10 * time.Second) })
-	if err := p.WaitDial("tcp", addr, time.Minute); err != nil {
-		return nil, err
-	}
-	return &Controller{p: p, MetricsAddr: addr}, nil
+	c.p = p
+	return p.WaitDial("tcp", c.MetricsAddr, time.Minute)
 }
 
 // LogTail is the last n lines of the controller's log.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -79,6 +80,10 @@ type Node struct {
 	Driver *csilab.Driver
 	// CRI talks to containerd.
 	CRI runtimeapi.RuntimeServiceClient
+	// APIProxy is the node's link to the API server: kubelet's kubeconfig
+	// (and so the agent's node identity) goes through it, so that a test
+	// can partition the node (Cut) and heal it (Restore).
+	APIProxy *lab.TCPProxy
 
 	t          testing.TB
 	reg        *registrar
@@ -136,8 +141,14 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 		t.Fatal(err)
 	}
 	// The node's own identity, system:node:<name>, laid out as kubeadm
-	// does: kubelet and the DaemonSet's agent both use it.
-	c.WriteNodeKubeconfig(t, KubeletKubeconfig, KubeletRoot, n.Name, "")
+	// does: kubelet and the DaemonSet's agent both use it, through the
+	// node's link to the API server.
+	api, err := url.Parse(c.Server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.APIProxy = lab.StartTCPProxy(t, api.Host)
+	c.WriteNodeKubeconfig(t, KubeletKubeconfig, KubeletRoot, n.Name, "https://"+n.APIProxy.Addr())
 	// Images first: a failed build costs no daemon.
 	archives := []string{filepath.Join(n.Dir, "images", "pause.tar"), filepath.Join(n.Dir, "images", "busybox.tar")}
 	if err := buildPauseImage(filepath.Join(n.Dir, "images"), archives[0]); err != nil {

@@ -65,6 +65,11 @@ var scenarios = []scenario{
 	// The real node's agent is cut off the API server alone and fences the
 	// node (it deploys itself behind a proxy the test cuts).
 	{name: "fence", args: []string{"--failover"}, run: fenceScenario},
+	// The real node is partitioned (kubelet and agent) while a pod writes;
+	// the controller moves it to a simulated node in each mode, with and
+	// without a flood of the peer endpoint; the bucket says whether the
+	// old pod wrote after the replacement's first write.
+	{name: "partition", args: []string{"--failover"}, run: partitionScenario},
 }
 
 // pluginDown is how long the node plugin stays down in a plugin-crash

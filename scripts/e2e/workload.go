@@ -104,7 +104,21 @@ type WorkloadOptions struct {
 	Replicas int32
 	// ClaimAnnotations are the claim's annotations.
 	ClaimAnnotations map[string]string
+	// PodAnnotations are the pod template's annotations.
+	PodAnnotations map[string]string
+	// Writes makes the container also write one new file a quarter
+	// second, WriteDir/<pod name>-<n> for n = 1, 2...: each lands in the
+	// bucket as an object of its own, the record of when this pod wrote.
+	Writes bool
 }
+
+// WriteDir is where a Writes workload's container writes its files (the
+// object prefix <namespace>/w/ in the bucket).
+const WriteDir = WholeMount + "/w"
+
+// writerScript is the background writer of a Writes workload.
+const writerScript = `( mkdir -p ` + WriteDir + `; n=0; while :; do n=$((n+1)); echo $n > ` + WriteDir + `/$POD_NAME-$n; usleep 250000; done ) &
+`
 
 // volumeAttributes are the PV's CSI attributes for mounter. Debian's rclone
 // 1.60 needs --s3-provider=Other against a loopback S3 server, or it tries
@@ -189,6 +203,12 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 		return nil, fmt.Errorf("create PVC: %w", err)
 	}
 	labels := map[string]string{"app": w.Name}
+	script := appScript
+	var env []corev1.EnvVar
+	if opts.Writes {
+		script = writerScript + appScript
+		env = []corev1.EnvVar{{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}}}
+	}
 	dep := &appsv1.Deployment{
 		ObjectMeta: metav1.ObjectMeta{Name: w.Name, Namespace: ns},
 		Spec: appsv1.DeploymentSpec{
@@ -196,7 +216,7 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 			Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Strategy: appsv1.DeploymentStrategy{Type: appsv1.RecreateDeploymentStrategyType},
 			Template: corev1.PodTemplateSpec{
-				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				ObjectMeta: metav1.ObjectMeta{Labels: labels, Annotations: opts.PodAnnotations},
 				Spec: corev1.PodSpec{
 					HostNetwork:                   true,
 					DNSPolicy:                     corev1.DNSDefault,
@@ -209,7 +229,8 @@ func (n *Node) DeployWorkloadWith(ctx context.Context, ns string, opts WorkloadO
 						Name:            container,
 						Image:           BusyboxImage,
 						ImagePullPolicy: corev1.PullNever,
-						Command:         []string{"/bin/sh", "-c", appScript},
+						Command:         []string{"/bin/sh", "-c", script},
+						Env:             env,
 						VolumeMounts: []corev1.VolumeMount{
 							{Name: "data", MountPath: WholeMount},
 							{Name: "data", MountPath: SubMount, SubPath: "sub"},
