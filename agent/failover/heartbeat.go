@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -190,6 +191,13 @@ func NewHeartbeat(cfg Config, client, leases kubernetes.Interface, pods cache.Sh
 	h.jitter = func(d time.Duration) time.Duration { return jittered(d, h.rand.Float64()) }
 	if cfg.PeerKeyFile != "" {
 		h.peerClient = newPeerClient(cfg.NodeName, cfg.PeerKeyFile, cfg.PeerTimeout)
+		// An agent that listens on one address asks from it too: the peer
+		// endpoints limit each source address.
+		if host, _, err := net.SplitHostPort(cfg.PeerListen); err == nil {
+			if ip := net.ParseIP(host); ip != nil && !ip.IsUnspecified() {
+				h.peerClient.askFrom(ip)
+			}
+		}
 	}
 	return h, nil
 }

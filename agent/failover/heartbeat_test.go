@@ -33,9 +33,10 @@ import (
 // peer endpoint on loopback) for the tests of the heartbeat alone: no
 // controller, no kubelet.
 type hbLab struct {
-	c   *kubetest.Cluster
-	sa  *rest.Config
-	key string // peer key file
+	agents atomic.Int32
+	c      *kubetest.Cluster
+	sa     *rest.Config
+	key    string // peer key file
 }
 
 func startHBLab(t *testing.T) *hbLab {
@@ -102,6 +103,9 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 	n := &hbNode{name: name, proxy: lab.StartTCPProxy(t, u.Host), fence: &recordingFence{}, reg: prometheus.NewRegistry(),
 		requests: &requestCounter{counts: map[string]int{}}}
 	cfg.NodeName, cfg.Identity = name, "agent-"+name
+	// Each agent on a loopback address of its own, as nodes have theirs
+	// (the peer endpoints limit each source address).
+	cfg.PeerListen = fmt.Sprintf("127.0.1.%d:0", 1+l.agents.Add(1)%250)
 	sa := rest.CopyConfig(l.sa)
 	sa.Host = "https://" + n.proxy.Addr()
 	sa.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return n.requests.wrap(n.throttleLeases(rt)) }
@@ -125,9 +129,6 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 		t.Fatalf("NewHeartbeat: %v", err)
 	}
 	hb.boot = func() time.Duration { return bootClock() + time.Duration(n.offset.Load()) }
-	if hb.peerClient != nil {
-		ownSourceAddress(hb.peerClient)
-	}
 	n.hb = hb
 	runCtx, cancel := context.WithCancel(context.Background())
 	n.cancel, n.done = cancel, make(chan struct{})

@@ -503,6 +503,11 @@ type peerClient struct {
 	http       *http.Client
 }
 
+// askFrom makes the client's connections start from ip.
+func (c *peerClient) askFrom(ip net.IP) {
+	c.http.Transport.(*http.Transport).DialContext = (&net.Dialer{Timeout: c.timeout, LocalAddr: &net.TCPAddr{IP: ip}}).DialContext
+}
+
 func newPeerClient(self, keyFile string, timeout time.Duration) *peerClient {
 	return &peerClient{self: self, keyFile: keyFile, timeout: timeout, retryPause: min(timeout/4, 250*time.Millisecond), http: &http.Client{
 		// Never through an HTTP proxy from the environment: peers are

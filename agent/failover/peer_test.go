@@ -477,11 +477,3 @@ func floodPeers(ctx context.Context, peers []peerInfo, perSecond int) func() int
 func loopbackDialer(i int) *net.Dialer {
 	return &net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 1, byte(i))}}
 }
-
-var loopbacks atomic.Int32
-
-// ownSourceAddress makes c ask from a loopback address no other client of
-// the test uses.
-func ownSourceAddress(c *peerClient) {
-	c.http.Transport.(*http.Transport).DialContext = loopbackDialer(int(loopbacks.Add(1)) % 240).DialContext
-}

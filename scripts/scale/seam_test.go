@@ -21,6 +21,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -39,6 +40,9 @@ import (
 	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
+
+// agentAddrs numbers the agents' loopback addresses.
+var agentAddrs atomic.Int32
 
 // failoverConfig is the agents' configuration for this run: mountmedic's
 // defaults with every period multiplied by the time factor, the peer check
@@ -223,6 +227,10 @@ func (e *env) startAgent(t testing.TB, n *simNode) {
 	}
 	cfg := e.failoverConfig()
 	cfg.NodeName, cfg.Identity = n.name, "agent-"+n.name
+	// Each agent on a loopback address of its own, as nodes have theirs
+	// (the peer endpoints limit each source address).
+	a := agentAddrs.Add(1)
+	cfg.PeerListen = fmt.Sprintf("127.3.%d.%d:0", a/250%250, 1+a%250)
 	ctx, cancel := context.WithCancel(e.ctx)
 	factory := informers.NewSharedInformerFactoryWithOptions(node, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
