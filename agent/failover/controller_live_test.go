@@ -157,8 +157,8 @@ func (s *scenario) setReady(node string, status corev1.ConditionStatus) {
 
 // testFreshRead: the hostile actor is a watch that fell behind. The
 // controller's cache stops seeing the victim's Lease renewals (both its
-// kubelet's and its agent's), then the victim's kubelet posts NotReady
-// itself while it and the agent keep renewing. From the cache the node
+// kubelet's and its agent's), then the victim is marked Ready Unknown
+// while its kubelet and agent keep renewing. From the cache the node
 // looks dead; the quorum reads right before the taint show both Leases
 // renewed, so the controller must not taint it.
 func testFreshRead(t *testing.T, h *harness) {
@@ -181,7 +181,7 @@ func testFreshRead(t *testing.T, h *harness) {
 	// Past the fence window, the cached heartbeat is "silent"; the node is
 	// still Ready, so nothing happens yet.
 	time.Sleep(s.ctl.FenceWindow(0))
-	s.setReady(victim.name, corev1.ConditionFalse)
+	s.setReady(victim.name, corev1.ConditionUnknown)
 	s.waitFor("a fail-over refused on fresh reads", 60*time.Second, func(context.Context) (bool, error) {
 		return metric(t, reg, "mountmedic_failover_fresh_read_refusals_total", nil) >= 1, nil
 	})
