@@ -29,7 +29,8 @@ var knownOn61 = map[string]string{
 	// daemon is left alone, as docs/remount.md says, and these tests of
 	// the kill fail.
 	"remount": "^TestRealDriver$|^TestLiveSwapReadOnlyStaysReadOnly$" +
-		"|^TestAbortKillsOnlyTheConnectionsServer$|^TestStaleRcloneNeverUnmountsTheFreshMount$",
+		"|^TestAbortKillsOnlyTheConnectionsServer$|^TestStaleRcloneNeverUnmountsTheFreshMount$" +
+		"|^TestAbortSparesTheVolumesUsers$",
 }
 
 // guestModules are loaded before a test binary runs: the nbd driver, and what
