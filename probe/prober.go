@@ -76,6 +76,11 @@ type Config struct {
 	SysfsDir string
 	// DevDir is where device nodes are; "/dev" when empty.
 	DevDir string
+	// SkipWriteCheck leaves out WriteCheck on read-write block
+	// filesystems whose mount table shows no fault: the only signal of a
+	// shut-down or read-only-remounted ext4 on kernels before the
+	// "shutdown" and "emergency_ro" super options (Linux 6.1).
+	SkipWriteCheck bool
 }
 
 // DefaultConfig is the configuration the agent and scan start from.
@@ -89,11 +94,13 @@ type Syscalls struct {
 	StatxSync  func(path string) error
 	ReadDevice func(path string) error
 	ReadFile   func(path string) ([]byte, error)
+	// WriteCheck is WriteCheck; nil leaves the step out.
+	WriteCheck func(path string) (State, error)
 }
 
 // HostSyscalls are the real operations.
 func HostSyscalls() Syscalls {
-	return Syscalls{Statfs: statfs, StatxSync: statxSync, ReadDevice: readDevice, ReadFile: os.ReadFile}
+	return Syscalls{Statfs: statfs, StatxSync: statxSync, ReadDevice: readDevice, ReadFile: os.ReadFile, WriteCheck: WriteCheck}
 }
 
 // Prober checks backends and paths without ever wedging its caller: a probe
@@ -575,6 +582,13 @@ func (p *Prober) check(b *Backend, path string, mark func()) Result {
 		if st, err := p.checkDevice(b); st != Healthy {
 			r.State, r.Err = st, err
 			return r
+		}
+		if !p.cfg.SkipWriteCheck && p.sys.WriteCheck != nil && writable(b) {
+			mark()
+			if st, err := p.sys.WriteCheck(path); st != Healthy {
+				r.State, r.Err = st, err
+				return r
+			}
 		}
 	}
 	r.State = Healthy
