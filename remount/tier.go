@@ -9,16 +9,22 @@ import (
 // Tier is a rung of the repair ladder, or one of the repairs beside it: the
 // one name of a repair from the --tiers flag through the ladder, events and
 // logs to the repairs_total metric label. Ladder order, least disruptive
-// first. Restage, LiveSwap, Restart and Unmount run here (Repairer); Evict,
-// Delete and ForceDelete are the agent's: they need the API server.
+// first. Reattach, Restage, LiveSwap, Restart and Unmount run here
+// (Repairer); Evict, Delete and ForceDelete are the agent's: they need the
+// API server.
 type Tier int
 
 const (
+	// TierReattach gives an NBD volume's kept /dev/nbdN a fresh daemon
+	// through the driver (ceph-csi's healer NodeStageVolume), so device,
+	// mounts and containers' binds stay; for NBD volumes of drivers that
+	// can do it (Repairer.Reattach).
+	TierReattach Tier = iota
 	// TierRestage aborts a hung FUSE connection, lazily unmounts the dead
 	// subPath binds, publish targets and staging mount, and sends
 	// NodeStageVolume and NodePublishVolume through the driver's socket.
 	// With HostToContainer propagation it reaches running containers.
-	TierRestage Tier = iota
+	TierRestage
 	// TierLiveSwap puts the fresh mount (or its subPath directory) into each
 	// running container's mount namespace in place of the dead one.
 	TierLiveSwap
@@ -43,7 +49,7 @@ const (
 	numTiers = iota
 )
 
-var tierNames = [numTiers]string{"restage", "liveswap", "restart", "evict", "unmount", "delete", "force-delete"}
+var tierNames = [numTiers]string{"reattach", "restage", "liveswap", "restart", "evict", "unmount", "delete", "force-delete"}
 
 // String is the tier's name, as --tiers takes it and metrics label it.
 func (t Tier) String() string {

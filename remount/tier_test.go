@@ -9,7 +9,7 @@ import (
 // The names are the --tiers flag's words and the repairs_total metric's
 // label values (dashboards and alerts query them): they must not change.
 func TestTierNames(t *testing.T) {
-	want := []string{"restage", "liveswap", "restart", "evict", "unmount", "delete", "force-delete"}
+	want := []string{"reattach", "restage", "liveswap", "restart", "evict", "unmount", "delete", "force-delete"}
 	if got := NewTierSet(AllTiers()...).Names(); !slices.Equal(got, want) {
 		t.Fatalf("every tier's name = %v, want %v", got, want)
 	}
@@ -19,8 +19,8 @@ func TestTierNames(t *testing.T) {
 			t.Errorf("ParseTier(%q) = %v, %v; want %v", tier, got, err, tier)
 		}
 	}
-	if s := Tier(numTiers).String(); s != "tier(7)" {
-		t.Errorf("Tier(7).String() = %q, want tier(7)", s)
+	if s := Tier(numTiers).String(); s != "tier(8)" {
+		t.Errorf("Tier(8).String() = %q, want tier(8)", s)
 	}
 }
 

@@ -122,6 +122,13 @@ type Driver struct {
 	// Why says what a re-stage cannot heal, for a report; empty when
 	// Restage.
 	Why string
+	// Reattach: NodeStageVolume with volumeContext ReattachContextKey
+	// "true" gives the NBD device a volume is staged on a fresh daemon and
+	// leaves its mounts as they are (ceph-csi internal/rbd/nodeserver.go,
+	// NodeStageVolume -> healerStageTransaction, which runs `rbd-nbd
+	// attach --device` for the device its stash recorded). Such a volume on
+	// an NBD device is repaired by re-attaching, Restage or not.
+	Reattach bool
 	// match reports whether a CSI driver name is this driver's.
 	match func(name string) bool
 }
@@ -151,6 +158,11 @@ func named(names ...string) func(string) bool {
 	}
 }
 
+// ReattachContextKey is the volumeContext key that makes ceph-csi's
+// NodeStageVolume re-attach instead of stage (internal/rbd/nodeserver.go,
+// volHealerCtx; its own healer sets it, internal/rbd/rbd_healer.go).
+const ReattachContextKey = "volumeHealerContext"
+
 // suffixed matches a name or any "<prefix>.<name>": ceph-csi's driver name
 // is set per deployment, Rook's being "<namespace>.rbd.csi.ceph.com".
 func suffixed(name string) func(string) bool {
@@ -168,8 +180,9 @@ var catalogue = []Driver{
 			{Name: "rbd-nbd", Sources: []string{"/dev/nbd*"}, Daemon: DaemonNodePlugin},
 			{Name: "krbd", Sources: []string{"/dev/rbd*"}, Daemon: DaemonKernel},
 		},
-		Why:   "ceph-csi stages in <staging path>/<volume ID>, which a re-stage of kubelet's staging path does not unmount, and NodeStageVolume answers OK while that mount stands (ceph-csi restores rbd-nbd maps itself when its node plugin starts)",
-		match: suffixed("rbd.csi.ceph.com"),
+		Why:      "ceph-csi stages in <staging path>/<volume ID>, which a re-stage of kubelet's staging path does not unmount, and NodeStageVolume answers OK while that mount stands; rbd-nbd volumes are repaired by re-attaching their device through the plugin",
+		Reattach: true,
+		match:    suffixed("rbd.csi.ceph.com"),
 	},
 	{
 		Name: "cephfs.csi.ceph.com", Project: "ceph-csi CephFS", Layout: LayoutGlobalMount,
