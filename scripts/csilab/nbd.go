@@ -75,35 +75,48 @@ type NBDDaemon struct {
 
 // StartNBDDaemon starts nbdkit's file plugin on image, listening on socket
 // (an old socket file is removed first: a killed nbdkit leaves it behind).
+// The test's cleanup kills it.
 func StartNBDDaemon(t testing.TB, image, socket string) *NBDDaemon {
 	t.Helper()
 	bin := lab.RequireBinary(t, "nbdkit")
+	d, err := startNBDDaemon(bin, image, socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.t = t
+	t.Cleanup(d.Kill)
+	return d
+}
+
+// startNBDDaemon starts nbdkit and waits until it accepts connections (30 s
+// at most); it may run off the test's goroutine.
+func startNBDDaemon(bin, image, socket string) (*NBDDaemon, error) {
 	_ = os.Remove(socket)
 	// nbdkit writes its pidfile once it accepts connections: waiting for
 	// it spares the daemon a probing connection.
 	pidfile := socket + ".pid"
 	_ = os.Remove(pidfile)
-	d := &NBDDaemon{t: t, Image: image, Socket: socket, exited: make(chan struct{})}
+	d := &NBDDaemon{Image: image, Socket: socket, exited: make(chan struct{})}
 	d.cmd = exec.Command(bin, "--foreground", "--exit-with-parent", "-P", pidfile, "-U", socket, "file", "file="+image)
 	d.cmd.Stdout, d.cmd.Stderr = os.Stderr, os.Stderr
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := lab.StartProcess(d.cmd); err != nil {
-		t.Fatalf("start nbdkit on %s: %v", image, err)
+		return nil, fmt.Errorf("start nbdkit on %s: %w", image, err)
 	}
 	go func() { _ = d.cmd.Wait(); close(d.exited) }()
-	t.Cleanup(d.Kill)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		if raw, err := os.ReadFile(pidfile); err == nil && strings.TrimSpace(string(raw)) == strconv.Itoa(d.cmd.Process.Pid) {
-			return d
+			return d, nil
 		}
 		select {
 		case <-d.exited:
-			t.Fatalf("nbdkit on %s exited before it listened on %s", image, socket)
+			return nil, fmt.Errorf("nbdkit on %s exited before it listened on %s", image, socket)
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("nbdkit on %s never listened on %s", image, socket)
+			d.Kill()
+			return nil, fmt.Errorf("nbdkit on %s never listened on %s", image, socket)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
