@@ -117,14 +117,11 @@ func (r *Repairer) Reattach(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		if err := r.filesystemWrites(ctx, st); err != nil {
-			add(Action{Op: opVerify, Path: st.mount.Path, Detail: "filesystem refuses writes", Err: err})
-			if st.mount.Path != filepath.Clean(v.Stage.StagingPath) {
-				// ceph-csi's layout: NodeStageVolume answers OK while this
-				// mount stands; gone, it mounts the kept device again.
-				acts, _ := r.unmounter().UnmountMounts(ctx, []*probe.Mount{{Path: st.mount.Path, ID: st.mount.ID}})
-				o.Actions = append(o.Actions, acts...)
+			add(Action{Op: opVerify, Path: st.mount.Path, Detail: "filesystem refuses writes (" + err.Error() + "): mount the kept device afresh"})
+			r.freshFilesystem(ctx, v, st, o)
+			if !o.Healed {
+				o.Err = fmt.Errorf("volume %q of %s on %s: %w: %w", v.VolumeHandle, v.Driver, dev, ErrFilesystemFailed, o.Err)
 			}
-			o.Err = errors.Join(fmt.Errorf("volume %q of %s on %s: %w: %w", v.VolumeHandle, v.Driver, dev, ErrFilesystemFailed, err), actionsErr(o.Actions))
 			return
 		}
 		places := []place{hostPlace(st.mount.Path)}
