@@ -67,6 +67,7 @@ type NBDDriver struct {
 	srv     *grpc.Server
 	daemons map[string]*NBDDaemon // volume ID -> its daemon
 	staged  map[string]string     // volume ID -> staging path, for the healer
+	mapped  map[int]bool          // the devices it mapped
 	// Stages and Reattaches count the NodeStageVolume calls that staged
 	// and that re-attached.
 	Stages, Reattaches int
@@ -92,7 +93,7 @@ func WithHealAtStart() NBDDriverOption { return func(d *NBDDriver) { d.healAtSta
 func StartNBDDriver(t testing.TB, socketPath string, opts ...NBDDriverOption) *NBDDriver {
 	t.Helper()
 	d := &NBDDriver{t: t, socket: socketPath, bin: lab.RequireBinary(t, "nbdkit"),
-		ImageDir: t.TempDir(), daemons: map[string]*NBDDaemon{}, staged: map[string]string{}}
+		ImageDir: t.TempDir(), daemons: map[string]*NBDDaemon{}, staged: map[string]string{}, mapped: map[int]bool{}}
 	lab.RequireBinary(t, "mkfs.ext4")
 	for _, o := range opts {
 		o(d)
@@ -106,6 +107,13 @@ func StartNBDDriver(t testing.TB, socketPath string, opts ...NBDDriverOption) *N
 	t.Cleanup(func() {
 		d.stop()
 		d.killDaemons()
+		// Disconnected, a device fails its I/O at once: the mounts on it
+		// go without waiting out the dead-connection hold.
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		for idx := range d.mapped {
+			_ = NBDUnmap(idx)
+		}
 	})
 	return d
 }
@@ -314,6 +322,9 @@ func (d *NBDDriver) stage(volumeID, staging string) error {
 		if idx, err = NBDMap(dm.Socket, d.opts); err != nil {
 			return err
 		}
+		d.mu.Lock()
+		d.mapped[idx] = true
+		d.mu.Unlock()
 		if err := waitNBDSize(idx); err != nil {
 			return err
 		}
