@@ -21,7 +21,7 @@ const OptOutAnnotation = "mountmedic.io/repair"
 
 // DefaultTiers are the tiers enabled by default: every one except the two
 // deletions, which are opt-in.
-var DefaultTiers = remount.NewTierSet(remount.TierRestage, remount.TierLiveSwap, remount.TierRestart, remount.TierEvict, remount.TierUnmount)
+var DefaultTiers = remount.NewTierSet(remount.TierReattach, remount.TierRestage, remount.TierLiveSwap, remount.TierRestart, remount.TierEvict, remount.TierUnmount)
 
 // Config is the agent's configuration; cmd/mountmedic binds its flags into
 // it. Start from DefaultConfig.

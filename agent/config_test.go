@@ -12,7 +12,7 @@ import (
 )
 
 func TestDefaultTiers(t *testing.T) {
-	want := []string{"restage", "liveswap", "restart", "evict", "unmount"}
+	want := []string{"reattach", "restage", "liveswap", "restart", "evict", "unmount"}
 	if got := DefaultTiers.Names(); !slices.Equal(got, want) {
 		t.Errorf("DefaultTiers.Names() = %v, want %v", got, want)
 	}

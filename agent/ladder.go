@@ -26,12 +26,17 @@ type repairer interface {
 }
 
 // rungs lists the ladder rungs a run may take, from floor: the node-side
-// tiers when the volume can be re-staged here, then eviction (or, with
-// eviction off, the delete that stands in for it).
-func (a *Agent) rungs(restageable bool, floor remount.Tier) []remount.Tier {
+// tiers when the volume can be re-staged here (the re-attach first for an
+// NBD volume, nbdRungs), then eviction (or, with eviction off, the delete
+// that stands in for it).
+func (a *Agent) rungs(v *brokenVolume, restageable bool, floor remount.Tier) []remount.Tier {
 	var out []remount.Tier
 	t := a.cfg.Tiers
-	if restageable && a.repairer != nil {
+	_, reattach, restage := a.nbdRungs(v)
+	if restageable && a.repairer != nil && reattach {
+		out = append(out, remount.TierReattach)
+	}
+	if restageable && a.repairer != nil && restage {
 		for _, r := range []remount.Tier{remount.TierRestage, remount.TierLiveSwap, remount.TierRestart} {
 			if t.Has(r) {
 				out = append(out, r)
@@ -110,7 +115,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if j.resume != nil {
 		floor = max(floor, remount.TierLiveSwap) // the host is re-staged already
 	}
-	rungs := a.rungs(j.vol.csi, floor)
+	rungs := a.rungs(j.vol, j.vol.csi, floor)
 	var (
 		r   *resolved
 		err error
@@ -207,7 +212,7 @@ func (a *Agent) checkResolved(ctx context.Context, j *job, r *resolved, err erro
 		return nil, true
 	}
 	if !r.restageable {
-		rungs = a.rungs(false, j.floor)
+		rungs = a.rungs(j.vol, false, j.floor)
 		if a.notes.once(j.key, noteWhy, "") && r.why != "" {
 			logger.V(2).Info("Volume cannot be re-staged", "reason", r.why)
 		}
@@ -374,6 +379,10 @@ func (a *Agent) evictRung(ctx context.Context, j *job, r *resolved) outcome {
 // tier runs one node-side rung on the repairer.
 func (a *Agent) tier(ctx context.Context, rung remount.Tier, v *remount.Volume) remount.Outcome {
 	switch rung {
+	case remount.TierReattach:
+		if ra, ok := a.repairer.(reattacher); ok {
+			return ra.Reattach(ctx, v)
+		}
 	case remount.TierRestage:
 		return a.repairer.Restage(ctx, v)
 	case remount.TierLiveSwap:

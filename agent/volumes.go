@@ -8,6 +8,7 @@ import (
 	"github.com/mountmedic/mountmedic/probe"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
+	"github.com/mountmedic/mountmedic/remount"
 )
 
 // brokenVolume is one volume with broken kubelet mounts on this node: a CSI
@@ -306,7 +307,7 @@ func volumeDrivers(inv *probe.Inventory) []string {
 // catalogue that stages below kubelet's staging path.
 func notUnderstood(v *brokenVolume, repairUnknown bool) string {
 	if d, ok := kubelet.LookupDriver(v.driver); ok {
-		if d.Restage {
+		if d.Restage || d.Reattach && v.csi && remount.IsNBD(v.backend) {
 			return ""
 		}
 		return fmt.Sprintf("CSI driver %s (%s) is reported, not repaired: %s", v.driver, d.Project, d.Why)

@@ -37,13 +37,13 @@ import (
 // nbdMajor is the nbd driver's block major (include/uapi/linux/major.h).
 const nbdMajor = 43
 
-// ErrFilesystemFailed marks a volume whose NBD device answers again but
-// whose filesystem went to errors (shut down, or remounted read-only after
-// a journal abort): only a fresh mount of the kept device brings it back,
-// the re-stage and live swap tiers. Reattach has then unmounted the dead
-// staging mount below kubelet's staging path, so that the driver's
-// NodeStageVolume mounts the device again instead of answering OK on it.
-var ErrFilesystemFailed = errors.New("filesystem on the device failed: re-stage the kept device")
+// ErrFilesystemFailed marks a volume whose NBD device answers but whose
+// filesystem went to errors (shut down, or read-only after a journal
+// abort) and could not be mounted afresh on the kept device: something
+// still holds the failed superblock (a container's covered mount where the
+// kernel cannot mount beneath, open files). Restarting the pods' containers
+// releases it; the next run mounts the device afresh.
+var ErrFilesystemFailed = errors.New("filesystem on the device failed")
 
 // reattachWait bounds the wait for a re-attached device to answer.
 const reattachWait = 10 * time.Second
@@ -59,11 +59,11 @@ const reattachWait = 10 * time.Second
 // Then it checks the filesystem (mount table options, probe.WriteCheck):
 // Healed means the device answers, the filesystem takes writes and the
 // staging mount and publish targets answer a probe, each the same mount
-// as before. A filesystem gone to errors ends the tier with
-// ErrFilesystemFailed, after the dead staging mount below kubelet's
-// staging path is lazily unmounted (re-stage next). A driver that does not
-// answer, or whose re-attach runs out of time (its backend down), ends it
-// with ErrDriverUnavailable: wait, never escalate.
+// as before. A filesystem gone to errors is mounted afresh on the kept
+// device (freshFilesystem); when that cannot be done the tier ends with
+// ErrFilesystemFailed. A driver that does not answer, or whose re-attach
+// runs out of time (its backend down), ends it with ErrDriverUnavailable:
+// wait, never escalate.
 //
 // Nothing is ever re-attached, unmounted or read that is not the volume's
 // own: a device is only ever named by the driver (from its own record of
@@ -291,4 +291,10 @@ func (r *Repairer) bounded(ctx context.Context, fn func() error) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// IsNBD reports whether a backend is a filesystem on an nbd device
+// (block major 43), the volumes the re-attach tier repairs.
+func IsNBD(b *probe.Backend) bool {
+	return b != nil && b.Kind == probe.BackendBlock && b.Dev.Major == nbdMajor
 }

@@ -1,0 +1,67 @@
+package agent
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/remount"
+)
+
+// reattachingRepairer is a fakeRepairer with the re-attach tier.
+type reattachingRepairer struct{ fakeRepairer }
+
+func (r *reattachingRepairer) Reattach(context.Context, *remount.Volume) remount.Outcome {
+	return r.do(remount.TierReattach)
+}
+
+// TestNBDRungs: an NBD volume of a driver that re-attaches (ceph-csi,
+// Rook's name included) starts its ladder with the re-attach, and a
+// ceph-csi volume goes on to eviction only (a re-stage cannot reach its
+// staging mount); a loop-backed volume, a driver that does not re-attach,
+// a repairer without the tier, or the tier switched off leave the ladder
+// as it was.
+func TestNBDRungs(t *testing.T) {
+	nbd := &probe.Backend{Kind: probe.BackendBlock, Dev: probe.Dev{Major: 43, Minor: 3}, Device: "nbd3"}
+	loop := &probe.Backend{Kind: probe.BackendBlock, Dev: probe.Dev{Major: 7, Minor: 0}, Device: "loop0"}
+	all := []string{"restage", "liveswap", "restart", "evict"}
+	for name, tc := range map[string]struct {
+		driver   string
+		backend  *probe.Backend
+		plain    bool // a repairer without Reattach
+		tiers    remount.TierSet
+		want     []string
+		reported bool
+	}{
+		"ceph-csi rbd-nbd":          {driver: "rbd.csi.ceph.com", backend: nbd, want: []string{"reattach", "evict"}},
+		"rook's ceph-csi rbd-nbd":   {driver: "rook-ceph.rbd.csi.ceph.com", backend: nbd, want: []string{"reattach", "evict"}},
+		"ceph-csi krbd":             {driver: "rbd.csi.ceph.com", backend: loop, want: all, reported: true},
+		"a driver that re-stages":   {driver: "cephfs.csi.ceph.com", backend: nbd, want: all},
+		"repairer without the tier": {driver: "rbd.csi.ceph.com", backend: nbd, plain: true, want: []string{"evict"}},
+		"tier switched off": {driver: "rbd.csi.ceph.com", backend: nbd, want: []string{"evict"},
+			tiers: DefaultTiers.With(remount.TierReattach, false)},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := DefaultConfig()
+			if tc.tiers != 0 {
+				cfg.Tiers = tc.tiers
+			}
+			a := &Agent{cfg: cfg, repairer: &reattachingRepairer{}}
+			if tc.plain {
+				a.repairer = &fakeRepairer{}
+			}
+			v := &brokenVolume{csi: true, driver: tc.driver, backend: tc.backend}
+			var got []string
+			for _, r := range a.rungs(v, true, 0) {
+				got = append(got, r.String())
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("rungs = %v, want %v", got, tc.want)
+			}
+			if why := notUnderstood(v, false); (why != "") != tc.reported {
+				t.Errorf("notUnderstood = %q, want reported %v", why, tc.reported)
+			}
+		})
+	}
+}
