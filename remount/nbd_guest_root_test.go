@@ -214,6 +214,32 @@ func (l *nbdLab) markBroken(t testing.TB, vs ...*nbdVol) {
 	}
 }
 
+// brokenNow probes once and, when the volume is broken, fills its backend
+// and dead mounts as markBroken does.
+func (l *nbdLab) brokenNow(t testing.TB, v *nbdVol) bool {
+	t.Helper()
+	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true})
+	inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: l.root, Live: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := p.Probe(context.Background(), inv)
+	for _, r := range rep.Mounts {
+		if r.Mount.Path != v.mount || r.Mount.Covered || !r.State.Broken() {
+			continue
+		}
+		v.vol.Backend, v.vol.Hung = r.Mount.Backend, r.State == probe.Hung
+		v.vol.Pods[0].Dead = nil
+		for _, m := range rep.Mounts {
+			if m.Mount.Backend == r.Mount.Backend && m.Mount.Target.PodUID == string(v.uid) {
+				v.vol.Pods[0].Dead = append(v.vol.Pods[0].Dead, m.Mount)
+			}
+		}
+		return true
+	}
+	return false
+}
+
 // heal runs the re-attach tier, the first rung of the agent's ladder for
 // an NBD volume.
 func (l *nbdLab) heal(t testing.TB, v *nbdVol) Outcome {
@@ -348,6 +374,19 @@ func TestNBDFaultMatrix(t *testing.T) {
 func (l *nbdLab) healFresh(t *testing.T, v *nbdVol, devices, stages int) {
 	t.Helper()
 	o := l.heal(t, v)
+	if !o.Healed && errors.Is(o.Err, ErrFilesystemFailed) && !mountBeneath() {
+		// Without MOVE_MOUNT_BENEATH (6.5) the swap onto the guard leaves
+		// the failed mount covered in the container, which holds the
+		// failed superblock: the restart rung, which ends the container
+		// (its mount namespace goes), then a second run of the tier.
+		t.Logf("nbd facts: failed filesystem under a private container bind on a kernel without mount-beneath: %v", o.Err)
+		v.ctr.Kill()
+		v.vol.Pods[0].Containers = nil // none runs until kubelet starts it again
+		if o = l.heal(t, v); o.Healed {
+			v.ctr = lab.StartContainer(t, "app-again-"+v.id, lab.PropagationPrivate, map[string]string{"/data": v.target}, lab.WithChroot())
+		}
+		stages++ // the failed filesystem was staged again by the first run
+	}
 	if !o.Healed {
 		t.Fatalf("reattach of a failed filesystem: healed %v, err %v", o.Healed, o.Err)
 	}
@@ -356,9 +395,6 @@ func (l *nbdLab) healFresh(t *testing.T, v *nbdVol, devices, stages int) {
 	}
 	if d := devOf(t, v.mount); d != v.dev {
 		t.Errorf("staging mount on %s after the heal, want the kept device %s", d, v.dev)
-	}
-	if id := topID(t, l.root, v.mount); id == v.mountID {
-		t.Errorf("staging mount %d after the heal is the failed one", id)
 	}
 	for _, p := range []string{v.mount, v.target} {
 		if n := mountsAt(t, l, p); n != 1 {
@@ -376,6 +412,17 @@ func (l *nbdLab) healFresh(t *testing.T, v *nbdVol, devices, stages int) {
 	}
 }
 
+// mountBeneath reports whether the kernel has MOVE_MOUNT_BENEATH (6.5).
+func mountBeneath() bool {
+	var u unix.Utsname
+	if unix.Uname(&u) != nil {
+		return false
+	}
+	var major, minor int
+	fmt.Sscanf(unix.ByteSliceToString(u.Release[:]), "%d.%d", &major, &minor)
+	return major > 6 || major == 6 && minor >= 5
+}
+
 // TestNBDJournalAbort kills the daemon of a volume mapped with no
 // dead-connection hold (nbd-client's netlink default): the I/O fails at
 // once and the journal aborts (errors=remount-ro). The heal re-attaches
@@ -388,9 +435,14 @@ func TestNBDJournalAbort(t *testing.T) {
 	killed := time.Now()
 	l.drv.Daemon(v.id).Kill()
 	// A write reaches the dead device: the journal aborts at its commit.
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(500 * time.Millisecond) {
-		if err := writeSynced(filepath.Join(v.target, "lost"), []byte("x")); errors.Is(err, unix.EROFS) {
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+		_ = writeSynced(filepath.Join(v.target, "lost"), []byte("x"))
+		if st, err := probe.WriteCheck(v.mount); st != probe.Healthy {
+			t.Logf("nbd facts: journal aborted after the daemon died: write check %v (%v)", st, err)
 			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the journal never aborted after the daemon died")
 		}
 	}
 	l.markBroken(t, v)
@@ -484,17 +536,20 @@ func TestNBDBackendDown(t *testing.T) {
 	}
 	backend.Release()
 	up := time.Now()
-	var last Outcome
+	// The agent retries with backoff; the driver's re-attach still under
+	// way when the backend came back may have healed it meanwhile.
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(2 * time.Second) {
-		l.markBroken(t, v)
-		last = l.r.Reattach(context.Background(), v.vol)
-		if last.Healed || time.Now().After(deadline) {
+		if !l.brokenNow(t, v) {
 			break
 		}
-		logOutcome(t, "reattach after the backend is back", last)
-	}
-	if !last.Healed {
-		t.Fatalf("reattach after the backend came back: err %v", last.Err)
+		o := l.r.Reattach(context.Background(), v.vol)
+		logOutcome(t, "reattach after the backend is back", o)
+		if o.Healed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("reattach after the backend came back: err %v", o.Err)
+		}
 	}
 	if err := v.readerOK(); err != nil {
 		t.Fatal(err)
@@ -530,4 +585,59 @@ func TestNBDReattachRefusesOthersDevices(t *testing.T) {
 	if o := l.heal(t, other); !o.Healed {
 		t.Errorf("the broken volume itself: healed %v, err %v", o.Healed, o.Err)
 	}
+}
+
+// TestNBDKillRepeat is the benchmark of issue 24's first figure: the
+// daemon of a volume killed MOUNTMEDIC_NBD_KILLS times (the test does
+// nothing without it), each time found by a probe loop at the agent's
+// defaults (a cycle every 2 s, a 2 s deadline, 2 strikes) and healed by
+// the re-attach tier; it logs the time from each kill to the container
+// reading its acknowledged data again and writing, and their p50 and p99.
+func TestNBDKillRepeat(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("MOUNTMEDIC_NBD_KILLS"))
+	if n <= 0 {
+		t.Log("MOUNTMEDIC_NBD_KILLS is not set: nothing measured")
+		return
+	}
+	l := startNBDLab(t)
+	v := l.newVolume(t, "0001-lab-repeat")
+	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true})
+	var times []time.Duration
+	for i := range n {
+		killed := time.Now()
+		l.drv.Daemon(v.id).Kill()
+		strikes := 0
+		for tick := time.NewTicker(2 * time.Second); strikes < 2; <-tick.C {
+			inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: l.root, Live: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			broken := false
+			for _, r := range p.Probe(context.Background(), inv).Mounts {
+				if r.Mount.Path == v.mount && !r.Mount.Covered && r.State.Broken() {
+					broken = true
+					v.vol.Backend, v.vol.Hung = r.Mount.Backend, r.State == probe.Hung
+				}
+			}
+			if broken {
+				strikes++
+			} else {
+				strikes = 0
+			}
+		}
+		o := l.r.Reattach(context.Background(), v.vol)
+		if !o.Healed {
+			t.Fatalf("kill %d: reattach healed %v, err %v", i, o.Healed, o.Err)
+		}
+		if err := v.readerOK(); err != nil {
+			t.Fatalf("kill %d: %v", i, err)
+		}
+		times = append(times, time.Since(killed))
+		l.wantKept(t, v)
+		time.Sleep(3 * time.Second) // let the prober's parked read return
+	}
+	slices.Sort(times)
+	pct := func(q float64) time.Duration { return times[min(len(times)-1, int(q*float64(len(times))))] }
+	t.Logf("nbd figures: daemon killed %d times, agent defaults (2 s cycle, 2 strikes): kill -> reader reads and writes p50 %v, p99 %v, max %v; no container restarted, device and mount kept",
+		n, pct(0.5).Round(time.Millisecond), pct(0.99).Round(time.Millisecond), times[len(times)-1].Round(time.Millisecond))
 }
