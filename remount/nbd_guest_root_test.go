@@ -64,12 +64,17 @@ func startNBDLab(t testing.TB, opts ...csilab.NBDDriverOption) *nbdLab {
 	sock := filepath.Join(l.root, "plugins", csilab.NBDDriverName, "csi.sock")
 	l.drv = csilab.StartNBDDriver(t, sock, append([]csilab.NBDDriverOption{csilab.WithNBDOptions(nbdMapOptions)}, opts...)...)
 	var err error
-	if l.csi, err = DialCSI(context.Background(), sock, CSIOptions{}); err != nil {
+	// The lab's own stage and publish calls (not measured) format and map
+	// under emulation on a loaded machine: a long deadline.
+	if l.csi, err = DialCSI(context.Background(), sock, CSIOptions{StageTimeout: 3 * time.Minute, PublishTimeout: time.Minute}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { l.csi.Close() })
+	// The Repairer's stage deadline stays below the lab driver's 10 s
+	// connection timeout, so that a re-attach blocked on a backend that is
+	// down runs out of time as rbd-nbd attach does.
 	l.r, err = New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second},
-		CSI: CSIOptions{StageTimeout: 8 * time.Second}})
+		CSI: CSIOptions{StageTimeout: 8 * time.Second, PublishTimeout: time.Minute}})
 	if err != nil {
 		t.Fatal(err)
 	}
