@@ -484,13 +484,28 @@ func TestNBDPluginRestart(t *testing.T) {
 			}
 			if mode == "mountmedic" {
 				// As the agent does: every broken volume's repair at
-				// once, the Repairer bounding how many run.
+				// once, the Repairer bounding how many run (4), at the
+				// agent's stage deadline (30 s), a driver that runs out
+				// of time tried again after a second.
+				r, err := New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { r.Close() })
 				l.markBroken(t, vs...)
 				var wg sync.WaitGroup
 				for _, v := range vs {
 					wg.Go(func() {
-						if o := l.heal(t, v); !o.Healed {
-							t.Errorf("%s: reattach healed %v, err %v", v.id, o.Healed, o.Err)
+						for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(time.Second) {
+							o := r.Reattach(context.Background(), v.vol)
+							logOutcome(t, "reattach "+v.id, o)
+							if o.Healed {
+								return
+							}
+							if !errors.Is(o.Err, ErrDriverUnavailable) || time.Now().After(deadline) {
+								t.Errorf("%s: reattach healed %v, err %v", v.id, o.Healed, o.Err)
+								return
+							}
 						}
 					})
 				}
