@@ -43,7 +43,7 @@ import (
 // hold (--reattach-timeout) and an I/O timeout, past which the kernel
 // drops a daemon that does not answer (SIGSTOP) and holds its requests
 // for a re-attach.
-var nbdMapOptions = csilab.NBDOptions{IOTimeout: 4 * time.Second, DeadConnTimeout: 90 * time.Second}
+var nbdMapOptions = csilab.NBDOptions{IOTimeout: 15 * time.Second, DeadConnTimeout: 90 * time.Second}
 
 type nbdLab struct {
 	k    *lab.Kubelet
@@ -334,6 +334,9 @@ func TestNBDFaultMatrix(t *testing.T) {
 		if !v.vol.Hung {
 			t.Errorf("probe state of a stopped daemon: not Hung")
 		}
+		// Past the I/O timeout the kernel drops the silent connection and
+		// holds the requests for a re-attach.
+		time.Sleep(time.Until(stopped.Add(nbdMapOptions.IOTimeout + time.Second)))
 		o := l.heal(t, v)
 		if !o.Healed {
 			t.Fatalf("reattach: healed %v, err %v; want healed by the re-attach alone", o.Healed, o.Err)
