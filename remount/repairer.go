@@ -101,6 +101,7 @@ type Repairer struct {
 	prober  Prober
 	procs   procCache
 	tables  tableShare
+	lookup  lookups
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
@@ -617,11 +618,6 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		dead := deadDevs(v)
-		table, err := r.hostTable()
-		if err != nil {
-			o.Err = err
-			return
-		}
 		u := r.unmounter()
 		u.Users, u.Home = v.users(), v.daemonHome()
 		var paths []string
@@ -631,6 +627,11 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 					paths = append(paths, filepath.Clean(m.Path))
 				}
 			}
+		}
+		table, err := r.readStacks(paths)
+		if err != nil {
+			o.Err = err
+			return
 		}
 		// A mount on a device reported broken that answers now is not
 		// the broken one (Repairer.stillBroken): it is left alone. Only
@@ -671,7 +672,7 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 		if r.cfg.DryRun || o.Err != nil {
 			return
 		}
-		after, err := r.hostTable()
+		after, err := r.readStacks(paths)
 		if err != nil {
 			o.Err = err
 			return
