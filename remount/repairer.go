@@ -68,6 +68,14 @@ type Config struct {
 	// SIGTERM; defaultStopGrace when zero.
 	StopGrace time.Duration
 
+	// TransientRetries is how many times a tier runs again after a
+	// transient failure (Transient) before it gives up; 2 when zero, none
+	// when negative.
+	TransientRetries int
+	// TransientBackoff is the wait before the first run again, doubled for
+	// each next one; 250ms when zero.
+	TransientBackoff time.Duration
+
 	// Seams for tests; nil fields take the real thing.
 
 	// Sys are the operations that change mounts.
@@ -330,12 +338,26 @@ func (r *Repairer) run(ctx context.Context, tier Tier, v *Volume, body func(cont
 		logger = logger.WithValues("driver", v.Driver, "volumeHandle", v.VolumeHandle)
 	}
 	ctx = klog.NewContext(ctx, logger)
-	release, err := r.acquire(ctx)
-	defer release()
-	if err != nil {
-		o.Err = err
-	} else {
-		body(ctx, &o)
+	// A transient failure runs the body again (again: bounded, with
+	// backoff), outside the parallel slot; the actions of every attempt
+	// are kept, the error is the last one's.
+	var done []Action
+	for n := 0; ; n++ {
+		o = Outcome{Tier: tier}
+		release, err := r.acquire(ctx)
+		if err != nil {
+			o.Err = err
+		} else {
+			body(ctx, &o)
+		}
+		release()
+		retry := r.again(ctx, &o, n)
+		o.Actions = append(done, o.Actions...)
+		if !retry {
+			break
+		}
+		done = append(o.Actions, Action{Op: opRetry, Path: tier.String(),
+			Detail: fmt.Sprintf("transient failure (%v): run %d of at most %d", o.Err, n+2, r.retries()+1)})
 	}
 	if r.cfg.DryRun {
 		o.Healed = false
