@@ -68,6 +68,16 @@ type Config struct {
 	// SIGTERM; defaultStopGrace when zero.
 	StopGrace time.Duration
 
+	// Table is the process's reader of our mount table, shared with the
+	// agent's loop: repairs that read the whole table (kernels without
+	// statmount) take its reads. Used only when it reads our own mount
+	// namespace (<ProcDir>/self/mountinfo) under KubeletRoot; nil, or
+	// another table, gives the Repairer a reader of its own.
+	Table *probe.TableReader
+	// MaxTableSize caps the bytes of a mount table a repair reads (see
+	// probe.Options.MaxSize) when it has a reader of its own.
+	MaxTableSize int64
+
 	// TransientRetries is how many times a tier runs again after a
 	// transient failure (Transient) before it gives up; 2 when zero, none
 	// when negative.
@@ -108,7 +118,8 @@ type Repairer struct {
 	sem     chan struct{}
 	prober  Prober
 	procs   procCache
-	tables  tableShare
+	table   *probe.TableReader
+	built   builtTable
 	lookup  lookups
 
 	mu        sync.Mutex
@@ -169,10 +180,15 @@ func New(cfg Config) (*Repairer, error) {
 	if cfg.Prober == nil {
 		cfg.Prober = probe.NewProberWith(cfg.Probe, cfg.ProbeSys)
 	}
+	table := cfg.Table
+	if !ownTable(table, cfg.ProcDir, root) {
+		table = probe.NewTableReader(filepath.Join(cfg.ProcDir, "thread-self", "mountinfo"), probe.Options{Root: root, MaxSize: cfg.MaxTableSize})
+	}
 	return &Repairer{
 		cfg:       cfg,
 		root:      root,
 		procDir:   cfg.ProcDir,
+		table:     table,
 		sem:       make(chan struct{}, cfg.Parallel),
 		prober:    cfg.Prober,
 		endpoints: map[string]Endpoint{},
