@@ -105,8 +105,8 @@ type MountStat struct {
 	// Root is the mountinfo root, Point the mount point as our root sees
 	// it.
 	Root, Point string
-	// Source is the mount source (Linux 6.13 and later; see
-	// HasSource).
+	// Source is the mount source, on kernels whose statmount reports it
+	// (STATMOUNT_SB_SOURCE, added after 6.8; see HasSource).
 	Source string
 	// Attr holds MOUNT_ATTR_* flags.
 	Attr uint64

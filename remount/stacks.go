@@ -19,12 +19,12 @@ import (
 //
 // A repair looks only at its volume's own paths: the staging path, the
 // pods' publish targets and their subPath binds. On kernels with unique
-// mount IDs and statmount(2) that reports mount sources (Linux 6.13 and
-// later; probe.StackFD) it reads the stack of mounts at each path, which
+// mount IDs and a statmount(2) that reports mount sources
+// (STATMOUNT_SB_SOURCE, added after 6.8; probe.StackFD) it reads the stack of mounts at each path, which
 // costs the stack's depth and never the node's mount count, and names each
 // mount by an ID the kernel never reuses (probe.Mount.UniqueID), which the
 // destructive steps check again. On older kernels it reads the whole table
-// (hostTable, shared between the repairs that ask at once).
+// (hostTable: the agent's shared reader).
 
 // lookupMode is how a Repairer finds the mounts at a volume's paths.
 type lookupMode int
