@@ -3,9 +3,11 @@ package remount
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -147,4 +149,68 @@ func kernelRelease() string {
 		return "?"
 	}
 	return unix.ByteSliceToString(u.Release[:])
+}
+
+// BenchmarkRepairLookups: what one repair's look at its paths costs with
+// other mounts on the node: per path (statx + statmount at the staging
+// path, the publish target and a subPath bind) against a read of the
+// whole table.
+//
+//	go test -run '^$' -bench RepairLookups ./remount
+func BenchmarkRepairLookups(b *testing.B) {
+	lab.RequireRoot(b)
+	k := newKubelet(b)
+	root := k.Root()
+	const uid, vol = "cccccccc-2222-3333-4444-555555555555", "pv-bench"
+	src := filepath.Join(b.TempDir(), "src")
+	if err := os.MkdirAll(src, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	if err := unix.Mount("bench", src, "tmpfs", 0, "size=1m,nr_inodes=100k"); err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Unmount(src, unix.MNT_DETACH)
+	if err := os.MkdirAll(filepath.Join(src, "sub"), 0o755); err != nil {
+		b.Fatal(err)
+	}
+	staging := k.StagingPath("drv", "h")
+	if err := unix.Mount(src, staging, "", unix.MS_BIND, ""); err != nil {
+		b.Fatal(err)
+	}
+	target := k.Publish(uid, vol, "drv", "h", staging, false)
+	sp := k.SubPath(uid, vol, "app", 0, filepath.Join(src, "sub"))
+	others := filepath.Join(root, "others")
+	made := 0
+	for _, n := range []int{0, 1000, 10000} {
+		for ; made < n; made++ {
+			dir := filepath.Join(others, strconv.Itoa(made))
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				b.Fatal(err)
+			}
+			if err := unix.Mount(src, dir, "", unix.MS_BIND, ""); err != nil {
+				b.Fatal(err)
+			}
+		}
+		for _, mode := range []lookupMode{lookupPerPath, lookupTable} {
+			name := map[lookupMode]string{lookupPerPath: "per-path", lookupTable: "table"}[mode]
+			b.Run(fmt.Sprintf("mounts=%d/%s", n, name), func(b *testing.B) {
+				r, err := New(Config{KubeletRoot: root})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer r.Close()
+				if mode == lookupPerPath && r.lookup.get(r.procDir) != lookupPerPath {
+					b.Skipf("kernel %s: no per-path lookups", kernelRelease())
+				}
+				r.lookup.mode = mode
+				paths := []string{staging, target, sp}
+				for b.Loop() {
+					tab, err := r.readStacks(paths)
+					if err != nil || tab.top(target) == nil {
+						b.Fatalf("readStacks = %v, %v", tab, err)
+					}
+				}
+			})
+		}
+	}
 }
