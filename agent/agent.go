@@ -43,6 +43,10 @@ type Deps struct {
 	// with it too (remount.Config.Prober), and asks it whether the probe
 	// that found a volume Hung is still blocked.
 	Prober *probe.Prober
+	// Table reads the mount table (cfg.HostTable) for the loop, shared with
+	// the Repairer's reads of the whole table; nil makes one from the
+	// configuration.
+	Table *probe.TableReader
 	// Events records events; nil starts an events.k8s.io broadcaster on
 	// Client.
 	Events eventRecorder
@@ -68,9 +72,12 @@ type Agent struct {
 	client   kubernetes.Interface
 	repairer repairer
 	prober   *probe.Prober
-	kube     *kube
-	caps     *capsCache
-	metrics  *metrics
+	// table is the one reader of the mount table: the loop's reads, the
+	// Repairer's whole-table reads and (through current) the stall watch.
+	table   *probe.TableReader
+	kube    *kube
+	caps    *capsCache
+	metrics *metrics
 	// condition writes the node condition; nil with --node-condition=false.
 	condition *conditionWriter
 	report    reporter
@@ -143,7 +150,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if deps.Prober == nil {
 		deps.Prober = NewProber(cfg)
 	}
+	if deps.Table == nil {
+		deps.Table = NewTableReader(cfg)
+	}
 	a := &Agent{
+		table:    deps.Table,
 		cfg:      cfg,
 		repairer: deps.Repairer,
 		client:   deps.Client,

@@ -142,7 +142,12 @@ func (e *env) withRepairer(cfg agent.Config, rc remount.Config, deps agent.Deps)
 	if deps.Prober == nil {
 		deps.Prober = agent.NewProber(cfg)
 	}
-	rc.KubeletRoot, rc.Prober = e.kubelet.Root(), deps.Prober
+	if deps.Table == nil {
+		// One reader of the mount table for the loop and the repairs, as
+		// the command wires them.
+		deps.Table = agent.NewTableReader(cfg)
+	}
+	rc.KubeletRoot, rc.Prober, rc.Table = e.kubelet.Root(), deps.Prober, deps.Table
 	rep, err := remount.New(rc)
 	if err != nil {
 		e.t.Fatal(err)

@@ -42,6 +42,9 @@ type Config struct {
 	// agent shares the host's mount namespace through a Bidirectional mount
 	// of the kubelet root, /proc/1/mountinfo with hostPID.
 	HostTable string
+	// MaxTableSize caps the bytes of the mount table read (--max-table-size,
+	// probe.Options.MaxSize); probe.DefaultMaxTableSize when 0.
+	MaxTableSize int64
 
 	ProbeInterval time.Duration
 	ProbeTimeout  time.Duration
@@ -129,6 +132,7 @@ func DefaultConfig() Config {
 		NodeKubeconfig:       DefaultNodeKubeconfig,
 		KubeletRoot:          probe.DefaultKubeletRoot,
 		HostTable:            "/proc/self/mountinfo",
+		MaxTableSize:         probe.DefaultMaxTableSize,
 		ProbeInterval:        2 * time.Second,
 		ProbeTimeout:         2 * time.Second,
 		ProbeParallel:        4,
@@ -174,6 +178,9 @@ func (c Config) Validate() error {
 	}
 	if !filepath.IsAbs(c.HostTable) {
 		bad("--host-table %q: give an absolute path such as /proc/self/mountinfo or /proc/1/mountinfo", c.HostTable)
+	}
+	if c.MaxTableSize < 0 {
+		bad("--max-table-size %d: give a positive size such as 32Mi", c.MaxTableSize)
 	}
 	positive := func(flag string, d time.Duration) {
 		if d <= 0 {

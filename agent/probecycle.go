@@ -39,7 +39,7 @@ func (a *Agent) readTable(ctx context.Context, inv *probe.Inventory, dirty *bool
 		*dirty = true
 	}
 	if *dirty || inv == nil {
-		fresh, err := probe.ReadFile(a.cfg.HostTable, probe.Options{Root: a.cfg.KubeletRoot, Live: true})
+		fresh, err := a.table.Read(ctx)
 		if err != nil {
 			logger.Error(err, "Reading the mount table failed")
 			if inv == nil {
@@ -142,4 +142,10 @@ func (a *Agent) watchStalls(ctx context.Context) {
 			}
 		})
 	}()
+}
+
+// NewTableReader is the reader of cfg's mount table that the loop, the
+// Repairer (remount.Config.Table) and the stall watch share.
+func NewTableReader(cfg Config) *probe.TableReader {
+	return probe.NewTableReader(cfg.HostTable, probe.Options{Root: cfg.KubeletRoot, Live: true, MaxSize: cfg.MaxTableSize})
 }

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"sort"
 	"strconv"
 	"strings"
@@ -346,6 +347,37 @@ type scaleResult struct {
 	pvGets int
 	// remounted lists the paths the driver mounted more than once.
 	remounted []string
+	// cpu is the test process's CPU time (user + system) from the fault
+	// to the heal: the agent's loop and repairs, and the lab driver's
+	// mounts and the test's own checks, which run in the process too.
+	cpu time.Duration
+}
+
+// processCPU is the test process's CPU time so far.
+func processCPU(t testing.TB) time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		t.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// profileFault writes a CPU profile of the fault window to
+// $MOUNTMEDIC_SCALE_CPUPROFILE when set, to see where the repairs' CPU
+// goes (go tool pprof -top -focus Restage); the returned func stops it.
+func profileFault(t testing.TB) func() {
+	path := os.Getenv("MOUNTMEDIC_SCALE_CPUPROFILE")
+	if path == "" {
+		return func() {}
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		t.Fatal(err)
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }
 }
 
 // runScale breaks the node (dead or hung daemon), runs the agent (the
@@ -400,6 +432,8 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	} else {
 		s.daemon.Kill()
 	}
+	stopProfile := profileFault(t)
+	cpu0 := processCPU(t)
 	start := time.Now()
 	deadline := start.Add(15 * time.Minute)
 	for {
@@ -414,6 +448,8 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 		time.Sleep(50 * time.Millisecond)
 	}
 	res.took = time.Since(start)
+	res.cpu = processCPU(t) - cpu0
+	stopProfile()
 	time.Sleep(eventSummaryWait) // the agent's summary of held events
 	// Every path the driver mounted more than once: a volume staged or
 	// published again after its repair (by then it was healthy).
@@ -440,8 +476,8 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 			res.podGets += v
 		}
 	}
-	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d; %d pod GETs, %d pod LISTs, %d PV GETs after the fault",
-		n, shared, hang, defaults, res.took.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak, res.podGets, res.podLists, res.pvGets)
+	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault, %.2fs of the process's CPU; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d; %d pod GETs, %d pod LISTs, %d PV GETs after the fault",
+		n, shared, hang, defaults, res.took.Seconds(), res.cpu.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak, res.podGets, res.podLists, res.pvGets)
 	return s, a, res
 }
 
@@ -530,6 +566,7 @@ func BenchmarkScale(b *testing.B) {
 				checkScale(b, n, c.hang, s, a, res)
 			}
 			b.ReportMetric(res.took.Seconds(), "healed-s")
+			b.ReportMetric(res.cpu.Seconds(), "cpu-s")
 			b.ReportMetric(float64(res.eventWrites), "event-writes")
 			b.ReportMetric(float64(res.threadsPeak-res.threadsBefore), "agent-threads-peak")
 		})

@@ -61,15 +61,19 @@ type Mount struct {
 	// mount, so that writes there fail instead of landing on the node's
 	// disk. Its volume is still Missing.
 	Guard bool `json:"guard,omitempty"`
+	// UniqueID is the mount's ID that the kernel never reuses (Linux 6.8
+	// and later, from statx or statmount); 0 when not known. A mount table
+	// read does not give it.
+	UniqueID uint64 `json:"uniqueID,omitempty"`
 }
 
 // GuardSource is the mount source of mountmedic's guard (a tmpfs), by
 // which the probe knows it.
 const GuardSource = "mountmedic-guard"
 
-// isGuard reports whether a mount is mountmedic's guard over a publish
+// IsGuard reports whether a mount is mountmedic's guard over a publish
 // target or a staging path.
-func isGuard(fsType, source string, t kubelet.Target) bool {
+func IsGuard(fsType, source string, t kubelet.Target) bool {
 	return fsType == "tmpfs" && source == GuardSource && (t.Kind == kubelet.KindPublish || t.Kind == kubelet.KindStaging)
 }
 
@@ -376,7 +380,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 			Root: in.Root, Path: in.Mountpoint, Options: in.Options, Optional: in.Optional,
 			FSType: in.FSType, Source: in.Source, SuperOptions: in.VFSOptions,
 			Target: t, Covered: covered[in.ID],
-			Guard: isGuard(in.FSType, in.Source, t),
+			Guard: IsGuard(in.FSType, in.Source, t),
 		}
 		inv.Mounts = append(inv.Mounts, m)
 	}

@@ -41,11 +41,19 @@ func UniqueMountID(fd int) (uint64, error) {
 
 // statmount request bits (include/uapi/linux/mount.h).
 const (
-	statmountSBBasic  = 0x1
-	statmountMntBasic = 0x2
-	statmountMntRoot  = 0x8
-	statmountMntPoint = 0x10
-	statmountFSType   = 0x20
+	statmountSBBasic   = 0x1
+	statmountMntBasic  = 0x2
+	statmountMntRoot   = 0x8
+	statmountMntPoint  = 0x10
+	statmountFSType    = 0x20
+	statmountFSSubtype = 0x100
+	statmountSBSource  = 0x200
+
+	// statmountAsked are the fields asked for; statmountNeeded those every
+	// answer must have (Linux 6.8): the kernel leaves a string field out
+	// of the mask when it is empty, or when it does not know the field.
+	statmountAsked  = statmountSBBasic | statmountMntBasic | statmountMntRoot | statmountMntPoint | statmountFSType | statmountFSSubtype | statmountSBSource
+	statmountNeeded = statmountSBBasic | statmountMntBasic
 )
 
 // lsmtRoot asks listmount for the root mount of our namespace.
@@ -79,7 +87,10 @@ type statmountFixed struct {
 	propagateFrom  uint64
 	mntRoot        uint32
 	mntPoint       uint32
-	spare2         [50]uint64
+	mntNsID        uint64
+	fsSubtype      uint32
+	sbSource       uint32
+	spare2         [48]uint64
 }
 
 // MountStat is what statmount(2) says of one mount.
@@ -94,15 +105,20 @@ type MountStat struct {
 	// Root is the mountinfo root, Point the mount point as our root sees
 	// it.
 	Root, Point string
+	// Source is the mount source, on kernels whose statmount reports it
+	// (STATMOUNT_SB_SOURCE, added after 6.8; see HasSource).
+	Source string
 	// Attr holds MOUNT_ATTR_* flags.
 	Attr uint64
+	// HasSource says the kernel filled Source.
+	HasSource bool
 }
 
 // Statmount describes the mount with unique ID id in our mount namespace.
 // unix.ENOENT: no such mount (any more).
 func Statmount(id uint64) (*MountStat, error) {
 	req := mntIDReq{size: uint32(unsafe.Sizeof(mntIDReq{})), mntID: id,
-		param: statmountSBBasic | statmountMntBasic | statmountMntRoot | statmountMntPoint | statmountFSType}
+		param: statmountAsked}
 	buf := make([]byte, 4096)
 	for {
 		_, _, errno := unix.Syscall6(unix.SYS_STATMOUNT, uintptr(unsafe.Pointer(&req)),
@@ -123,6 +139,9 @@ func Statmount(id uint64) (*MountStat, error) {
 	if size > len(buf) || size < int(unsafe.Sizeof(statmountFixed{})) {
 		return nil, fmt.Errorf("statmount %d: size %d out of the buffer", id, size)
 	}
+	if fixed.mask&statmountNeeded != statmountNeeded {
+		return nil, fmt.Errorf("statmount %d: fields %#x left out (mask %#x): %w", id, statmountNeeded&^fixed.mask, fixed.mask, ErrNoUniqueMountID)
+	}
 	strs := buf[unsafe.Sizeof(statmountFixed{}):size]
 	str := func(off uint32) string {
 		if int(off) >= len(strs) {
@@ -136,13 +155,23 @@ func Statmount(id uint64) (*MountStat, error) {
 		}
 		return string(s)
 	}
-	return &MountStat{
+	ms := &MountStat{
 		ID: fixed.mntID, ParentID: fixed.mntParentID,
 		OldID: int(fixed.mntIDOld), OldParentID: int(fixed.mntParentIDOld),
 		Dev:    Dev{Major: fixed.sbDevMajor, Minor: fixed.sbDevMinor},
 		FSType: str(fixed.fsType), Root: str(fixed.mntRoot), Point: str(fixed.mntPoint),
 		Attr: fixed.mntAttr,
-	}, nil
+	}
+	// mountinfo names a FUSE filesystem type.subtype (fuse.sshfs).
+	if fixed.mask&statmountFSSubtype != 0 {
+		if sub := str(fixed.fsSubtype); sub != "" {
+			ms.FSType += "." + sub
+		}
+	}
+	if fixed.mask&statmountSBSource != 0 {
+		ms.Source, ms.HasSource = str(fixed.sbSource), true
+	}
+	return ms, nil
 }
 
 // Listmount lists the unique IDs of the mounts right below parent
@@ -176,8 +205,16 @@ func StackAt(path string) ([]*MountStat, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
+	defer unix.Close(fd)
+	return StackFD(fd, path)
+}
+
+// StackFD is StackAt for a descriptor the caller opened at path (O_PATH is
+// enough): path is the mount point as our root sees it, which the mounts
+// of the stack must show.
+func StackFD(fd int, path string) ([]*MountStat, error) {
+	path = filepath.Clean(path)
 	id, err := UniqueMountID(fd)
-	unix.Close(fd)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}

@@ -61,6 +61,9 @@ func TestStackAtUniqueIDs(t *testing.T) {
 		if m.Point != dir || m.FSType != "tmpfs" || m.Root != "/" || m.Dev != stack[0].Dev {
 			t.Errorf("StackAt(%s): %+v, want a tmpfs at the path, root /, one device", dir, m)
 		}
+		if m.HasSource && m.Source != "idtest" {
+			t.Errorf("StackAt(%s): source %q, want idtest", dir, m.Source)
+		}
 	}
 	if len(got) != 3 || !slices.Equal(got, want) {
 		t.Errorf("StackAt(%s) = mountinfo IDs %v, want %v (three, bottom first)", dir, got, want)
@@ -83,7 +86,7 @@ func TestStackAtUniqueIDs(t *testing.T) {
 		t.Fatalf("StackAt after a new top = %v, %v", again, err)
 	}
 	newTop := again[2]
-	t.Logf("top: unique %d (mountinfo %d), after unmount and bind again: unique %d (mountinfo %d)", top.ID, top.OldID, newTop.ID, newTop.OldID)
+	t.Logf("top: unique %d (mountinfo %d, source %q %t), after unmount and bind again: unique %d (mountinfo %d)", top.ID, top.OldID, top.Source, top.HasSource, newTop.ID, newTop.OldID)
 	if newTop.ID == top.ID {
 		t.Errorf("a new mount got the freed mount's unique ID %d", top.ID)
 	}

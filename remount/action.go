@@ -50,6 +50,8 @@ const (
 	opBind Op = "bind"
 	// opSkip is a volume or pod a tier leaves alone, and why.
 	opSkip Op = "skip"
+	// opRetry is a tier run again after a transient failure (Transient).
+	opRetry Op = "retry"
 )
 
 // Action is one step a repair took, or would take in dry-run.

@@ -425,7 +425,8 @@ func TestRealDriver(t *testing.T) {
 		name string
 		fn   func(*testing.T, *driverLab)
 	}{
-		{"repairs", testRepairs},
+		{"repairs", func(t *testing.T, d *driverLab) { testRepairs(t, d, "vol1", lookupUnknown) }},
+		{"repairs reading the whole table", func(t *testing.T, d *driverLab) { testRepairs(t, d, "vol1t", lookupTable) }},
 		{"restart tier", testRestartTier},
 		{"live swap through the CRI", testLiveSwapThroughCRI},
 		{"guard", testGuardOnRealDriver},
@@ -441,10 +442,13 @@ func TestRealDriver(t *testing.T) {
 
 // testRepairs: one volume in two pods (twoPods) repaired in place after the
 // driver died, again, while the driver is down, dry, hung and with a planted
-// symlink.
-func testRepairs(t *testing.T, d *driverLab) {
-	const prefix = "vol1"
+// symlink; with the lookups the kernel allows (lookupUnknown), or forced.
+func testRepairs(t *testing.T, d *driverLab, prefix string, mode lookupMode) {
 	r := d.repairer(t, Config{})
+	if mode != lookupUnknown {
+		r.lookup.mode = mode
+	}
+	t.Logf("lookups: %d (1 per path, 2 the whole table)", r.lookup.get(r.procDir))
 	rv := d.newVolume(t, prefix, twoPods()...)
 	views := rv.views(prefix)
 	wantViews(t, views)
@@ -618,6 +622,7 @@ func testRepairs(t *testing.T, d *driverLab) {
 		d.markDead(t, rv)
 		d.restartDriver(t)
 		dry := d.repairer(t, Config{DryRun: true})
+		dry.lookup.mode = r.lookup.get(r.procDir)
 		before := mountTables(t, append([]int{os.Getpid()}, rv.pids()...)...)
 		for _, tier := range []func(context.Context, *Volume) Outcome{dry.Restage, dry.LiveSwap} {
 			o := tier(ctx, rv.vol)

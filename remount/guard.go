@@ -154,13 +154,19 @@ func (g *Guarder) attach(target string, a *Action) (landed bool, err error) {
 }
 
 // guardParent reads the attached guard's mount ID (statx of its root
-// descriptor) and its parent's (our mount table's line for it).
+// descriptor) and its parent's: statmount of the guard's unique ID, or our
+// mount table's line for it on kernels before 6.8.
 func (g *Guarder) guardParent(mfd int) (id, parent int, err error) {
 	var stx unix.Statx_t
 	if err := unix.Statx(mfd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_MNT_ID, &stx); err != nil {
 		return 0, 0, fmt.Errorf("mount ID of the guard: %w", err)
 	}
 	id = int(stx.Mnt_id)
+	if uid, err := probe.UniqueMountID(mfd); err == nil {
+		if s, err := probe.Statmount(uid); err == nil && s.OldID == id {
+			return id, s.OldParentID, nil
+		}
+	}
 	parent, err = mountParent(g.procDir(), id)
 	return id, parent, err
 }

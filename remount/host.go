@@ -162,10 +162,6 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 		h.staging = filepath.Clean(v.Stage.StagingPath)
 	}
 	h.dead = deadDevs(v)
-	var err error
-	if h.table, err = r.hostTable(); err != nil {
-		return h, err
-	}
 
 	// Every path is checked before anything is changed.
 	if h.staging != "" {
@@ -187,6 +183,10 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 			h.add(Action{Op: opSkip, Path: pv.Publish.TargetPath, Detail: "pod left alone", Err: p.refused})
 			h.logger.Error(p.refused, "Pod left alone", "podUID", p.uid)
 		}
+	}
+	var err error
+	if h.table, err = r.readStacks(h.ownPaths()); err != nil {
+		return h, err
 	}
 
 	h.confirmDead(ctx)
@@ -291,6 +291,33 @@ func (r *Repairer) repairHost(ctx context.Context, v *Volume) (*hostRun, error) 
 		}
 	}
 	return h, nil
+}
+
+// ownPaths are the volume's own paths, where a repair looks for mounts:
+// the staging path, and each pod's publish target, its subPath binds and
+// the paths of its dead mounts that the caller named.
+func (h *hostRun) ownPaths() []string {
+	var out []string
+	if h.staging != "" {
+		out = append(out, h.staging)
+	}
+	for _, p := range h.pods {
+		if p.refused != nil {
+			continue
+		}
+		out = append(out, p.target)
+		binds, err := h.r.subPathBinds(p.target)
+		if err != nil {
+			h.logger.V(2).Info("Listing the subPath binds failed", "podUID", p.uid, "err", err)
+		}
+		out = append(out, binds...)
+		for _, m := range p.pv.Dead {
+			if m != nil && m.Path != "" {
+				out = append(out, m.Path)
+			}
+		}
+	}
+	return out
 }
 
 // confirmDead probes again, before anything is changed, one mount of each
@@ -550,7 +577,7 @@ func (t *hostTable) unmountDead(ctx context.Context, u *Unmounter, path string, 
 			out = append(out, Action{Op: opUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
 			continue
 		}
-		acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID}})
+		acts, err := u.UnmountMounts(ctx, []*probe.Mount{{Path: path, ID: m.ID, UniqueID: m.UniqueID}})
 		out = append(out, acts...)
 		if err != nil {
 			return out, err
@@ -635,8 +662,9 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 		return fail(opOverMount, p.target, err)
 	}
 	topID := cur.MountID
+	changed := cur.isMount(p.keep)
 	cur.Close()
-	if topID != p.keep.ID {
+	if changed != nil {
 		h.add(Action{Op: opOverMount, Path: p.target, Detail: fmt.Sprintf("mount %d is on top now, not dead mount %d: received by propagation, nothing to publish", topID, p.keep.ID)})
 		return nil
 	}
@@ -681,7 +709,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 	}
 	h.add(a)
 	om := &overMounter{Root: h.r.root, Sys: h.r.cfg.Sys}
-	acts, err := om.OverMount(ctx, temp, &probe.Mount{Path: p.target, ID: p.keep.ID})
+	acts, err := om.OverMount(ctx, temp, &probe.Mount{Path: p.target, ID: p.keep.ID, UniqueID: p.keep.UniqueID})
 	h.add(acts...)
 	cleanup()
 	if err != nil {

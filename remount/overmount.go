@@ -50,7 +50,8 @@ type overMounter struct {
 // OverMount binds the mount at source (a freshly staged or published mount
 // below the kubelet root) recursively on top of dead, which must still be on
 // top at its path: with dead.ID set, the mount on top there must have that
-// ID, or the action fails with ErrMountChanged. Both paths must pass
+// ID (and dead.UniqueID, when set), or the action fails with
+// ErrMountChanged. Both paths must pass
 // openSafe.
 func (o *overMounter) OverMount(ctx context.Context, source string, dead *probe.Mount) ([]Action, error) {
 	root := o.Root
@@ -85,8 +86,8 @@ func (o *overMounter) OverMount(ctx context.Context, source string, dead *probe.
 	switch {
 	case !dst.IsMountPoint():
 		return fail(fmt.Errorf("nothing is mounted at %s: %w", dead.Path, ErrMountChanged))
-	case dead.ID != 0 && dst.MountID != dead.ID:
-		return fail(fmt.Errorf("mount %d is on top at %s, not mount %d: %w", dst.MountID, dead.Path, dead.ID, ErrMountChanged))
+	case dead.ID != 0 && dst.isMount(dead) != nil:
+		return fail(dst.isMount(dead))
 	case src.MountID == dst.MountID:
 		return fail(fmt.Errorf("source and target are the same mount %d", src.MountID))
 	}

@@ -280,11 +280,24 @@ func kubeletPodCgroup(segs []string, i int) bool {
 
 // aboveKubepodsClean reports whether the segments above kubelet's kubepods
 // cgroup hold no unit systemd delegates (a service, a scope) nor
-// user.slice: a subtree someone may write to.
+// user.slice: a subtree someone may write to. One scope is let through: a
+// container runtime's scope right below system.slice or machine.slice
+// (docker-<id>.scope, libpod-<id>.scope), where a node that runs in a
+// container (kind, k3d, minikube's docker driver, with the host's cgroup
+// namespace) has its kubelet; only root's systemd makes units there, and
+// a user's scopes sit below user.slice.
 func aboveKubepodsClean(segs []string) bool {
-	for _, s := range segs {
-		if s == "user.slice" || strings.HasSuffix(s, ".service") || strings.HasSuffix(s, ".scope") {
+	if len(segs) > 0 && segs[0] == "" { // the path's leading slash
+		segs = segs[1:]
+	}
+	for i, s := range segs {
+		switch {
+		case s == "user.slice" || strings.HasSuffix(s, ".service"):
 			return false
+		case strings.HasSuffix(s, ".scope"):
+			if i != 1 || (segs[0] != "system.slice" && segs[0] != "machine.slice") {
+				return false
+			}
 		}
 	}
 	return true

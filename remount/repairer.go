@@ -68,6 +68,24 @@ type Config struct {
 	// SIGTERM; defaultStopGrace when zero.
 	StopGrace time.Duration
 
+	// Table is the process's reader of our mount table, shared with the
+	// agent's loop: repairs that read the whole table (kernels without
+	// statmount) take its reads. Used only when it reads our own mount
+	// namespace (<ProcDir>/self/mountinfo) under KubeletRoot; nil, or
+	// another table, gives the Repairer a reader of its own.
+	Table *probe.TableReader
+	// MaxTableSize caps the bytes of a mount table a repair reads (see
+	// probe.Options.MaxSize) when it has a reader of its own.
+	MaxTableSize int64
+
+	// TransientRetries is how many times a tier runs again after a
+	// transient failure (Transient) before it gives up; 2 when zero, none
+	// when negative.
+	TransientRetries int
+	// TransientBackoff is the wait before the first run again, doubled for
+	// each next one; 250ms when zero.
+	TransientBackoff time.Duration
+
 	// Seams for tests; nil fields take the real thing.
 
 	// Sys are the operations that change mounts.
@@ -100,7 +118,9 @@ type Repairer struct {
 	sem     chan struct{}
 	prober  Prober
 	procs   procCache
-	tables  tableShare
+	table   *probe.TableReader
+	built   builtTable
+	lookup  lookups
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
@@ -160,10 +180,15 @@ func New(cfg Config) (*Repairer, error) {
 	if cfg.Prober == nil {
 		cfg.Prober = probe.NewProberWith(cfg.Probe, cfg.ProbeSys)
 	}
+	table := cfg.Table
+	if !ownTable(table, cfg.ProcDir, root) {
+		table = probe.NewTableReader(filepath.Join(cfg.ProcDir, "thread-self", "mountinfo"), probe.Options{Root: root, MaxSize: cfg.MaxTableSize})
+	}
 	return &Repairer{
 		cfg:       cfg,
 		root:      root,
 		procDir:   cfg.ProcDir,
+		table:     table,
 		sem:       make(chan struct{}, cfg.Parallel),
 		prober:    cfg.Prober,
 		endpoints: map[string]Endpoint{},
@@ -329,12 +354,26 @@ func (r *Repairer) run(ctx context.Context, tier Tier, v *Volume, body func(cont
 		logger = logger.WithValues("driver", v.Driver, "volumeHandle", v.VolumeHandle)
 	}
 	ctx = klog.NewContext(ctx, logger)
-	release, err := r.acquire(ctx)
-	defer release()
-	if err != nil {
-		o.Err = err
-	} else {
-		body(ctx, &o)
+	// A transient failure runs the body again (again: bounded, with
+	// backoff), outside the parallel slot; the actions of every attempt
+	// are kept, the error is the last one's.
+	var done []Action
+	for n := 0; ; n++ {
+		o = Outcome{Tier: tier}
+		release, err := r.acquire(ctx)
+		if err != nil {
+			o.Err = err
+		} else {
+			body(ctx, &o)
+		}
+		release()
+		retry := r.again(ctx, &o, n)
+		o.Actions = append(done, o.Actions...)
+		if !retry {
+			break
+		}
+		done = append(o.Actions, Action{Op: opRetry, Path: tier.String(),
+			Detail: fmt.Sprintf("transient failure (%v): run %d of at most %d", o.Err, n+2, r.retries()+1)})
 	}
 	if r.cfg.DryRun {
 		o.Healed = false
@@ -617,11 +656,6 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		dead := deadDevs(v)
-		table, err := r.hostTable()
-		if err != nil {
-			o.Err = err
-			return
-		}
 		u := r.unmounter()
 		u.Users, u.Home = v.users(), v.daemonHome()
 		var paths []string
@@ -631,6 +665,11 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 					paths = append(paths, filepath.Clean(m.Path))
 				}
 			}
+		}
+		table, err := r.readStacks(paths)
+		if err != nil {
+			o.Err = err
+			return
 		}
 		// A mount on a device reported broken that answers now is not
 		// the broken one (Repairer.stillBroken): it is left alone. Only
@@ -671,7 +710,7 @@ func (r *Repairer) Unmount(ctx context.Context, v *Volume) Outcome {
 		if r.cfg.DryRun || o.Err != nil {
 			return
 		}
-		after, err := r.hostTable()
+		after, err := r.readStacks(paths)
 		if err != nil {
 			o.Err = err
 			return

@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
@@ -175,6 +176,27 @@ func (p *safePath) FDPath() string { return "/proc/self/fd/" + strconv.Itoa(p.fd
 
 // FD is the O_PATH descriptor of Path, valid until Close.
 func (p *safePath) FD() int { return p.fd }
+
+// isMount checks that the mount on top at Path is m: its mount ID and,
+// when m names one, its unique ID, which the kernel never hands to another
+// mount (a mount made after m was freed can show m's mount ID and device
+// number). It asks nothing of the mounted filesystem.
+func (p *safePath) isMount(m *probe.Mount) error {
+	if p.MountID != m.ID {
+		return fmt.Errorf("mount %d is on top at %s, not mount %d: %w", p.MountID, p.Path, m.ID, ErrMountChanged)
+	}
+	if m.UniqueID == 0 {
+		return nil
+	}
+	id, err := probe.UniqueMountID(p.fd)
+	if err != nil {
+		return fmt.Errorf("unique ID of the mount at %s: %w", p.Path, err)
+	}
+	if id != m.UniqueID {
+		return fmt.Errorf("the mount on top at %s is a new mount %d with unique ID %d, not unique ID %d: %w", p.Path, p.MountID, id, m.UniqueID, ErrMountChanged)
+	}
+	return nil
+}
 
 // Close releases the descriptors.
 func (p *safePath) Close() error {

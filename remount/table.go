@@ -1,6 +1,7 @@
 package remount
 
 import (
+	"context"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -27,61 +28,46 @@ func readHostTable(procDir, root string) (*hostTable, error) {
 	return buildHostTable(inv), nil
 }
 
-// tableShare shares reads of the host table between the repairs that ask
-// at once: on a node repairing a thousand volumes, each re-stage read the
-// whole table (O(volumes x mounts) CPU). A caller never gets a read that
-// began before it asked (it may have just changed a mount and must see
-// it): while a read runs, askers queue for the next one, which starts when
-// the running one ends and serves them all. A burst of asks costs at most
-// two reads in a row, however many repairs ask.
-type tableShare struct {
-	mu      sync.Mutex
-	running *tableRead // the read under way, if any
-	next    *tableRead // the read to start once running ends; joinable
+// ownTable reports whether the shared reader t reads our own mount
+// namespace's table, classified under root: only then are its mount IDs
+// the ones our unmounts check.
+func ownTable(t *probe.TableReader, procDir, root string) bool {
+	if t == nil || filepath.Clean(t.Root()) != filepath.Clean(root) {
+		return false
+	}
+	switch filepath.Clean(t.Path()) {
+	case filepath.Join(procDir, "self", "mountinfo"), filepath.Join(procDir, "thread-self", "mountinfo"):
+		return true
+	}
+	return false
 }
 
-type tableRead struct {
-	done  chan struct{}
-	table *hostTable
-	err   error
+// builtTable is the hostTable of the newest table read, built once for
+// every repair that shares the read.
+type builtTable struct {
+	mu  sync.Mutex
+	inv *probe.Inventory
+	t   *hostTable
 }
 
-// read returns a table read that began after the call, by fn or shared.
-func (s *tableShare) read(fn func() (*hostTable, error)) (*hostTable, error) {
-	s.mu.Lock()
-	if rd := s.next; rd != nil {
-		s.mu.Unlock()
-		<-rd.done
-		return rd.table, rd.err
+func (b *builtTable) of(inv *probe.Inventory) *hostTable {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.inv != inv {
+		b.inv, b.t = inv, buildHostTable(inv)
 	}
-	rd := &tableRead{done: make(chan struct{})}
-	prev := s.running
-	if prev == nil {
-		s.running = rd
-	} else {
-		s.next = rd
-	}
-	s.mu.Unlock()
-	if prev != nil {
-		<-prev.done
-		s.mu.Lock()
-		s.next, s.running = nil, rd
-		s.mu.Unlock()
-	}
-	rd.table, rd.err = fn()
-	s.mu.Lock()
-	if s.running == rd {
-		s.running = nil
-	}
-	s.mu.Unlock()
-	close(rd.done)
-	return rd.table, rd.err
+	return b.t
 }
 
-// hostTable reads our mount table (readHostTable), shared with the
-// repairs that ask at the same time (tableShare).
+// hostTable reads our whole mount table: a read that began after the call,
+// shared with the agent's loop and the repairs that ask at the same time
+// (probe.TableReader).
 func (r *Repairer) hostTable() (*hostTable, error) {
-	return r.tables.read(func() (*hostTable, error) { return readHostTable(r.procDir, r.root) })
+	inv, err := r.table.Read(context.Background())
+	if err != nil {
+		return nil, err
+	}
+	return r.built.of(inv), nil
 }
 
 func buildHostTable(inv *probe.Inventory) *hostTable {

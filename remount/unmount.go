@@ -105,7 +105,7 @@ func (u *Unmounter) Unmount(ctx context.Context, paths []string) ([]Action, erro
 func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount) ([]Action, error) {
 	targets := make([]unmountTarget, 0, len(mounts))
 	for _, m := range mounts {
-		targets = append(targets, unmountTarget{path: m.Path, id: m.ID})
+		targets = append(targets, unmountTarget{path: m.Path, id: m.ID, uid: m.UniqueID})
 	}
 	return u.unmountAll(ctx, targets)
 }
@@ -228,7 +228,8 @@ func isFUSEType(fsType string) bool {
 
 type unmountTarget struct {
 	path string
-	id   int // 0: whatever is on top; -1: nothing (only a path with no mount passes)
+	id   int    // 0: whatever is on top; -1: nothing (only a path with no mount passes)
+	uid  uint64 // the unique mount ID to find on top, when known
 }
 
 func (u *Unmounter) unmountAll(ctx context.Context, targets []unmountTarget) ([]Action, error) {
@@ -299,10 +300,12 @@ func (u *Unmounter) unmountOne(ctx context.Context, sys Syscalls, t unmountTarge
 		logger.V(2).Info("Left a new mount alone", "found", sp.MountID)
 		return a
 	}
-	if t.id != 0 && sp.MountID != t.id {
-		a.Err = fmt.Errorf("unmount %s: mount %d is on top there, not mount %d: %w", t.path, sp.MountID, t.id, ErrMountChanged)
-		logger.V(2).Info("Left a changed mount alone", "want", t.id, "found", sp.MountID)
-		return a
+	if t.id != 0 {
+		if err := sp.isMount(&probe.Mount{ID: t.id, UniqueID: t.uid}); err != nil {
+			a.Err = fmt.Errorf("unmount %s: %w", t.path, err)
+			logger.V(2).Info("Left a changed mount alone", "want", t.id, "found", sp.MountID, "err", err)
+			return a
+		}
 	}
 	a.Detail = "mount " + strconv.Itoa(sp.MountID)
 	if u.DryRun {
@@ -444,11 +447,11 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		return append(actions, a), actionsErr(append(actions, a))
 	}
 	defer pin.Close()
-	if pin.MountID != at.ID {
-		a.Err = fmt.Errorf("abort fuse connection %d: mount %d is on top at %s, not mount %d: %w", conn, pin.MountID, at.Path, at.ID, ErrMountChanged)
+	if err := pin.isMount(at); err != nil {
+		a.Err = fmt.Errorf("abort fuse connection %d: %w", conn, err)
 		return append(actions, a), actionsErr(append(actions, a))
 	}
-	waiting, err := u.recheckConn(pin, dev, connDir)
+	waiting, err := u.recheckConn(pin, at, dev, connDir)
 	switch {
 	case err != nil:
 		a.Err = fmt.Errorf("abort fuse connection %d: %w", conn, err)
@@ -502,9 +505,10 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 
 // recheckConn re-reads, through the pinned mount, that it is still of
 // device dev (statx with AT_STATX_DONT_SYNC: no request to the daemon) and
-// still listed with dev in our mount table, and returns the requests
-// waiting on the connection (fusectl <conn>/waiting).
-func (u *Unmounter) recheckConn(pin *safePath, dev probe.Dev, connDir string) (int, error) {
+// still of dev for the kernel (statmount of its unique ID, or its line in
+// our mount table where the kernel has no unique IDs), and returns the
+// requests waiting on the connection (fusectl <conn>/waiting).
+func (u *Unmounter) recheckConn(pin *safePath, at *probe.Mount, dev probe.Dev, connDir string) (int, error) {
 	var stx unix.Statx_t
 	if err := unix.Statx(pin.FD(), "", unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, 0, &stx); err != nil {
 		return 0, fmt.Errorf("device of pinned mount %d at %s: %w", pin.MountID, pin.Path, err)
@@ -512,7 +516,7 @@ func (u *Unmounter) recheckConn(pin *safePath, dev probe.Dev, connDir string) (i
 	if got := (probe.Dev{Major: stx.Dev_major, Minor: stx.Dev_minor}); got != dev {
 		return 0, fmt.Errorf("pinned mount %d at %s is of device %s now, not %s: %w", pin.MountID, pin.Path, got, dev, ErrMountChanged)
 	}
-	got, err := mountDev(u.procDir(), pin.MountID)
+	got, err := u.pinnedDev(pin, at)
 	if err != nil {
 		return 0, err
 	}
@@ -527,6 +531,23 @@ func (u *Unmounter) recheckConn(pin *safePath, dev probe.Dev, connDir string) (i
 		return 0, fmt.Errorf("requests waiting on %s: %w", connDir, err)
 	}
 	return n, nil
+}
+
+// pinnedDev is the device of the pinned mount at: by its unique ID
+// (statmount, whatever the node's mount count) when at has one, else from
+// our mount table.
+func (u *Unmounter) pinnedDev(pin *safePath, at *probe.Mount) (probe.Dev, error) {
+	if at.UniqueID == 0 {
+		return mountDev(u.procDir(), pin.MountID)
+	}
+	s, err := probe.Statmount(at.UniqueID)
+	if errors.Is(err, unix.ENOENT) {
+		return probe.Dev{}, fmt.Errorf("mount %d (unique ID %d) is gone: %w", pin.MountID, at.UniqueID, ErrMountChanged)
+	}
+	if err != nil {
+		return probe.Dev{}, err
+	}
+	return s.Dev, nil
 }
 
 // mountDev reads the device number of mount id from our mount table.

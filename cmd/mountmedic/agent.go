@@ -88,6 +88,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's ServiceAccount, used only for the failover heartbeat Lease; empty uses the pod's in-cluster token")
 	fl.StringVar(&c.KubeletRoot, "kubelet-root", c.KubeletRoot, "kubelet root directory (kubelet --root-dir)")
 	fl.StringVar(&c.HostTable, "host-table", c.HostTable, "mount table to watch and probe (/proc/1/mountinfo with hostPID)")
+	fl.Var((*sizeValue)(&c.MaxTableSize), "max-table-size", "read at most this much of a mount table (a quantity: 32Mi, 200M); raise it on a node that raised fs.mount-max")
 	fl.DurationVar(&c.ProbeInterval, "probe-interval", c.ProbeInterval, "time between probe cycles (jittered by 10%)")
 	fl.DurationVar(&c.ProbeTimeout, "probe-timeout", c.ProbeTimeout, "deadline of each probe; past it a mount is Hung")
 	fl.IntVar(&c.ProbeParallel, "probe-parallel", c.ProbeParallel, "probes run at once in a cycle")
@@ -212,20 +213,24 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	}
 	// One prober: the agent's probe cycles find the broken volumes, and the
 	// repairer verifies its repairs with it and asks it whether the probe
-	// that found a volume Hung is still blocked.
+	// that found a volume Hung is still blocked. One reader of the mount
+	// table for the loop, the repairs and the stall watch.
 	prober := agent.NewProber(cfg)
+	table := agent.NewTableReader(cfg)
 	repairer, err := remount.New(remount.Config{
-		KubeletRoot: cfg.KubeletRoot,
-		DryRun:      cfg.DryRun,
-		CRIEndpoint: cfg.CRISocket,
-		Parallel:    cfg.MaxConcurrentRepairs,
-		Prober:      prober,
+		KubeletRoot:  cfg.KubeletRoot,
+		DryRun:       cfg.DryRun,
+		CRIEndpoint:  cfg.CRISocket,
+		Parallel:     cfg.MaxConcurrentRepairs,
+		Prober:       prober,
+		Table:        table,
+		MaxTableSize: cfg.MaxTableSize,
 	})
 	if err != nil {
 		return fmt.Errorf("--kubelet-root: %w", err)
 	}
 	defer repairer.Close()
-	deps := agent.Deps{Client: client, Repairer: repairer, Prober: prober, Registry: prometheus.NewRegistry()}
+	deps := agent.Deps{Client: client, Repairer: repairer, Prober: prober, Table: table, Registry: prometheus.NewRegistry()}
 
 	ctx, cancel := context.WithCancel(cmd.Context())
 	defer cancel()

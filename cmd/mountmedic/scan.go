@@ -488,3 +488,21 @@ func orDash(s string) string {
 	}
 	return s
 }
+
+// sizeValue is a flag of a byte count given as a quantity (32Mi, 200M).
+type sizeValue int64
+
+func (s *sizeValue) String() string {
+	return resource.NewQuantity(int64(*s), resource.BinarySI).String()
+}
+
+func (s *sizeValue) Set(v string) error {
+	q, err := resource.ParseQuantity(v)
+	if err != nil || q.Value() <= 0 {
+		return fmt.Errorf("give a positive size such as 32Mi or 200M")
+	}
+	*s = sizeValue(q.Value())
+	return nil
+}
+
+func (s *sizeValue) Type() string { return "quantity" }
