@@ -261,6 +261,11 @@ type Inventory struct {
 	// targets of their volume, from which the next pod would be published.
 	// Only live inventories look for them.
 	Unmounted []*Mount `json:"unmounted,omitempty"`
+	// Strays are mount points in a staging directory that are not the
+	// staging mount the driver's layout puts there (a pod with
+	// Bidirectional propagation can mount anything there): reported,
+	// never linked, probed or repaired.
+	Strays []Stray `json:"strays,omitempty"`
 	// Publishing is when the first publish target that is not mounted yet,
 	// but whose vol_data.json kubelet wrote less than Options.PublishGrace
 	// ago, leaves kubelet's publish window and counts as Unmounted if it is
@@ -368,7 +373,20 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 	for _, in := range infos {
 		t, ok := kubelet.Classify(root, in.Mountpoint)
 		if !ok {
+			if why := kubelet.StrayPath(root, in.Mountpoint); why != "" {
+				inv.Strays = append(inv.Strays, Stray{Path: in.Mountpoint, Why: why})
+			}
 			continue
+		}
+		if t.Sub != "" && t.HandleHash == "" {
+			// A legacy or block staging path names no volume handle:
+			// the directory below it is the volume's staging mount only
+			// when vol_data.json says that is the volume ID.
+			var why string
+			if t, why = checkSub(root, t, opts.Live); why != "" {
+				inv.Strays = append(inv.Strays, Stray{Path: in.Mountpoint, Why: why})
+				continue
+			}
 		}
 		m := &Mount{
 			ID: in.ID, ParentID: in.Parent,
@@ -445,12 +463,18 @@ func link(inv *Inventory) {
 		}
 	}
 	for _, m := range inv.Mounts {
+		if m.Target.Kind == kubelet.KindBlock && m.Target.Sub != "" {
+			// A block volume staged below its staging path (checkSub).
+			m.Driver, m.VolumeHandle = m.Target.Driver, m.Target.Sub
+			continue
+		}
 		if m.Target.Kind == kubelet.KindStaging {
 			m.Driver = m.Target.Driver
 			// A driver that stages in <globalmount>/<volumeID> names the
 			// volume handle in the path: kept when its hash is the
 			// directory's.
-			if t := m.Target; t.Sub != "" && t.HandleHash != "" && kubelet.HandleHash(t.Sub) == t.HandleHash {
+			if t := m.Target; t.Sub != "" {
+				// Classify or checkSub made sure it is the handle.
 				m.VolumeHandle = t.Sub
 			}
 			continue
@@ -462,6 +486,45 @@ func link(inv *Inventory) {
 			}
 		}
 	}
+}
+
+// Stray is a mount point under the kubelet root that looks like a staging
+// mount and is not one.
+type Stray struct {
+	Path string `json:"path"`
+	// Why says which rule it fails.
+	Why string `json:"why"`
+}
+
+// checkSub checks a staging mount one directory below a legacy
+// (pv/<pv>/globalmount) or block (volumeDevices/staging/<pv>) staging path,
+// whose path names no volume handle, against the vol_data.json kubelet
+// wrote for the PV: the directory must be its volume handle (the CSI volume
+// ID) and the driver one that stages there. It returns the target with its
+// driver, or why it is not the volume's staging mount. A captured table
+// holds no vol_data.json, so there the mount is never taken for staging.
+func checkSub(root string, t kubelet.Target, live bool) (kubelet.Target, string) {
+	if !live {
+		return t, "a directory below a staging path that names no volume handle: whether it is the volume ID is in vol_data.json, which a captured table does not hold"
+	}
+	dir := filepath.Join("plugins", "kubernetes.io", "csi", "pv", t.PV)
+	if t.Kind == kubelet.KindBlock {
+		// csi_block.go keeps a block volume's vol_data.json in
+		// volumeDevices/<spec name>/data.
+		dir = filepath.Join("plugins", "kubernetes.io", "csi", "volumeDevices", t.PV, "data")
+	}
+	vd, err := loadVolData(root, dir)
+	switch {
+	case err != nil:
+		return t, fmt.Sprintf("no volume data to check it against: %v", err)
+	case vd.VolumeHandle != t.Sub:
+		return t, fmt.Sprintf("directory %q below the staging path is not PV %s's volume ID", t.Sub, t.PV)
+	}
+	if d, ok := kubelet.LookupDriver(vd.DriverName); ok && d.Layout != kubelet.LayoutVolumeIDDir {
+		return t, fmt.Sprintf("%s (%s) stages on the staging path itself (layout %s), never below it", vd.DriverName, d.Project, d.Layout)
+	}
+	t.Driver = vd.DriverName
+	return t, ""
 }
 
 // rootContains reports whether mountinfo root child is root parent or below

@@ -210,13 +210,16 @@ type scanRow struct {
 }
 
 type scanDoc struct {
-	Source      string    `json:"source"`
-	KubeletRoot string    `json:"kubeletRoot"`
-	Offline     bool      `json:"offline"`
-	TableMounts int       `json:"tableMounts"`
-	Backends    int       `json:"backends"`
-	Broken      int       `json:"broken"`
-	Mounts      []scanRow `json:"mounts"` // written one at a time by writeJSON
+	Source      string `json:"source"`
+	KubeletRoot string `json:"kubeletRoot"`
+	Offline     bool   `json:"offline"`
+	TableMounts int    `json:"tableMounts"`
+	Backends    int    `json:"backends"`
+	Broken      int    `json:"broken"`
+	// Strays are mount points in staging directories that no driver's
+	// layout puts there: left alone.
+	Strays []probe.Stray `json:"strays,omitempty"`
+	Mounts []scanRow     `json:"mounts"` // written one at a time by writeJSON
 }
 
 // rowMaker makes scan rows, describing each backend once: a thousand
@@ -266,7 +269,7 @@ func (rm *rowMaker) row(r probe.Result) scanRow {
 // never held twice in memory.
 func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline bool) error {
 	head := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
-		Backends: len(inv.Backends), Broken: len(rep.Broken())}
+		Backends: len(inv.Backends), Broken: len(rep.Broken()), Strays: inv.Strays}
 	data, err := json.MarshalIndent(head, "", "  ")
 	if err != nil {
 		return err
@@ -342,6 +345,9 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	if len(rep.Mounts) == 0 {
 		_, err := fmt.Fprintf(w, "no kubelet volume mounts under %s in %s (%d mounts read): nothing to check\n",
 			printable(inv.Root), printable(inv.Source), inv.Total)
+		if err == nil {
+			err = writeStrays(w, inv)
+		}
 		return err
 	}
 	header := []string{"STATE", "KIND", "POD", "VOLUME", "DRIVER", "DAEMON", "BACKEND", "DEV", "PROBE", "ERROR"}
@@ -385,7 +391,27 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	}
 	fmt.Fprintf(bw, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
 		len(rep.Mounts), len(inv.Backends), printable(inv.Root), inv.Total, printable(inv.Source), mode, broken)
+	if err := writeStrays(bw, inv); err != nil {
+		return err
+	}
 	return bw.Flush()
+}
+
+// writeStrays names the mount points in staging directories that no
+// driver's layout puts there, which scan and the agent leave alone.
+func writeStrays(w io.Writer, inv *probe.Inventory) error {
+	if len(inv.Strays) == 0 {
+		return nil
+	}
+	if _, err := fmt.Fprintf(w, "%d mounts in staging directories are not staging mounts, left alone (not probed, never repaired):\n", len(inv.Strays)); err != nil {
+		return err
+	}
+	for _, s := range inv.Strays {
+		if _, err := fmt.Fprintf(w, "  %s: %s\n", printable(s.Path), printable(s.Why)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // tableCells appends the cells of one mount's row to cells, each escaped:
