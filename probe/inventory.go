@@ -266,6 +266,12 @@ type Inventory struct {
 	// Bidirectional propagation can mount anything there): reported,
 	// never linked, probed or repaired.
 	Strays []Stray `json:"strays,omitempty"`
+	// StagingUnknown are the CSI drivers, not in the catalogue, whose
+	// volumes have publish targets and no staging mount, and which did not
+	// say whether they stage (Options.DriverStages): a lost staging mount
+	// of theirs cannot be told from a driver that never stages, and is not
+	// reported. Only live inventories look.
+	StagingUnknown []string `json:"stagingUnknown,omitempty"`
 	// Publishing is when the first publish target that is not mounted yet,
 	// but whose vol_data.json kubelet wrote less than Options.PublishGrace
 	// ago, leaves kubelet's publish window and counts as Unmounted if it is
@@ -290,6 +296,13 @@ type Options struct {
 	// MaxSize caps the bytes ReadTable reads of a table;
 	// DefaultMaxTableSize when 0 or less.
 	MaxSize int64
+	// DriverStages says whether a CSI driver stages its volumes
+	// (STAGE_UNSTAGE_VOLUME in NodeGetCapabilities), known false when it
+	// cannot tell (the driver did not answer): a live read reports a bare
+	// globalmount under live publish targets as a lost staging mount only
+	// for a driver that stages. Without it, or when it does not know, the
+	// driver catalogue decides, and a driver not in it is not reported.
+	DriverStages func(driver string) (stages, known bool)
 	// PublishGrace is how long after kubelet wrote a publish target's
 	// vol_data.json an unmounted target is kubelet still publishing, not
 	// a mount that went away: kubelet writes the file before it calls
@@ -404,7 +417,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 	backends(inv, infos, opts)
 	if opts.Live {
 		readVolData(inv)
-		inv.Unmounted, inv.Publishing = findUnmounted(root, inv, time.Now(), opts.publishGrace())
+		inv.Unmounted, inv.Publishing = findUnmounted(root, inv, time.Now(), opts)
 	}
 	return inv
 }
@@ -748,7 +761,8 @@ func OpenBeneath(root, rel string, flags int) (*os.File, error) {
 // vol_data.json is younger than grace is kubelet still publishing it: it is
 // left out, and the earliest time one of those leaves the window is
 // returned.
-func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Duration) ([]*Mount, time.Time) {
+func findUnmounted(root string, inv *Inventory, now time.Time, opts Options) ([]*Mount, time.Time) {
+	grace := opts.publishGrace()
 	mounted := make(map[string]bool, len(inv.Mounts))
 	for _, m := range inv.Mounts {
 		mounted[m.Path] = true
@@ -795,7 +809,7 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 				Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: uid, Plugin: kubelet.CSIPluginDir, Volume: v}})
 		}
 	}
-	return append(out, stagingUnmounted(root, inv, mounted)...), publishing
+	return append(out, stagingUnmounted(root, inv, mounted, opts.DriverStages)...), publishing
 }
 
 // stagingUnmounted lists the staging mounts that are gone while publish
@@ -806,7 +820,13 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 // it; the pods keep reading through their binds, and the next pod published
 // there would get the bare directory on the node's disk. A publish target
 // on the staging directory's own filesystem is no such evidence.
-func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*Mount {
+//
+// kubelet makes globalmount and vol_data.json for every CSI volume, whether
+// or not the driver stages (csi_attacher.go MountDevice): a driver that
+// never stages leaves it bare. Whether a driver stages is asked of
+// driverStages (its NodeGetCapabilities), else of the catalogue; a driver
+// neither knows is not reported, and is named in inv.StagingUnknown.
+func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool, driverStages func(string) (bool, bool)) []*Mount {
 	var out []*Mount
 	seen := make(map[string]bool)
 	for _, m := range inv.Mounts {
@@ -816,17 +836,21 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 		if kubelet.CheckPathName("csi driver name", m.Driver) != nil {
 			continue
 		}
-		if d, ok := kubelet.LookupDriver(m.Driver); ok && d.Layout == kubelet.LayoutPublishOnly {
-			// kubelet makes globalmount and vol_data.json for every CSI
-			// volume, NodeStageVolume or not: a driver that never
-			// stages leaves it bare.
-			continue
-		}
 		p := kubelet.StagingPath(root, m.Driver, m.VolumeHandle)
 		if mounted[p] || seen[p] {
 			continue
 		}
 		seen[p] = true
+		stages, known := false, false
+		if driverStages != nil {
+			stages, known = driverStages(m.Driver)
+		}
+		if d, ok := kubelet.LookupDriver(m.Driver); ok && !known {
+			stages, known = d.Layout != kubelet.LayoutPublishOnly, true
+		}
+		if known && !stages {
+			continue
+		}
 		rel := strings.TrimPrefix(filepath.Dir(p), root+"/")
 		vd, err := loadVolData(root, rel)
 		if err != nil || vd.VolumeHandle != m.VolumeHandle {
@@ -844,6 +868,12 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 			// a bind of the bare directory (published while nothing was
 			// staged there, or a driver that publishes that directory),
 			// not a staging mount that was there and is gone.
+			continue
+		}
+		if !known {
+			if !slices.Contains(inv.StagingUnknown, m.Driver) {
+				inv.StagingUnknown = append(inv.StagingUnknown, m.Driver)
+			}
 			continue
 		}
 		out = append(out, &Mount{Path: p, Driver: m.Driver, VolumeHandle: m.VolumeHandle,
