@@ -19,6 +19,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
@@ -193,7 +194,9 @@ func (d *discardCounter) Write(p []byte) (int, error) { d.n += len(p); return le
 // BenchmarkScanCapture is the issue's "scan --mountinfo of a 10k-mount
 // capture" measured inside one process: the raw read of the file (from the
 // page cache), moby/sys/mountinfo's parse of it (the library scan builds
-// on: the floor of reading a mount table in Go), then scan itself (read, classify, assess, format) in each
+// on: the floor of reading a mount table in Go), scan's own read and
+// classification of it (probe.ReadFile, which links the volume graph too),
+// then scan itself (read, classify, assess, format) in each
 // output format.
 func BenchmarkScanCapture(b *testing.B) {
 	for _, tc := range []struct {
@@ -226,6 +229,15 @@ func BenchmarkScanCapture(b *testing.B) {
 				_, err = mountinfo.GetMountsFromReader(f, nil)
 				f.Close()
 				if err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(name+"/read-classify", func(b *testing.B) {
+			b.SetBytes(size)
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := probe.ReadFile(path, probe.Options{}); err != nil {
 					b.Fatal(err)
 				}
 			}
