@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"github.com/mountmedic/mountmedic/remount"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 )
@@ -91,11 +92,11 @@ func TestHealthyLayoutsUnderRunningAgent(t *testing.T) {
 
 	for _, l := range []struct {
 		tag, layout, driver string
-		home                csilab.DaemonHome
+		home                kubelet.DaemonHome
 	}{
-		{"jfs", "publish-only, mount pod (JuiceFS)", "csi.juicefs.com", csilab.InMountPod},
-		{"gcs", "publish-only, app sidecar (GCS FUSE)", "gcsfuse.csi.storage.gke.io", csilab.InAppSidecar},
-		{"nostage", "publish-only, node plugin, not catalogued", "nostage.lab", csilab.InNodePlugin},
+		{"jfs", "publish-only, mount pod (JuiceFS)", "csi.juicefs.com", kubelet.DaemonMountPod},
+		{"gcs", "publish-only, app sidecar (GCS FUSE)", "gcsfuse.csi.storage.gke.io", kubelet.DaemonAppSidecar},
+		{"nostage", "publish-only, node plugin, not catalogued", "nostage.lab", kubelet.DaemonNodePlugin},
 	} {
 		drv := csilab.StartLayoutDriver(t, l.driver, filepath.Join(root, "plugins", l.driver, "csi.sock"), t.TempDir(), l.home)
 		handle := "handle-" + l.tag

@@ -21,36 +21,30 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"github.com/mountmedic/mountmedic/scripts/lab"
-)
-
-// DaemonHome is where a LayoutDriver's FUSE daemon runs, as the driver
-// families of mountmedic's catalogue (probe/kubelet/drivers.go) run theirs.
-type DaemonHome int
-
-const (
-	// InMountPod: JuiceFS CSI (pkg/juicefs/mount/pod_mount.go). NodePublish
-	// has a daemon outside the node plugin (a mount pod) mount the volume
-	// outside the kubelet root, then binds the volume's directory in it
-	// onto the publish target. Killing the node plugin leaves it running.
-	InMountPod DaemonHome = iota
-	// InAppSidecar: Cloud Storage FUSE CSI (pkg/csi_driver/node.go). The
-	// FUSE mount is on the publish target itself, served by a daemon in the
-	// application pod's sidecar; only the pod restarts it.
-	InAppSidecar
-	// InNodePlugin: a publish-only driver whose daemon the node plugin
-	// starts on the publish target (no NodeStageVolume).
-	InNodePlugin
 )
 
 // LayoutDriver is a CSI node plugin that stages nothing (no
 // STAGE_UNSTAGE_VOLUME) and publishes each volume with a real FUSE daemon,
-// Debian's rclone serving a local directory, in the place its DaemonHome
-// names. It runs in the test process; its daemons are processes of their
-// own, in their own sessions.
+// Debian's rclone serving a local directory, where the driver families of
+// mountmedic's catalogue (probe/kubelet/drivers.go) keep theirs:
+//
+//   - kubelet.DaemonMountPod, as JuiceFS CSI (pkg/juicefs/mount/pod_mount.go):
+//     a daemon outside the node plugin mounts the volume outside the kubelet
+//     root, and NodePublishVolume binds the volume's directory in it onto
+//     the publish target;
+//   - kubelet.DaemonAppSidecar, as Cloud Storage FUSE CSI
+//     (pkg/csi_driver/node.go): the FUSE mount is on the publish target,
+//     served by a daemon of the application pod;
+//   - kubelet.DaemonNodePlugin: a publish-only driver whose daemon mounts
+//     the publish target.
+//
+// It runs in the test process; its daemons are processes of their own, in
+// their own sessions, which killing the plugin does not reach.
 type LayoutDriver struct {
 	name, socket, dir string
-	home              DaemonHome
+	home              kubelet.DaemonHome
 	rclone            string
 
 	mu      sync.Mutex
@@ -61,8 +55,13 @@ type LayoutDriver struct {
 // StartLayoutDriver serves CSI as driver name on socketPath until the test
 // ends, keeping its backing directories and mount pods' mounts under dir
 // (outside the kubelet root).
-func StartLayoutDriver(t testing.TB, name, socketPath, dir string, home DaemonHome) *LayoutDriver {
+func StartLayoutDriver(t testing.TB, name, socketPath, dir string, home kubelet.DaemonHome) *LayoutDriver {
 	t.Helper()
+	switch home {
+	case kubelet.DaemonMountPod, kubelet.DaemonAppSidecar, kubelet.DaemonNodePlugin:
+	default:
+		t.Fatalf("layout driver %s: daemon home %s is not served: use mount-pod, app-sidecar or node-plugin", name, home)
+	}
 	d := &LayoutDriver{name: name, socket: socketPath, dir: dir, home: home,
 		rclone: lab.RequireBinary(t, "rclone"), daemons: make(map[string]*lab.Process)}
 	lab.RequireBinary(t, "fusermount3")
@@ -215,7 +214,7 @@ func (n *layoutNode) NodePublishVolume(ctx context.Context, r *csi.NodePublishVo
 	}
 	d := n.d
 	switch d.home {
-	case InMountPod:
+	case kubelet.DaemonMountPod:
 		// The mount pod's mount is per volume, outside the kubelet
 		// root; the publish target binds the volume's directory in it.
 		mnt := filepath.Join(d.dir, "mountpods", id)
