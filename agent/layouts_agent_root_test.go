@@ -93,12 +93,13 @@ func TestHealthyLayoutsUnderRunningAgent(t *testing.T) {
 	for _, l := range []struct {
 		tag, layout, driver string
 		home                kubelet.DaemonHome
+		opts                []csilab.LayoutOption
 	}{
-		{"jfs", "publish-only, mount pod (JuiceFS)", "csi.juicefs.com", kubelet.DaemonMountPod},
-		{"gcs", "publish-only, app sidecar (GCS FUSE)", "gcsfuse.csi.storage.gke.io", kubelet.DaemonAppSidecar},
-		{"nostage", "publish-only, node plugin, not catalogued", "nostage.lab", kubelet.DaemonNodePlugin},
+		{"jfs", "publish-only, mount pod (JuiceFS), rclone", "csi.juicefs.com", kubelet.DaemonMountPod, nil},
+		{"gcs", "publish-only, app sidecar (GCS FUSE), sshfs", "gcsfuse.csi.storage.gke.io", kubelet.DaemonAppSidecar, []csilab.LayoutOption{csilab.WithSSHFS()}},
+		{"nostage", "publish-only, node plugin, not catalogued, rclone", "nostage.lab", kubelet.DaemonNodePlugin, nil},
 	} {
-		drv := csilab.StartLayoutDriver(t, l.driver, filepath.Join(root, "plugins", l.driver, "csi.sock"), t.TempDir(), l.home)
+		drv := csilab.StartLayoutDriver(t, l.driver, filepath.Join(root, "plugins", l.driver, "csi.sock"), t.TempDir(), l.home, l.opts...)
 		handle := "handle-" + l.tag
 		pod := d.layoutAPIVolume(l.tag, l.driver, handle)
 		// kubelet makes globalmount and vol_data.json for every CSI

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -40,31 +41,53 @@ import (
 //   - kubelet.DaemonNodePlugin: a publish-only driver whose daemon mounts
 //     the publish target.
 //
-// It runs in the test process; its daemons are processes of their own, in
-// their own sessions, which killing the plugin does not reach.
+// The daemon is rclone serving a local directory, or with WithSSHFS Debian's
+// sshfs talking SFTP to Debian's sftp-server, which the driver serves on a
+// loopback port (sshfs -o directport, no sshd). It runs in the test
+// process; its daemons are processes of their own, in their own sessions,
+// which killing the plugin does not reach.
 type LayoutDriver struct {
 	name, socket, dir string
 	home              kubelet.DaemonHome
 	rclone            string
+	sshfs             string // with WithSSHFS
+	sftpPort          int
 
 	mu      sync.Mutex
 	daemons map[string]*lab.Process // by volume ID
 	mounts  []string                // the daemons' mount points
 }
 
+// LayoutOption changes a LayoutDriver.
+type LayoutOption func(*layoutOptions)
+
+type layoutOptions struct{ sshfs bool }
+
+// WithSSHFS serves volumes with sshfs over SFTP instead of rclone.
+func WithSSHFS() LayoutOption { return func(o *layoutOptions) { o.sshfs = true } }
+
 // StartLayoutDriver serves CSI as driver name on socketPath until the test
 // ends, keeping its backing directories and mount pods' mounts under dir
 // (outside the kubelet root).
-func StartLayoutDriver(t testing.TB, name, socketPath, dir string, home kubelet.DaemonHome) *LayoutDriver {
+func StartLayoutDriver(t testing.TB, name, socketPath, dir string, home kubelet.DaemonHome, opts ...LayoutOption) *LayoutDriver {
 	t.Helper()
+	var o layoutOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
 	switch home {
 	case kubelet.DaemonMountPod, kubelet.DaemonAppSidecar, kubelet.DaemonNodePlugin:
 	default:
 		t.Fatalf("layout driver %s: daemon home %s is not served: use mount-pod, app-sidecar or node-plugin", name, home)
 	}
-	d := &LayoutDriver{name: name, socket: socketPath, dir: dir, home: home,
-		rclone: lab.RequireBinary(t, "rclone"), daemons: make(map[string]*lab.Process)}
+	d := &LayoutDriver{name: name, socket: socketPath, dir: dir, home: home, daemons: make(map[string]*lab.Process)}
 	lab.RequireBinary(t, "fusermount3")
+	if o.sshfs {
+		d.sshfs = lab.RequireBinary(t, "sshfs")
+		d.sftpPort = serveSFTP(t)
+	} else {
+		d.rclone = lab.RequireBinary(t, "rclone")
+	}
 	if err := os.MkdirAll(filepath.Dir(socketPath), 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +105,7 @@ func StartLayoutDriver(t testing.TB, name, socketPath, dir string, home kubelet.
 		defer d.mu.Unlock()
 		for id, p := range d.daemons {
 			if t.Failed() {
-				t.Logf("last lines of rclone for %s:\n%s", id, p.Tail(10))
+				t.Logf("last lines of the daemon of %s:\n%s", id, p.Tail(10))
 			}
 			p.Kill()
 		}
@@ -125,12 +148,17 @@ func (d *LayoutDriver) mountDaemon(ctx context.Context, volumeID, mountpoint str
 			return status.Error(codes.Internal, err.Error())
 		}
 	}
-	cmd := exec.Command(d.rclone, "mount", backing, mountpoint, "--config", "/dev/null",
-		"--vfs-cache-mode", "off", "--dir-cache-time", "1s", "--attr-timeout", "0s")
+	var cmd *exec.Cmd
+	if d.sshfs != "" {
+		cmd = exec.Command(d.sshfs, "-f", "-o", "directport="+strconv.Itoa(d.sftpPort), "127.0.0.1:"+backing, mountpoint)
+	} else {
+		cmd = exec.Command(d.rclone, "mount", backing, mountpoint, "--config", "/dev/null",
+			"--vfs-cache-mode", "off", "--dir-cache-time", "1s", "--attr-timeout", "0s")
+	}
 	cmd.Env = append(os.Environ(), "HOME="+d.dir)
 	// Its own session: the node plugin's end is not the daemon's.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	p, err := lab.RunProcess("rclone-"+volumeID, cmd, filepath.Join(d.dir, "rclone-"+volumeID+".log"))
+	p, err := lab.RunProcess("daemon-"+volumeID, cmd, filepath.Join(d.dir, "daemon-"+volumeID+".log"))
 	if err != nil {
 		return status.Error(codes.Internal, err.Error())
 	}
@@ -138,7 +166,7 @@ func (d *LayoutDriver) mountDaemon(ctx context.Context, volumeID, mountpoint str
 	for !isFUSEMount(mountpoint) {
 		if p.Exited() || time.Now().After(deadline) || ctx.Err() != nil {
 			p.Kill()
-			return status.Errorf(codes.Internal, "rclone did not mount %s: %s", mountpoint, p.Tail(5))
+			return status.Errorf(codes.Internal, "%s did not mount %s: %s", filepath.Base(cmd.Path), mountpoint, p.Tail(5))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -147,6 +175,56 @@ func (d *LayoutDriver) mountDaemon(ctx context.Context, volumeID, mountpoint str
 	d.mounts = append(d.mounts, mountpoint)
 	d.mu.Unlock()
 	return nil
+}
+
+// serveSFTP serves Debian's sftp-server on a loopback port until the test
+// ends, one server process per connection, as sshd's sftp subsystem would,
+// and returns the port.
+func serveSFTP(t testing.TB) int {
+	t.Helper()
+	server := "/usr/lib/openssh/sftp-server"
+	if _, err := os.Stat(server); err != nil {
+		lab.SkipOrFail(t, "sshfs needs %s (Debian's openssh-sftp-server): %v", server, err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("listen for sftp: %v", err)
+	}
+	var (
+		mu    sync.Mutex
+		procs []*exec.Cmd
+	)
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			cmd := exec.Command(server)
+			cmd.Stdin, cmd.Stdout = conn, conn
+			cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+			if err := cmd.Start(); err != nil {
+				conn.Close()
+				continue
+			}
+			mu.Lock()
+			procs = append(procs, cmd)
+			mu.Unlock()
+			go func() {
+				cmd.Wait()
+				conn.Close()
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range procs {
+			c.Process.Kill()
+		}
+	})
+	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // isFUSEMount reports whether this mount namespace has a FUSE mount on p.
