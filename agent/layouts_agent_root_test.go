@@ -124,6 +124,7 @@ func TestHealthyLayoutsUnderRunningAgent(t *testing.T) {
 	start := time.Now()
 	time.Sleep(soak)
 	scans, _ := ra.metric("mountmedic_last_scan_timestamp_seconds ")
+	cycles, _ := ra.metric("mountmedic_scan_duration_seconds_count ")
 	acted := actions(ra)
 	var events int
 	for _, v := range vols {
@@ -131,12 +132,12 @@ func TestHealthyLayoutsUnderRunningAgent(t *testing.T) {
 	}
 	after := kubeletMounts(t, root)
 	gone, added := diffMounts(before, after)
-	t.Logf("healthy soak of %s over %d volumes of %d layouts: actions %v, events %d, unmounts %d, new mounts (stages, publishes) %d; last scan %s after start",
-		time.Since(start).Round(time.Second), len(vols), len(vols), acted, events, len(gone), len(added),
+	t.Logf("healthy soak of %s over %d volumes of %d layouts: %g probe cycles; actions %v, events %d, unmounts %d, new mounts (stages, publishes) %d; last scan %s after start",
+		time.Since(start).Round(time.Second), len(vols), len(vols), cycles, acted, events, len(gone), len(added),
 		time.Unix(int64(scans), 0).Sub(start).Round(time.Second))
 	if p := os.Getenv("MOUNTMEDIC_HEALTHY_REPORT"); p != "" {
-		report := fmt.Sprintf("soak=%s volumes=%d actions=%g events=%d unmounts=%d mounts_added=%d kubelet_mounts=%d\n",
-			time.Since(start).Round(time.Second), len(vols), sum(acted), events, len(gone), len(added), len(after))
+		report := fmt.Sprintf("soak=%s volumes=%d probe_cycles=%g actions=%g events=%d unmounts=%d mounts_added=%d kubelet_mounts=%d\n",
+			time.Since(start).Round(time.Second), len(vols), cycles, sum(acted), events, len(gone), len(added), len(after))
 		if err := os.WriteFile(p, []byte(report), 0o644); err != nil {
 			t.Error(err)
 		}
