@@ -174,6 +174,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
 		release:  deps.ReleaseCode,
 	}
+	// The loop's reads say a bare globalmount is a lost staging only for
+	// drivers that stage, as their capabilities say.
+	a.table.SetDriverStages(a.caps.stages)
 	a.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "mountmedic_stall_probes_total",
 		Help: "Probes the stall watch started between probe cycles because a FUSE connection had requests waiting (--stall-poll).",

@@ -100,8 +100,9 @@ func TestCatalogueGatesRepairs(t *testing.T) {
 // unless the user opts it in.
 func TestUnknownDriverLayouts(t *testing.T) {
 	const (
-		root  = "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n"
-		stage = "/var/lib/kubelet/plugins/kubernetes.io/csi/fs.example.com/3c1322b59623fa39fb5812635250c05175816f4d79b00c35196efc3f601eeeb9/globalmount"
+		root = "1 0 254:1 / / rw - ext4 /dev/vda1 rw\n"
+		// The directory is the hash of the volume handle vol-1.
+		stage = "/var/lib/kubelet/plugins/kubernetes.io/csi/fs.example.com/d2e8363faaac7ae76def3b14091d8eb5755f6b92e9531627aeec833a8731cc49/globalmount"
 		pub   = "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/pv-1/mount"
 	)
 	tests := map[string]struct {

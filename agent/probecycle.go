@@ -38,6 +38,11 @@ func (a *Agent) readTable(ctx context.Context, inv *probe.Inventory, dirty *bool
 		// whether it got mounted, as no table change may say so.
 		*dirty = true
 	}
+	if inv != nil && a.caps.knowsAny(inv.StagingUnknown) {
+		// A driver that had not said whether it stages has answered:
+		// read again whether its bare globalmount is a lost staging.
+		*dirty = true
+	}
 	if *dirty || inv == nil {
 		fresh, err := a.table.Read(ctx)
 		if err != nil {
@@ -50,8 +55,11 @@ func (a *Agent) readTable(ctx context.Context, inv *probe.Inventory, dirty *bool
 			inv, *dirty = fresh, false
 			drivers := volumeDrivers(inv)
 			pw.Watch(ctx, drivers)
-			if first {
+			switch {
+			case first:
 				a.checkDrivers(ctx, drivers)
+			case len(inv.StagingUnknown) > 0:
+				a.checkDrivers(ctx, inv.StagingUnknown)
 			}
 		}
 	}

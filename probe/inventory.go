@@ -265,6 +265,17 @@ type Inventory struct {
 	// targets of their volume, from which the next pod would be published.
 	// Only live inventories look for them.
 	Unmounted []*Mount `json:"unmounted,omitempty"`
+	// Strays are mount points in a staging directory that are not the
+	// staging mount the driver's layout puts there (a pod with
+	// Bidirectional propagation can mount anything there): reported,
+	// never linked, probed or repaired.
+	Strays []Stray `json:"strays,omitempty"`
+	// StagingUnknown are the CSI drivers, not in the catalogue, whose
+	// volumes have publish targets and no staging mount, and which did not
+	// say whether they stage (Options.DriverStages): a lost staging mount
+	// of theirs cannot be told from a driver that never stages, and is not
+	// reported. Only live inventories look.
+	StagingUnknown []string `json:"stagingUnknown,omitempty"`
 	// Publishing is when the first publish target that is not mounted yet,
 	// but whose vol_data.json kubelet wrote less than Options.PublishGrace
 	// ago, leaves kubelet's publish window and counts as Unmounted if it is
@@ -289,6 +300,13 @@ type Options struct {
 	// MaxSize caps the bytes ReadTable reads of a table;
 	// DefaultMaxTableSize when 0 or less.
 	MaxSize int64
+	// DriverStages says whether a CSI driver stages its volumes
+	// (STAGE_UNSTAGE_VOLUME in NodeGetCapabilities), known false when it
+	// cannot tell (the driver did not answer): a live read reports a bare
+	// globalmount under live publish targets as a lost staging mount only
+	// for a driver that stages. Without it, or when it does not know, the
+	// driver catalogue decides, and a driver not in it is not reported.
+	DriverStages func(driver string) (stages, known bool)
 	// PublishGrace is how long after kubelet wrote a publish target's
 	// vol_data.json an unmounted target is kubelet still publishing, not
 	// a mount that went away: kubelet writes the file before it calls
@@ -372,7 +390,20 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 	for _, in := range infos {
 		t, ok := kubelet.Classify(root, in.Mountpoint)
 		if !ok {
+			if why := kubelet.StrayPath(root, in.Mountpoint); why != "" {
+				inv.Strays = append(inv.Strays, Stray{Path: in.Mountpoint, Why: why})
+			}
 			continue
+		}
+		if t.Sub != "" && t.HandleHash == "" {
+			// A legacy or block staging path names no volume handle:
+			// the directory below it is the volume's staging mount only
+			// when vol_data.json says that is the volume ID.
+			var why string
+			if t, why = checkSub(root, t, opts.Live); why != "" {
+				inv.Strays = append(inv.Strays, Stray{Path: in.Mountpoint, Why: why})
+				continue
+			}
 		}
 		m := &Mount{
 			ID: in.ID, ParentID: in.Parent,
@@ -390,7 +421,7 @@ func build(infos []*mountinfo.Info, total int, source string, opts Options) *Inv
 	backends(inv, infos, opts)
 	if opts.Live {
 		readVolData(inv)
-		inv.Unmounted, inv.Publishing = findUnmounted(root, inv, time.Now(), opts.publishGrace())
+		inv.Unmounted, inv.Publishing = findUnmounted(root, inv, time.Now(), opts)
 	}
 	return inv
 }
@@ -449,12 +480,18 @@ func link(inv *Inventory) {
 		}
 	}
 	for _, m := range inv.Mounts {
+		if m.Target.Kind == kubelet.KindBlock && m.Target.Sub != "" {
+			// A block volume staged below its staging path (checkSub).
+			m.Driver, m.VolumeHandle = m.Target.Driver, m.Target.Sub
+			continue
+		}
 		if m.Target.Kind == kubelet.KindStaging {
 			m.Driver = m.Target.Driver
 			// A driver that stages in <globalmount>/<volumeID> names the
 			// volume handle in the path: kept when its hash is the
 			// directory's.
-			if t := m.Target; t.Sub != "" && t.HandleHash != "" && kubelet.HandleHash(t.Sub) == t.HandleHash {
+			if t := m.Target; t.Sub != "" {
+				// Classify or checkSub made sure it is the handle.
 				m.VolumeHandle = t.Sub
 			}
 			continue
@@ -466,6 +503,45 @@ func link(inv *Inventory) {
 			}
 		}
 	}
+}
+
+// Stray is a mount point under the kubelet root that looks like a staging
+// mount and is not one.
+type Stray struct {
+	Path string `json:"path"`
+	// Why says which rule it fails.
+	Why string `json:"why"`
+}
+
+// checkSub checks a staging mount one directory below a legacy
+// (pv/<pv>/globalmount) or block (volumeDevices/staging/<pv>) staging path,
+// whose path names no volume handle, against the vol_data.json kubelet
+// wrote for the PV: the directory must be its volume handle (the CSI volume
+// ID) and the driver one that stages there. It returns the target with its
+// driver, or why it is not the volume's staging mount. A captured table
+// holds no vol_data.json, so there the mount is never taken for staging.
+func checkSub(root string, t kubelet.Target, live bool) (kubelet.Target, string) {
+	if !live {
+		return t, "a directory below a staging path that names no volume handle: whether it is the volume ID is in vol_data.json, which a captured table does not hold"
+	}
+	dir := filepath.Join("plugins", "kubernetes.io", "csi", "pv", t.PV)
+	if t.Kind == kubelet.KindBlock {
+		// csi_block.go keeps a block volume's vol_data.json in
+		// volumeDevices/<spec name>/data.
+		dir = filepath.Join("plugins", "kubernetes.io", "csi", "volumeDevices", t.PV, "data")
+	}
+	vd, err := loadVolData(root, dir)
+	switch {
+	case err != nil:
+		return t, fmt.Sprintf("no volume data to check it against: %v", err)
+	case vd.VolumeHandle != t.Sub:
+		return t, fmt.Sprintf("directory %q below the staging path is not PV %s's volume ID", t.Sub, t.PV)
+	}
+	if d, ok := kubelet.LookupDriver(vd.DriverName); ok && d.Layout != kubelet.LayoutVolumeIDDir {
+		return t, fmt.Sprintf("%s (%s) stages on the staging path itself (layout %s), never below it", vd.DriverName, d.Project, d.Layout)
+	}
+	t.Driver = vd.DriverName
+	return t, ""
 }
 
 // rootContains reports whether mountinfo root child is root parent or below
@@ -689,7 +765,8 @@ func OpenBeneath(root, rel string, flags int) (*os.File, error) {
 // vol_data.json is younger than grace is kubelet still publishing it: it is
 // left out, and the earliest time one of those leaves the window is
 // returned.
-func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Duration) ([]*Mount, time.Time) {
+func findUnmounted(root string, inv *Inventory, now time.Time, opts Options) ([]*Mount, time.Time) {
+	grace := opts.publishGrace()
 	mounted := make(map[string]bool, len(inv.Mounts))
 	for _, m := range inv.Mounts {
 		mounted[m.Path] = true
@@ -736,7 +813,7 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 				Target: kubelet.Target{Kind: kubelet.KindPublish, PodUID: uid, Plugin: kubelet.CSIPluginDir, Volume: v}})
 		}
 	}
-	return append(out, stagingUnmounted(root, inv, mounted)...), publishing
+	return append(out, stagingUnmounted(root, inv, mounted, opts.DriverStages)...), publishing
 }
 
 // stagingUnmounted lists the staging mounts that are gone while publish
@@ -747,7 +824,13 @@ func findUnmounted(root string, inv *Inventory, now time.Time, grace time.Durati
 // it; the pods keep reading through their binds, and the next pod published
 // there would get the bare directory on the node's disk. A publish target
 // on the staging directory's own filesystem is no such evidence.
-func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*Mount {
+//
+// kubelet makes globalmount and vol_data.json for every CSI volume, whether
+// or not the driver stages (csi_attacher.go MountDevice): a driver that
+// never stages leaves it bare. Whether a driver stages is asked of
+// driverStages (its NodeGetCapabilities), else of the catalogue; a driver
+// neither knows is not reported, and is named in inv.StagingUnknown.
+func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool, driverStages func(string) (bool, bool)) []*Mount {
 	var out []*Mount
 	seen := make(map[string]bool)
 	for _, m := range inv.Mounts {
@@ -757,17 +840,21 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 		if kubelet.CheckPathName("csi driver name", m.Driver) != nil {
 			continue
 		}
-		if d, ok := kubelet.LookupDriver(m.Driver); ok && d.Layout == kubelet.LayoutPublishOnly {
-			// kubelet makes globalmount and vol_data.json for every CSI
-			// volume, NodeStageVolume or not: a driver that never
-			// stages leaves it bare.
-			continue
-		}
 		p := kubelet.StagingPath(root, m.Driver, m.VolumeHandle)
 		if mounted[p] || seen[p] {
 			continue
 		}
 		seen[p] = true
+		stages, known := false, false
+		if driverStages != nil {
+			stages, known = driverStages(m.Driver)
+		}
+		if d, ok := kubelet.LookupDriver(m.Driver); ok && !known {
+			stages, known = d.Layout != kubelet.LayoutPublishOnly, true
+		}
+		if known && !stages {
+			continue
+		}
 		rel := strings.TrimPrefix(filepath.Dir(p), root+"/")
 		vd, err := loadVolData(root, rel)
 		if err != nil || vd.VolumeHandle != m.VolumeHandle {
@@ -785,6 +872,12 @@ func stagingUnmounted(root string, inv *Inventory, mounted map[string]bool) []*M
 			// a bind of the bare directory (published while nothing was
 			// staged there, or a driver that publishes that directory),
 			// not a staging mount that was there and is gone.
+			continue
+		}
+		if !known {
+			if !slices.Contains(inv.StagingUnknown, m.Driver) {
+				inv.StagingUnknown = append(inv.StagingUnknown, m.Driver)
+			}
 			continue
 		}
 		out = append(out, &Mount{Path: p, Driver: m.Driver, VolumeHandle: m.VolumeHandle,

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -41,9 +42,28 @@ func stageFaultFS(t *testing.T, k *lab.Kubelet, handle, podUID string) labVolume
 	return labVolume{fs: fs, staging: staging, publish: pub, subPt: sub}
 }
 
+// Drivers not in the catalogue whose capabilities the lab's tests know: the
+// agent asks each driver's NodeGetCapabilities.
+const (
+	// noStageDriver advertises no STAGE_UNSTAGE_VOLUME.
+	noStageDriver = "nostage.lab.mountmedic.io"
+	// silentDriver did not answer.
+	silentDriver = "silent.lab.mountmedic.io"
+)
+
+func labDriverStages(driver string) (stages, known bool) {
+	switch driver {
+	case labDriver:
+		return true, true
+	case noStageDriver:
+		return false, true
+	}
+	return false, false
+}
+
 func liveInventory(t *testing.T, root string) *Inventory {
 	t.Helper()
-	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true})
+	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true, DriverStages: labDriverStages})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,6 +120,12 @@ func TestProbeRealFaults(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = unix.Unmount(nfsExport, unix.MNT_DETACH) })
 	nfsPub := k.Publish("pod-nfs", "pv-nfs", "nfs.csi.k8s.io", "server#srv/share#pv-nfs#", nfsExport, false)
+	// Drivers not in the catalogue that publish from elsewhere too: one
+	// says it does not stage, one did not answer.
+	noStage := k.StagingPath(noStageDriver, "ns-1")
+	k.Publish("pod-ns", "pv-ns", noStageDriver, "ns-1", nfsExport, false)
+	silent := k.StagingPath(silentDriver, "si-1")
+	k.Publish("pod-si", "pv-si", silentDriver, "si-1", nfsExport, false)
 	// Deleted: the subPath directory was removed under the bind.
 	delStaging := k.StagingPath(labDriver, "deleted")
 	lab.StartFaultFS(t, delStaging)
@@ -168,6 +194,14 @@ func TestProbeRealFaults(t *testing.T) {
 	}
 	if r, ok := got[nfsStaging]; ok {
 		t.Errorf("%s: state %v; the bare globalmount of a driver that never stages is what kubelet leaves, not a lost staging mount", nfsStaging, r.State)
+	}
+	for _, p := range []string{noStage, silent} {
+		if r, ok := got[p]; ok {
+			t.Errorf("%s: state %v; a driver that does not stage, or did not say, leaves globalmount bare", p, r.State)
+		}
+	}
+	if !slices.Equal(inv.StagingUnknown, []string{silentDriver}) {
+		t.Errorf("StagingUnknown = %q, want %q: the driver that did not say whether it stages", inv.StagingUnknown, silentDriver)
 	}
 	if r := got[nfsPub]; r.State != Healthy {
 		t.Errorf("nfs publish target: state %v, want Healthy", r.State)
@@ -315,7 +349,7 @@ func TestLostStagingNeedsAStagingMountBefore(t *testing.T) {
 	if err := unix.Unmount(lost.staging, unix.MNT_DETACH); err != nil {
 		t.Fatal(err)
 	}
-	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true, PublishGrace: -1})
+	inv, err := ReadFile("/proc/self/mountinfo", Options{Root: root, Live: true, PublishGrace: -1, DriverStages: labDriverStages})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -35,6 +35,15 @@ func NewTableReader(path string, opts Options) *TableReader {
 	return &TableReader{path: path, opts: opts, read: ReadTable}
 }
 
+// SetDriverStages sets Options.DriverStages for the reads that start
+// after it: the agent's cache of driver capabilities, which exists only
+// once the agent does.
+func (t *TableReader) SetDriverStages(f func(driver string) (stages, known bool)) {
+	t.mu.Lock()
+	t.opts.DriverStages = f
+	t.mu.Unlock()
+}
+
 // Path is the table's path.
 func (t *TableReader) Path() string { return t.path }
 
@@ -87,7 +96,10 @@ func (t *TableReader) Read(ctx context.Context) (*Inventory, error) {
 	}
 	// The read serves other callers too: it is not cut short by the first
 	// caller's context.
-	rd.inv, rd.err = t.read(context.WithoutCancel(ctx), t.path, t.opts)
+	t.mu.Lock()
+	opts := t.opts
+	t.mu.Unlock()
+	rd.inv, rd.err = t.read(context.WithoutCancel(ctx), t.path, opts)
 	t.mu.Lock()
 	if t.running == rd {
 		t.running = nil

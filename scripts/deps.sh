@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests use: the FUSE clients and tools the
-# fault lab drives, the real CSI driver's s3fs and rclone, Prometheus/promtool for the
+# fault lab drives, the real CSI driver's s3fs and rclone, sshfs with sftp-server (no
+# sshd) for the lab's layout drivers, Prometheus/promtool for the
 # metrics checks, containerd/runc and busybox-static for the e2e node, buildah
 # for the image.
 # Installs nothing that is already there.
 set -euo pipefail
-pkgs=(s3fs rclone fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client)
+pkgs=(s3fs rclone sshfs openssh-sftp-server fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client)
 missing=()
 for p in "${pkgs[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

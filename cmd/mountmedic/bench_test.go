@@ -17,6 +17,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
+
+	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
 
@@ -190,7 +193,10 @@ func (d *discardCounter) Write(p []byte) (int, error) { d.n += len(p); return le
 
 // BenchmarkScanCapture is the issue's "scan --mountinfo of a 10k-mount
 // capture" measured inside one process: the raw read of the file (from the
-// page cache), then scan itself (read, classify, assess, format) in each
+// page cache), moby/sys/mountinfo's parse of it (the library scan builds
+// on: the floor of reading a mount table in Go), scan's own read and
+// classification of it (probe.ReadFile, which links the volume graph too),
+// then scan itself (read, classify, assess, format) in each
 // output format.
 func BenchmarkScanCapture(b *testing.B) {
 	for _, tc := range []struct {
@@ -208,6 +214,30 @@ func BenchmarkScanCapture(b *testing.B) {
 			b.SetBytes(size)
 			for b.Loop() {
 				if _, err := os.ReadFile(path); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(name+"/mountinfo-parse", func(b *testing.B) {
+			b.SetBytes(size)
+			b.ReportAllocs()
+			for b.Loop() {
+				f, err := os.Open(path)
+				if err != nil {
+					b.Fatal(err)
+				}
+				_, err = mountinfo.GetMountsFromReader(f, nil)
+				f.Close()
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(name+"/read-classify", func(b *testing.B) {
+			b.SetBytes(size)
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := probe.ReadFile(path, probe.Options{}); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -230,6 +260,30 @@ func BenchmarkScanCapture(b *testing.B) {
 // writes its peak RSS (VmHWM, in KiB) as it exits. getrusage cannot say it:
 // a child's ru_maxrss includes the parent's memory it shared until exec.
 const envPeakRSS = "MOUNTMEDIC_TEST_PEAK_RSS"
+
+// envParseMountinfo makes the test binary parse the mount table it names
+// with moby/sys/mountinfo, and do nothing else, as BenchmarkScanProcess's
+// baseline of a Go program that reads a mount table: the same runtime,
+// the same file, the library's parse.
+const envParseMountinfo = "MOUNTMEDIC_TEST_PARSE_MOUNTINFO"
+
+func parseMountinfoOnly(path string) int {
+	f, err := os.Open(path)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, nil)
+	if err != nil || len(infos) == 0 {
+		fmt.Fprintln(os.Stderr, "parse", path, err)
+		return 1
+	}
+	if p := os.Getenv(envPeakRSS); p != "" {
+		writePeakRSS(p)
+	}
+	return 0
+}
 
 func writePeakRSS(path string) {
 	status, err := os.ReadFile("/proc/self/status")
@@ -262,7 +316,11 @@ func BenchmarkScanProcess(b *testing.B) {
 		for b.Loop() {
 			cmd := exec.Command(name, args...)
 			self := name == os.Args[0]
-			if self {
+			switch {
+			case self && args[0] == "parse":
+				cmd = exec.Command(name)
+				cmd.Env = append(os.Environ(), envParseMountinfo+"="+args[1], envPeakRSS+"="+hwm)
+			case self:
 				cmd.Env = append(os.Environ(), envRunMain+"=1", envPeakRSS+"="+hwm)
 			}
 			cmd.Stdout = io.Discard
@@ -297,8 +355,10 @@ func BenchmarkScanProcess(b *testing.B) {
 	mixed := filepath.Join(b.TempDir(), "mixed")
 	mixedSize := writeCaptureOf(b, mixed, 10000, true)
 	b.Run("mounts=10000/cat", func(b *testing.B) { run(b, size, "cat", path) })
+	b.Run("mounts=10000/mountinfo-parse", func(b *testing.B) { run(b, size, os.Args[0], "parse", path) })
 	b.Run("mounts=10000/scan", func(b *testing.B) { run(b, size, os.Args[0], "scan", "--mountinfo", path) })
 	b.Run("mixed-drivers/cat", func(b *testing.B) { run(b, mixedSize, "cat", mixed) })
+	b.Run("mixed-drivers/mountinfo-parse", func(b *testing.B) { run(b, mixedSize, os.Args[0], "parse", mixed) })
 	b.Run("mixed-drivers/scan", func(b *testing.B) { run(b, mixedSize, os.Args[0], "scan", "--mountinfo", mixed) })
 	b.Run("no-kubelet/scan", func(b *testing.B) { run(b, 0, os.Args[0], "scan", "--mountinfo", empty) })
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/api/resource"
 
+	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/probe"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
@@ -169,6 +170,7 @@ func scanTable(ctx context.Context, f scanFlags) (*probe.Inventory, *probe.Repor
 			}
 		} else {
 			f.opts.Live = true
+			f.opts.DriverStages = askDriverStages(ctx, f.opts.Root)
 			if r.inv, r.err = probe.ReadTable(ctx, f.hostTable, f.opts); r.err == nil {
 				r.rep = probe.NewProber(f.cfg).Probe(ctx, r.inv)
 			}
@@ -186,6 +188,32 @@ func scanTable(ctx context.Context, f scanFlags) (*probe.Inventory, *probe.Repor
 		return nil, nil, context.Cause(ctx)
 	}
 }
+
+// askDriverStages asks a CSI driver, through its socket under the kubelet
+// root, whether it stages volumes (NodeGetCapabilities), once per driver and
+// for at most driverAskTimeout: a driver that does not answer is not known.
+func askDriverStages(ctx context.Context, root string) func(string) (bool, bool) {
+	if root == "" {
+		root = probe.DefaultKubeletRoot
+	}
+	caps := agent.DialDriverCaps(root)
+	type answer struct{ stages, known bool }
+	asked := make(map[string]answer)
+	return func(driver string) (bool, bool) {
+		if a, ok := asked[driver]; ok {
+			return a.stages, a.known
+		}
+		cctx, cancel := context.WithTimeout(ctx, driverAskTimeout)
+		defer cancel()
+		c, err := caps(cctx, driver)
+		a := answer{stages: c.StageUnstage, known: err == nil}
+		asked[driver] = a
+		return a.stages, a.known
+	}
+}
+
+// driverAskTimeout bounds scan's NodeGetCapabilities call to each driver.
+const driverAskTimeout = 2 * time.Second
 
 // scanRow is one mount in scan's JSON output.
 type scanRow struct {
@@ -210,13 +238,20 @@ type scanRow struct {
 }
 
 type scanDoc struct {
-	Source      string    `json:"source"`
-	KubeletRoot string    `json:"kubeletRoot"`
-	Offline     bool      `json:"offline"`
-	TableMounts int       `json:"tableMounts"`
-	Backends    int       `json:"backends"`
-	Broken      int       `json:"broken"`
-	Mounts      []scanRow `json:"mounts"` // written one at a time by writeJSON
+	Source      string `json:"source"`
+	KubeletRoot string `json:"kubeletRoot"`
+	Offline     bool   `json:"offline"`
+	TableMounts int    `json:"tableMounts"`
+	Backends    int    `json:"backends"`
+	Broken      int    `json:"broken"`
+	// Strays are mount points in staging directories that no driver's
+	// layout puts there: left alone.
+	Strays []probe.Stray `json:"strays,omitempty"`
+	// StagingUnknown are the drivers, not in the catalogue, that did not
+	// say whether they stage: a lost staging mount of theirs is not
+	// reported.
+	StagingUnknown []string  `json:"stagingUnknown,omitempty"`
+	Mounts         []scanRow `json:"mounts"` // written one at a time by writeJSON
 }
 
 // rowMaker makes scan rows, describing each backend once: a thousand
@@ -266,7 +301,7 @@ func (rm *rowMaker) row(r probe.Result) scanRow {
 // never held twice in memory.
 func writeJSON(w io.Writer, inv *probe.Inventory, rep *probe.Report, offline bool) error {
 	head := scanDoc{Source: inv.Source, KubeletRoot: inv.Root, Offline: offline, TableMounts: inv.Total,
-		Backends: len(inv.Backends), Broken: len(rep.Broken())}
+		Backends: len(inv.Backends), Broken: len(rep.Broken()), Strays: inv.Strays, StagingUnknown: inv.StagingUnknown}
 	data, err := json.MarshalIndent(head, "", "  ")
 	if err != nil {
 		return err
@@ -342,6 +377,9 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	if len(rep.Mounts) == 0 {
 		_, err := fmt.Fprintf(w, "no kubelet volume mounts under %s in %s (%d mounts read): nothing to check\n",
 			printable(inv.Root), printable(inv.Source), inv.Total)
+		if err == nil {
+			err = writeStrays(w, inv)
+		}
 		return err
 	}
 	header := []string{"STATE", "KIND", "POD", "VOLUME", "DRIVER", "DAEMON", "BACKEND", "DEV", "PROBE", "ERROR"}
@@ -385,7 +423,52 @@ func writeTable(w io.Writer, inv *probe.Inventory, rep *probe.Report, wide, offl
 	}
 	fmt.Fprintf(bw, "\n%d kubelet mounts on %d backends under %s, %d mounts in %s (%s); %d broken\n",
 		len(rep.Mounts), len(inv.Backends), printable(inv.Root), inv.Total, printable(inv.Source), mode, broken)
+	if err := writeStrays(bw, inv); err != nil {
+		return err
+	}
+	writeStagingNotes(bw, inv, offline)
 	return bw.Flush()
+}
+
+// writeStagingNotes says where scan cannot know whether a staging mount is
+// gone: a driver not in the catalogue that did not say whether it stages
+// (live), and every publish target with no staging mount in a captured
+// table, which holds neither kubelet's globalmount directories nor the
+// drivers' capabilities.
+func writeStagingNotes(w io.Writer, inv *probe.Inventory, offline bool) {
+	if len(inv.StagingUnknown) > 0 {
+		fmt.Fprintf(w, "not known whether a staging mount is gone: CSI drivers %s are not in the catalogue and did not answer NodeGetCapabilities, so a bare globalmount of theirs is not reported\n",
+			printable(strings.Join(inv.StagingUnknown, ", ")))
+	}
+	if !offline {
+		return
+	}
+	n := 0
+	for _, m := range inv.Mounts {
+		if m.Target.Kind == kubelet.KindPublish && m.From == nil {
+			n++
+		}
+	}
+	if n > 0 {
+		fmt.Fprintf(w, "not known whether a staging mount is gone: %d publish targets have no staging mount in the table, and a captured table holds neither kubelet's globalmount directories nor the drivers' capabilities; run scan live on the node\n", n)
+	}
+}
+
+// writeStrays names the mount points in staging directories that no
+// driver's layout puts there, which scan and the agent leave alone.
+func writeStrays(w io.Writer, inv *probe.Inventory) error {
+	if len(inv.Strays) == 0 {
+		return nil
+	}
+	if _, err := fmt.Fprintf(w, "%d mounts in staging directories are not staging mounts, left alone (not probed, never repaired):\n", len(inv.Strays)); err != nil {
+		return err
+	}
+	for _, s := range inv.Strays {
+		if _, err := fmt.Fprintf(w, "  %s: %s\n", printable(s.Path), printable(s.Why)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // tableCells appends the cells of one mount's row to cells, each escaped:

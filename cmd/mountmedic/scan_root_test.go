@@ -14,6 +14,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if p := os.Getenv(envParseMountinfo); p != "" {
+		os.Exit(parseMountinfoOnly(p))
+	}
 	if os.Getenv(envRunMain) == "1" {
 		// A copy of the test binary that a test started as the command.
 		code := run()

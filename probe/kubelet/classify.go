@@ -206,6 +206,8 @@ func classifyPlugin(seg []string) (Target, bool) {
 		t.Sub = seg[3]
 	}
 	if seg[0] == "pv" {
+		// The legacy path names no handle: a directory below it is
+		// checked against vol_data.json by the caller (probe.Build).
 		t.PV = seg[1]
 		return t, true
 	}
@@ -213,7 +215,50 @@ func classifyPlugin(seg []string) (Target, bool) {
 		return Target{}, false
 	}
 	t.Driver, t.HandleHash = seg[0], seg[1]
+	if t.Sub != "" && StrayStaging(t.Driver, t.HandleHash, t.Sub) != "" {
+		return Target{}, false
+	}
 	return t, true
+}
+
+// StrayStaging says why a mount point one directory below a per-driver
+// globalmount (…/<driver>/<hash>/globalmount/<sub>) is not that volume's
+// staging mount, "" when it is: the driver stages there (ceph-csi RBD and
+// drivers not in the catalogue may; a catalogued driver of another layout
+// never does) and sub is the volume ID, which for CSI is the volume handle
+// whose hash names the directory above. A privileged pod with
+// Bidirectional mount propagation can mount anything there; what fails
+// this is no kubelet mount and is never acted on.
+func StrayStaging(driver, handleHash, sub string) string {
+	if d, ok := LookupDriver(driver); ok && d.Layout != LayoutVolumeIDDir {
+		return fmt.Sprintf("%s (%s) stages on globalmount itself (layout %s), never below it", driver, d.Project, d.Layout)
+	}
+	if HandleHash(sub) != handleHash {
+		return fmt.Sprintf("directory %q below globalmount is not the volume ID: its sha256 is not the staging directory's %.12s", sub, handleHash)
+	}
+	return ""
+}
+
+// StrayPath is StrayStaging of a mount point under the kubelet root root:
+// "" when mountpoint is not one directory below a per-driver globalmount
+// or is that volume's staging mount.
+func StrayPath(root, mountpoint string) string {
+	rel, ok := under(root, mountpoint)
+	if !ok {
+		return ""
+	}
+	seg := strings.Split(rel, "/")
+	// plugins/kubernetes.io/csi/<driver>/<hash>/globalmount/<sub>
+	if len(seg) != 7 || seg[0] != "plugins" || seg[1] != "kubernetes.io" || seg[2] != "csi" ||
+		seg[3] == "pv" || seg[3] == "volumeDevices" || seg[5] != GlobalMountDir || !isSHA256Hex(seg[4]) {
+		return ""
+	}
+	for _, s := range seg {
+		if s == "" || s == "." || s == ".." {
+			return ""
+		}
+	}
+	return StrayStaging(seg[3], seg[4], seg[6])
 }
 
 // inTreeDevicePlugins are the in-tree volume plugins that mount a device

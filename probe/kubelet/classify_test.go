@@ -5,6 +5,8 @@ import "testing"
 func TestClassify(t *testing.T) {
 	const root = "/var/lib/kubelet"
 	const sha = "3c1322b59623fa39fb5812635250c05175816f4d79b00c35196efc3f601eeeb9"
+	const rbdID = "0001-0009-rook-ceph-0000000000000002-5c2e1a3d-9b1f-11ef-8f3a-0a580a810215"
+	rbdHash := HandleHash(rbdID)
 	tests := map[string]struct {
 		path string
 		want Target
@@ -23,9 +25,22 @@ func TestClassify(t *testing.T) {
 			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, PV: "pv-5"}, ok: true,
 		},
 		"csi staging below globalmount (ceph-csi rbd)": {
-			path: root + "/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/" + sha + "/globalmount/0001-0009-rook-ceph-0000000000000002-5c2e",
-			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, Driver: "rook-ceph.rbd.csi.ceph.com", HandleHash: sha,
-				Sub: "0001-0009-rook-ceph-0000000000000002-5c2e"}, ok: true,
+			path: root + "/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/" + rbdHash + "/globalmount/" + rbdID,
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, Driver: "rook-ceph.rbd.csi.ceph.com", HandleHash: rbdHash,
+				Sub: rbdID}, ok: true,
+		},
+		"below globalmount, not the volume ID": {
+			path: root + "/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/" + rbdHash + "/globalmount/evil",
+		},
+		"below globalmount, another volume's ID": {
+			path: root + "/plugins/kubernetes.io/csi/rook-ceph.rbd.csi.ceph.com/" + sha + "/globalmount/" + rbdID,
+		},
+		"below globalmount of a driver that stages on it": {
+			path: root + "/plugins/kubernetes.io/csi/ru.yandex.s3.csi/" + rbdHash + "/globalmount/" + rbdID,
+		},
+		"below globalmount of an uncatalogued driver, the volume ID": {
+			path: root + "/plugins/kubernetes.io/csi/fs.example.com/" + rbdHash + "/globalmount/" + rbdID,
+			want: Target{Kind: KindStaging, Plugin: CSIPluginDir, Driver: "fs.example.com", HandleHash: rbdHash, Sub: rbdID}, ok: true,
 		},
 		"legacy staging below globalmount": {
 			path: root + "/plugins/kubernetes.io/csi/pv/pv-5/globalmount/vol-1",
@@ -180,4 +195,34 @@ func FuzzClassify(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestStrayPath(t *testing.T) {
+	const root = "/var/lib/kubelet"
+	const id = "0001-0009-rook-ceph-0000000000000002-5c2e1a3d-9b1f-11ef-8f3a-0a580a810215"
+	csi := root + "/plugins/kubernetes.io/csi/"
+	tests := map[string]struct {
+		path  string
+		stray bool
+	}{
+		"the volume ID":                 {csi + "rbd.csi.ceph.com/" + HandleHash(id) + "/globalmount/" + id, false},
+		"another name":                  {csi + "rbd.csi.ceph.com/" + HandleHash(id) + "/globalmount/x", true},
+		"a driver staging on it":        {csi + "ru.yandex.s3.csi/" + HandleHash(id) + "/globalmount/" + id, true},
+		"globalmount itself":            {csi + "rbd.csi.ceph.com/" + HandleHash(id) + "/globalmount", false},
+		"legacy path (checked later)":   {csi + "pv/pv-1/globalmount/x", false},
+		"two levels below":              {csi + "rbd.csi.ceph.com/" + HandleHash(id) + "/globalmount/x/y", false},
+		"outside the root":              {"/srv/plugins/kubernetes.io/csi/rbd.csi.ceph.com/" + HandleHash(id) + "/globalmount/x", false},
+		"block staging (checked later)": {csi + "volumeDevices/staging/pv-1/x", false},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			why := StrayPath(root, tc.path)
+			if (why != "") != tc.stray {
+				t.Errorf("StrayPath(%q) = %q, want stray %v", tc.path, why, tc.stray)
+			}
+			if _, ok := Classify(root, tc.path); ok && why != "" {
+				t.Errorf("Classify(%q) = ok for a stray", tc.path)
+			}
+		})
+	}
 }
