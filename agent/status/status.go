@@ -278,7 +278,9 @@ func readRepairs(ctx context.Context, cs kubernetes.Interface, opts Options, row
 				continue
 			}
 			node := ""
-			if _, podName, ok := strings.Cut(e.ReportingInstance, agent.ReportingController+"-"); ok {
+			if rows[e.ReportingInstance] != nil {
+				node = e.ReportingInstance // the agent names its node (agent/eventsink.go)
+			} else if _, podName, ok := strings.Cut(e.ReportingInstance, agent.ReportingController+"-"); ok {
 				node = agentNode[podName]
 			}
 			if node == "" && e.InvolvedObject.Kind == "Pod" {
