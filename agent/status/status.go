@@ -106,6 +106,8 @@ var repairOutcome = map[agent.Reason]string{
 	agent.ReasonEvictionBlocked: "eviction blocked",
 	agent.ReasonDriverDown:      "driver down",
 	agent.ReasonVolumeBroken:    "broken",
+	agent.ReasonRepairOptedOut:  "opted out",
+	agent.ReasonWouldRepair:     "dry run",
 }
 
 // pageSize bounds each list (nodes and events): a 5,000-node cluster is
