@@ -30,7 +30,7 @@ var kustomizations = []struct {
 	dir   string
 	kinds []string
 }{
-	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "DaemonSet", "Service",
+	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "ClusterRole", "DaemonSet", "Service",
 		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration", "NetworkPolicy"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
