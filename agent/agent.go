@@ -239,7 +239,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if a.events == nil {
-		b := events.NewBroadcaster(&events.EventSinkImpl{Interface: a.client.EventsV1()})
+		b := events.NewBroadcaster(nodeEventSink{&events.EventSinkImpl{Interface: a.client.EventsV1()}, a.cfg.NodeName})
 		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
 			return fmt.Errorf("start event recording: %w", err)
 		}

@@ -251,7 +251,7 @@ func TestAgentHonoursClaimOptOut(t *testing.T) {
 	cfg.Tiers = remount.NewTierSet(remount.TierEvict)
 	a := e.startAgent(cfg, agent.Deps{})
 
-	e.waitEvent(pod.UID, string(agent.ReasonNotRepaired), agent.OptOutAnnotation)
+	e.waitEvent(pod.UID, string(agent.ReasonRepairOptedOut), agent.OptOutAnnotation)
 	time.Sleep(time.Second)
 	if n, _ := a.metric(`mountmedic_evictions_total{result="evicted"}`); n != 0 {
 		t.Errorf("evicted %v pods of an opted-out claim, want 0", n)

@@ -401,7 +401,7 @@ func TestAgentDryRunShowsTheRepairPlan(t *testing.T) {
 	cfg.DryRun = true
 	a := d.startAgent(cfg, agent.Deps{Repairer: rep})
 
-	ev := d.waitEvent(s.pod.UID, string(agent.ReasonNotRepaired), "[dry-run] would restage", "unmount")
+	ev := d.waitEvent(s.pod.UID, string(agent.ReasonWouldRepair), "[dry-run] would restage", "unmount")
 	t.Logf("dry-run plan: %s", ev.Note)
 	time.Sleep(time.Second)
 	if after := mountID(t, s.target); after != before {

@@ -27,6 +27,12 @@ const (
 	ReasonNotRepaired     Reason = "NotRepaired"
 	ReasonDriverDown      Reason = "DriverDown"
 	ReasonVolumeGuarded   Reason = "VolumeGuarded"
+	// ReasonRepairOptedOut: the pod or claim opted out of repairs
+	// (OptOutAnnotation); the volume is probed and reported only.
+	ReasonRepairOptedOut Reason = "RepairOptedOut"
+	// ReasonWouldRepair: with --dry-run, the repair the agent would make
+	// now and the rungs after it.
+	ReasonWouldRepair Reason = "WouldRepair"
 )
 
 // Event actions (events.k8s.io "action": what the agent did or tried).

@@ -188,7 +188,7 @@ func (a *Agent) checkResolved(ctx context.Context, j *job, r *resolved, err erro
 	switch {
 	case errors.As(err, &optOut):
 		if a.notes.once(j.key, noteOptOut, "") {
-			a.report.volume(j.active, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, a.report.message("%s", optOut.Error()))
+			a.report.volume(j.active, r.pvc, corev1.EventTypeNormal, ReasonRepairOptedOut, actionRepair, a.report.message("%s", optOut.Error()))
 		}
 		res.outcome = outcomeIgnored
 		return nil, true
@@ -252,7 +252,7 @@ func (a *Agent) dryRun(ctx context.Context, j *job, r *resolved, rungs []remount
 	note := a.report.message("would %s (%s), then if that does not heal it: %s", tier, plan, orNothing(rungList(rungs[1:])))
 	if a.notes.once(j.key, noteDryRun, note) {
 		klog.FromContext(ctx).V(2).Info("Dry run", "tiers", rungList(rungs), "actions", len(out.Actions), "err", out.Err)
-		a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonNotRepaired, actionRepair, note)
+		a.report.volume(r.pods, r.pvc, corev1.EventTypeNormal, ReasonWouldRepair, actionRepair, note)
 	}
 	res.outcome = outcomeWaiting
 	return res

@@ -43,11 +43,12 @@ var chartParts = []struct{ dir, file, cond, set string }{
 	{"prometheus", "prometheus.yaml", ".Values.prometheus.enabled", "prometheus.enabled=true"},
 	{"grafana", "grafana.yaml", ".Values.grafana.enabled", "grafana.enabled=true"},
 	{"profiles/openshift", "openshift.yaml", `eq .Values.profile "openshift"`, "profile=openshift"},
+	{"identity/serviceaccount", "identity.yaml", `eq (include "mountmedic.identity" .) "serviceaccount"`, "identity=serviceaccount"},
 }
 
 // isComponent tells a kustomize Component, which renders only on a base.
 func isComponent(dir string) bool {
-	return dir == "controller" || strings.HasPrefix(dir, "profiles/")
+	return dir == "controller" || strings.HasPrefix(dir, "profiles/") || strings.HasPrefix(dir, "identity/")
 }
 
 // componentOverlay is an overlay (in overlays/<name>/) of the base with
@@ -476,7 +477,7 @@ func TestChartRendersTheBase(t *testing.T) {
 			var want []object
 			set := []string{"namespace.create=true"}
 			for _, p := range chartParts {
-				if strings.HasPrefix(p.dir, "profiles/") || (p.cond != "" && !all) {
+				if strings.HasPrefix(p.dir, "profiles/") || strings.HasPrefix(p.dir, "identity/") || (p.cond != "" && !all) {
 					continue
 				}
 				if p.set != "" {
@@ -491,6 +492,13 @@ func TestChartRendersTheBase(t *testing.T) {
 			compareRenders(t, want, helmTemplate(t, baseNamespace, set...))
 		})
 	}
+}
+
+// TestChartIdentity compares the chart's identity=serviceaccount with the
+// base plus deploy/identity/serviceaccount.
+func TestChartIdentity(t *testing.T) {
+	want := renderOverlay(t, "identity-serviceaccount", componentOverlay("identity/serviceaccount"))
+	compareRenders(t, want, helmTemplate(t, baseNamespace, "identity=serviceaccount"))
 }
 
 // withFailoverArg returns objs with --failover=true added to the agent's

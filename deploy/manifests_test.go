@@ -30,7 +30,7 @@ var kustomizations = []struct {
 	dir   string
 	kinds []string
 }{
-	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "DaemonSet", "Service",
+	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "ClusterRole", "DaemonSet", "Service",
 		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration", "NetworkPolicy"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
@@ -83,7 +83,13 @@ func decodeDaemonSet(t *testing.T, objs []object) *appsv1.DaemonSet {
 func checkAgentArgs(t *testing.T, bin string, args []string) {
 	t.Helper()
 	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
-	cmdArgs := append(slices.Clone(args), "--node-name=node-1", "--node-kubeconfig="+missing)
+	// The identity's credentials: the kubelet's kubeconfig, or the
+	// ServiceAccount's (outside a pod, a kubeconfig).
+	credentials := "--node-kubeconfig="
+	if id, _ := flagValue(args, "identity"); id == "serviceaccount" {
+		credentials = "--kubeconfig="
+	}
+	cmdArgs := append(slices.Clone(args), "--node-name=node-1", credentials+missing)
 	out, err := exec.Command(bin, cmdArgs...).CombinedOutput()
 	if err == nil || !strings.Contains(string(out), missing) || strings.Count(strings.TrimSpace(string(out)), "\n") > 0 {
 		t.Errorf("mountmedic %s: want one error naming the missing kubeconfig, got %v:\n%s", strings.Join(cmdArgs, " "), err, out)

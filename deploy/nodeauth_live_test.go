@@ -46,10 +46,34 @@ const (
 // node-stage and a node-publish Secret, a VolumeAttachment, its Node. From
 // node A's credentials every object of node B is refused and node A's own
 // are allowed; the ServiceAccount writes only node A's heartbeat Lease.
-func TestNodeBlastRadius(t *testing.T) {
+func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode) }
+
+// TestServiceAccountBlastRadius is TestNodeBlastRadius for
+// --identity=serviceaccount (deploy/ with deploy/identity/serviceaccount):
+// node A's agent acts with its pod's token alone. Every write that reaches
+// node B is refused as with the node identity (the admission policies);
+// reads of node B's pods, claims, PVs and attachments are allowed (RBAC
+// cannot confine reads to a node), Secrets are refused.
+func TestServiceAccountBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityServiceAccount) }
+
+// radiusCase is one request of node A's agent and whether each identity
+// mode may make it.
+type radiusCase struct {
+	name     string
+	node, sa bool
+	// only: the mode the case applies to (empty: both).
+	only string
+	do   func() error
+}
+
+func blastRadius(t *testing.T, mode string) {
 	kc := kubectl(t)
 	c := kubetest.Start(t, kubetest.Options{})
-	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", ".")
+	dir := "."
+	if mode == agent.IdentityServiceAccount {
+		dir = overlayDir(t, "identity-serviceaccount", componentOverlay("identity/serviceaccount"))
+	}
+	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", dir)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c.CreateNamespace(t, appsNS)
@@ -118,211 +142,279 @@ func TestNodeBlastRadius(t *testing.T) {
 	if _, err := admin.CoreV1().Secrets(appsNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "unreferenced"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-
-	// Node A's agent: its node's identity as the DaemonSet finds it (a
-	// kubeconfig naming kubelet's certificate file), and its pod's token.
-	dir := t.TempDir()
-	nodeKubeconfig := filepath.Join(dir, "etc", "kubernetes", "kubelet.conf")
-	c.WriteNodeKubeconfig(t, nodeKubeconfig, filepath.Join(dir, "var", "lib", "kubelet"), nodeA, "")
-	asNode, err := agent.NewNodeClient(agent.Config{NodeKubeconfig: nodeKubeconfig, NodeName: nodeA, Version: "test"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := agent.CheckNodeIdentity(ctx, asNode, nodeA); err != nil {
-		t.Fatalf("CheckNodeIdentity(node A's credentials, %s) = %v, want nil", nodeA, err)
-	}
-	if err := agent.CheckNodeIdentity(ctx, asNode, nodeB); !errors.Is(err, agent.ErrNotNodeIdentity) {
-		t.Errorf("CheckNodeIdentity(node A's credentials, %s) = %v, want ErrNotNodeIdentity", nodeB, err)
-	}
-	if err := agent.CheckNodeIdentity(ctx, admin, nodeA); !errors.Is(err, agent.ErrNotNodeIdentity) {
-		t.Errorf("CheckNodeIdentity(the admin's credentials, %s) = %v, want ErrNotNodeIdentity", nodeA, err)
-	}
-	asSA := clientFor(t, c.PodTokenConfig(t, objs[nodeA].agentPod))
 	a, b := objs[nodeA], objs[nodeB]
 
-	// The Node authorizer learns the pods, claims and volumes from its
-	// own informers: wait until node A reads its own Secret, then judge.
-	waitAllowed(ctx, t, "node A gets the node-stage Secret of its pod's PV", func() error {
-		_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
-		return err
-	})
-	waitAllowed(ctx, t, "node A gets the VolumeAttachment of its node", func() error {
-		_, err := asNode.StorageV1().VolumeAttachments().Get(ctx, a.va, metav1.GetOptions{})
-		return err
-	})
+	// Node A's agent: its pod's token, and (node mode) its node's
+	// identity as the DaemonSet finds it (a kubeconfig naming kubelet's
+	// certificate file). ag is the client the agent acts with.
+	asSA := clientFor(t, c.PodTokenConfig(t, a.agentPod))
+	unbound := clientFor(t, c.ServiceAccountConfig(t, "mountmedic", "mountmedic"))
+	ag := asSA
+	if mode == agent.IdentityNode {
+		dir := t.TempDir()
+		nodeKubeconfig := filepath.Join(dir, "etc", "kubernetes", "kubelet.conf")
+		c.WriteNodeKubeconfig(t, nodeKubeconfig, filepath.Join(dir, "var", "lib", "kubelet"), nodeA, "")
+		asNode, err := agent.NewNodeClient(agent.Config{NodeKubeconfig: nodeKubeconfig, NodeName: nodeA, Version: "test"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := agent.CheckNodeIdentity(ctx, asNode, nodeA); err != nil {
+			t.Fatalf("CheckNodeIdentity(node A's credentials, %s) = %v, want nil", nodeA, err)
+		}
+		if err := agent.CheckNodeIdentity(ctx, asNode, nodeB); !errors.Is(err, agent.ErrNotNodeIdentity) {
+			t.Errorf("CheckNodeIdentity(node A's credentials, %s) = %v, want ErrNotNodeIdentity", nodeB, err)
+		}
+		if err := agent.CheckNodeIdentity(ctx, admin, nodeA); !errors.Is(err, agent.ErrNotNodeIdentity) {
+			t.Errorf("CheckNodeIdentity(the admin's credentials, %s) = %v, want ErrNotNodeIdentity", nodeA, err)
+		}
+		ag = asNode
+		// The Node authorizer learns the pods, claims and volumes from
+		// its own informers: wait until node A reads its own Secret.
+		waitAllowed(ctx, t, "node A gets the node-stage Secret of its pod's PV", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
+			return err
+		})
+		waitAllowed(ctx, t, "node A gets the VolumeAttachment of its node", func() error {
+			_, err := ag.StorageV1().VolumeAttachments().Get(ctx, a.va, metav1.GetOptions{})
+			return err
+		})
+	} else {
+		saClient, err := agent.NewServiceAccountClient(agent.Config{NodeName: nodeA, Version: "test"}, c.PodTokenConfig(t, a.agentPod))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := agent.CheckServiceAccountIdentity(ctx, saClient, nodeA); err != nil {
+			t.Fatalf("CheckServiceAccountIdentity(node A's pod token, %s) = %v, want nil", nodeA, err)
+		}
+		if err := agent.CheckServiceAccountIdentity(ctx, saClient, nodeB); !errors.Is(err, agent.ErrNotNodeBound) {
+			t.Errorf("CheckServiceAccountIdentity(node A's pod token, %s) = %v, want ErrNotNodeBound", nodeB, err)
+		}
+		if err := agent.CheckServiceAccountIdentity(ctx, unbound, nodeA); !errors.Is(err, agent.ErrNotNodeBound) {
+			t.Errorf("CheckServiceAccountIdentity(a token bound to no pod, %s) = %v, want ErrNotNodeBound", nodeA, err)
+		}
+		if err := agent.CheckServiceAccountIdentity(ctx, admin, nodeA); !errors.Is(err, agent.ErrNotNodeBound) {
+			t.Errorf("CheckServiceAccountIdentity(the admin's credentials, %s) = %v, want ErrNotNodeBound", nodeA, err)
+		}
+		ag = saClient
+		// The eviction policy reads the pods through a parameter
+		// informer: wait for its first refusal.
+		refusal := waitRefused(ctx, t, "node A's ServiceAccount evicts node B's pod (dry run)", func() error {
+			return evictDry(ctx, ag, b.pod)
+		})
+		t.Logf("node A's ServiceAccount evicting node B's pod: %v", refusal)
+	}
 
 	ownNode := func(node string) metav1.ListOptions {
 		return metav1.ListOptions{FieldSelector: "spec.nodeName=" + node}
 	}
 	annotate := []byte(`{"metadata":{"annotations":{"mountmedic.io/test":"x"}}}`)
+	condition := func(typ string) []byte {
+		now := time.Now().UTC().Format(time.RFC3339)
+		return []byte(`{"status":{"conditions":[{"type":"` + typ + `","status":"False","reason":"Test","message":"test",` +
+			`"lastHeartbeatTime":"` + now + `","lastTransitionTime":"` + now + `"}]}}`)
+	}
 	lease := func(name string) *coordinationv1.Lease {
 		return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "mountmedic"},
 			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To("mountmedic-" + nodeA)}}
 	}
-	// The ValidatingAdmissionPolicy is enforced once the API server has
-	// loaded it: wait for its first refusal.
+	event := func(controller, instance string) *eventsv1.Event {
+		return &eventsv1.Event{
+			ObjectMeta: metav1.ObjectMeta{GenerateName: "radius-"}, EventTime: metav1.NowMicro(),
+			ReportingController: controller, ReportingInstance: instance,
+			Action: "Test", Reason: "Test", Type: corev1.EventTypeNormal,
+			Regarding: corev1.ObjectReference{Kind: "Pod", Namespace: appsNS, Name: a.pod.Name, UID: a.pod.UID},
+		}
+	}
+	// The ValidatingAdmissionPolicies are enforced once the API server
+	// has loaded them: wait for their first refusals.
 	refusal := waitRefused(ctx, t, "the ServiceAccount creates node B's heartbeat Lease", func() error {
 		_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err
 	})
 	t.Logf("node A's ServiceAccount writing node B's Lease: %v", refusal)
+	refusal = waitRefused(ctx, t, "node A's agent writes an agent event naming node B", func() error {
+		_, err := ag.EventsV1().Events(appsNS).Create(ctx, event(agent.ReportingController, nodeB), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err
+	})
+	t.Logf("node A's agent writing an event as node B's agent: %v", refusal)
 	if _, err := admin.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{}); err != nil {
 		t.Fatalf("create node B's Lease as admin: %v", err)
 	}
 
-	for _, tc := range []struct {
-		name  string
-		allow bool
-		do    func() error
-	}{
-		// Secrets: only those a PV of a pod on node A names.
-		{"get the node-stage Secret of node A's PV", true, func() error {
-			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
+	for _, tc := range []radiusCase{
+		// Secrets: only those a PV of a pod on node A names, and none
+		// with the ServiceAccount.
+		{"get the node-stage Secret of node A's PV", true, false, "", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
 			return err
 		}},
-		{"get the node-publish Secret of node A's PV", true, func() error {
-			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, a.publish, metav1.GetOptions{})
+		{"get the node-publish Secret of node A's PV", true, false, "", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).Get(ctx, a.publish, metav1.GetOptions{})
 			return err
 		}},
-		{"get the node-stage Secret of node B's PV", false, func() error {
-			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, b.stage, metav1.GetOptions{})
+		{"get the node-stage Secret of node B's PV", false, false, "", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).Get(ctx, b.stage, metav1.GetOptions{})
 			return err
 		}},
-		{"get the node-publish Secret of node B's PV", false, func() error {
-			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, b.publish, metav1.GetOptions{})
+		{"get the node-publish Secret of node B's PV", false, false, "", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).Get(ctx, b.publish, metav1.GetOptions{})
 			return err
 		}},
-		{"get a Secret nothing names", false, func() error {
-			_, err := asNode.CoreV1().Secrets(appsNS).Get(ctx, "unreferenced", metav1.GetOptions{})
+		{"get a Secret nothing names", false, false, "", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).Get(ctx, "unreferenced", metav1.GetOptions{})
 			return err
 		}},
-		{"list Secrets", false, func() error {
-			_, err := asNode.CoreV1().Secrets(appsNS).List(ctx, metav1.ListOptions{})
+		{"list Secrets", false, false, "", func() error {
+			_, err := ag.CoreV1().Secrets(appsNS).List(ctx, metav1.ListOptions{})
 			return err
 		}},
-		// Claims, volumes, attachments.
-		{"get node A's PVC and PV", true, func() error {
-			if _, err := asNode.CoreV1().PersistentVolumeClaims(appsNS).Get(ctx, a.pvc, metav1.GetOptions{}); err != nil {
+		// Claims, volumes, attachments: reads, which RBAC cannot hold to
+		// a node.
+		{"get node A's PVC and PV", true, true, "", func() error {
+			if _, err := ag.CoreV1().PersistentVolumeClaims(appsNS).Get(ctx, a.pvc, metav1.GetOptions{}); err != nil {
 				return err
 			}
-			_, err := asNode.CoreV1().PersistentVolumes().Get(ctx, a.pv, metav1.GetOptions{})
+			_, err := ag.CoreV1().PersistentVolumes().Get(ctx, a.pv, metav1.GetOptions{})
 			return err
 		}},
-		{"get node B's PVC", false, func() error {
-			_, err := asNode.CoreV1().PersistentVolumeClaims(appsNS).Get(ctx, b.pvc, metav1.GetOptions{})
+		{"get node B's PVC", false, true, "", func() error {
+			_, err := ag.CoreV1().PersistentVolumeClaims(appsNS).Get(ctx, b.pvc, metav1.GetOptions{})
 			return err
 		}},
-		{"get node B's PV", false, func() error {
-			_, err := asNode.CoreV1().PersistentVolumes().Get(ctx, b.pv, metav1.GetOptions{})
+		{"get node B's PV", false, true, "", func() error {
+			_, err := ag.CoreV1().PersistentVolumes().Get(ctx, b.pv, metav1.GetOptions{})
 			return err
 		}},
-		{"get node A's VolumeAttachment", true, func() error {
-			_, err := asNode.StorageV1().VolumeAttachments().Get(ctx, a.va, metav1.GetOptions{})
+		{"get node A's VolumeAttachment", true, true, "", func() error {
+			_, err := ag.StorageV1().VolumeAttachments().Get(ctx, a.va, metav1.GetOptions{})
 			return err
 		}},
-		{"get node B's VolumeAttachment", false, func() error {
-			_, err := asNode.StorageV1().VolumeAttachments().Get(ctx, b.va, metav1.GetOptions{})
+		{"get node B's VolumeAttachment", false, true, "", func() error {
+			_, err := ag.StorageV1().VolumeAttachments().Get(ctx, b.va, metav1.GetOptions{})
 			return err
 		}},
-		{"list VolumeAttachments", false, func() error {
-			_, err := asNode.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		{"list VolumeAttachments", false, false, "", func() error {
+			_, err := ag.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 			return err
 		}},
-		{"delete node A's VolumeAttachment", false, func() error {
-			return asNode.StorageV1().VolumeAttachments().Delete(ctx, a.va, metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}})
+		{"delete node A's VolumeAttachment", false, false, "", func() error {
+			return ag.StorageV1().VolumeAttachments().Delete(ctx, a.va, metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}})
 		}},
-		{"get a CSIDriver", true, func() error {
-			_, err := asNode.StorageV1().CSIDrivers().Get(ctx, radiusCSI, metav1.GetOptions{})
+		{"get a CSIDriver", true, true, "", func() error {
+			_, err := ag.StorageV1().CSIDrivers().Get(ctx, radiusCSI, metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
 				return nil // allowed to ask; there is none
 			}
 			return err
 		}},
 		// Pods: the agent's informer, its GETs, evictions and deletions.
-		{"list and watch node A's pods", true, func() error {
-			if _, err := asNode.CoreV1().Pods("").List(ctx, ownNode(nodeA)); err != nil {
+		{"list and watch node A's pods", true, true, "", func() error {
+			if _, err := ag.CoreV1().Pods("").List(ctx, ownNode(nodeA)); err != nil {
 				return err
 			}
-			w, err := asNode.CoreV1().Pods("").Watch(ctx, ownNode(nodeA))
+			w, err := ag.CoreV1().Pods("").Watch(ctx, ownNode(nodeA))
 			if err == nil {
 				w.Stop()
 			}
 			return err
 		}},
-		{"list node B's pods", false, func() error {
-			_, err := asNode.CoreV1().Pods("").List(ctx, ownNode(nodeB))
+		{"list node B's pods", false, true, "", func() error {
+			_, err := ag.CoreV1().Pods("").List(ctx, ownNode(nodeB))
 			return err
 		}},
-		{"list every pod", false, func() error {
-			_, err := asNode.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+		{"list every pod", false, true, "", func() error {
+			_, err := ag.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 			return err
 		}},
-		{"get node A's pod", true, func() error {
-			_, err := asNode.CoreV1().Pods(appsNS).Get(ctx, a.pod.Name, metav1.GetOptions{})
+		{"get node A's pod", true, true, "", func() error {
+			_, err := ag.CoreV1().Pods(appsNS).Get(ctx, a.pod.Name, metav1.GetOptions{})
 			return err
 		}},
-		{"get node B's pod", false, func() error {
-			_, err := asNode.CoreV1().Pods(appsNS).Get(ctx, b.pod.Name, metav1.GetOptions{})
+		{"get node B's pod", false, true, "", func() error {
+			_, err := ag.CoreV1().Pods(appsNS).Get(ctx, b.pod.Name, metav1.GetOptions{})
 			return err
 		}},
-		{"evict node B's pod", false, func() error { return evict(ctx, asNode, b.pod) }},
-		{"delete node B's pod", false, func() error { return deleteUID(ctx, asNode, b.pod2) }},
-		{"create a pod", false, func() error {
-			_, err := asNode.CoreV1().Pods(appsNS).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "intruder"},
+		{"evict node B's pod", false, false, "", func() error { return evict(ctx, ag, b.pod) }},
+		{"delete node B's pod", false, false, "", func() error { return deleteUID(ctx, ag, b.pod2) }},
+		{"create a pod", false, false, "", func() error {
+			_, err := ag.CoreV1().Pods(appsNS).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "intruder"},
 				Spec: corev1.PodSpec{NodeName: nodeA, Containers: []corev1.Container{{Name: "c", Image: "busybox"}}}}, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		}},
-		// Nodes.
-		{"patch node A", true, func() error {
-			_, err := asNode.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType, annotate, metav1.PatchOptions{})
+		// Nodes: the agent writes its PodVolumeMountsBroken condition.
+		{"set node A's PodVolumeMountsBroken condition", true, true, "", func() error {
+			_, err := ag.CoreV1().Nodes().PatchStatus(ctx, nodeA, condition(string(agent.ConditionType)))
 			return err
 		}},
-		{"patch node B", false, func() error {
-			_, err := asNode.CoreV1().Nodes().Patch(ctx, nodeB, types.MergePatchType, annotate, metav1.PatchOptions{})
+		{"set node B's PodVolumeMountsBroken condition", false, false, "", func() error {
+			_, err := ag.CoreV1().Nodes().PatchStatus(ctx, nodeB, condition(string(agent.ConditionType)))
 			return err
 		}},
-		{"taint node A", false, func() error {
-			_, err := asNode.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType,
+		{"set node A's Ready condition", true, false, "", func() error {
+			_, err := ag.CoreV1().Nodes().PatchStatus(ctx, nodeA, condition(string(corev1.NodeReady)))
+			return err
+		}},
+		{"patch node A", true, false, "", func() error {
+			_, err := ag.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType, annotate, metav1.PatchOptions{})
+			return err
+		}},
+		{"patch node B", false, false, "", func() error {
+			_, err := ag.CoreV1().Nodes().Patch(ctx, nodeB, types.MergePatchType, annotate, metav1.PatchOptions{})
+			return err
+		}},
+		{"taint node A", false, false, "", func() error {
+			_, err := ag.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType,
 				[]byte(`{"spec":{"taints":[{"key":"mountmedic.io/test","effect":"NoSchedule"}]}}`), metav1.PatchOptions{})
 			return err
 		}},
-		{"get node B", false, func() error {
-			_, err := asNode.CoreV1().Nodes().Get(ctx, nodeB, metav1.GetOptions{})
+		{"get node B", false, true, "", func() error {
+			_, err := ag.CoreV1().Nodes().Get(ctx, nodeB, metav1.GetOptions{})
 			return err
 		}},
-		// Events: not confined to the node (kubelet's grant too).
-		{"create an event about node A's pod", true, func() error {
-			_, err := asNode.EventsV1().Events(appsNS).Create(ctx, &eventsv1.Event{
-				ObjectMeta: metav1.ObjectMeta{GenerateName: "radius-"}, EventTime: metav1.NowMicro(),
-				ReportingController: agent.ReportingController, ReportingInstance: "mountmedic-" + nodeA,
-				Action: "Test", Reason: "Test", Type: corev1.EventTypeNormal,
-				Regarding: corev1.ObjectReference{Kind: "Pod", Namespace: appsNS, Name: a.pod.Name, UID: a.pod.UID},
-			}, metav1.CreateOptions{})
+		// Events: the agent's own only as its node's agent.
+		{"create an agent event as node A's agent", true, true, "", func() error {
+			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event(agent.ReportingController, nodeA), metav1.CreateOptions{})
+			return err
+		}},
+		{"create an agent event as node B's agent", false, false, "", func() error {
+			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event(agent.ReportingController, nodeB), metav1.CreateOptions{})
+			return err
+		}},
+		{"create a core/v1 agent event as node B's agent", false, false, "", func() error {
+			_, err := ag.CoreV1().Events(appsNS).Create(ctx, coreAgentEvent(a.pod, nodeB), metav1.CreateOptions{})
+			return err
+		}},
+		{"create a failover heartbeat event", true, true, "", func() error {
+			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event("mountmedic.io/failover", "mountmedic.io/failover-"+a.agentPod.Name), metav1.CreateOptions{})
+			return err
+		}},
+		{"create an event of another controller", true, false, "", func() error {
+			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event("example.com/other", "x"), metav1.CreateOptions{})
 			return err
 		}},
 		// Tokens: only bound to its own pods (the agent mints none).
-		{"mint a token bound to node B's pod", false, func() error {
-			_, err := asNode.CoreV1().ServiceAccounts(appsNS).CreateToken(ctx, "default", &authenticationv1.TokenRequest{
+		{"mint a token bound to node B's pod", false, false, "", func() error {
+			_, err := ag.CoreV1().ServiceAccounts(appsNS).CreateToken(ctx, "default", &authenticationv1.TokenRequest{
 				Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: &authenticationv1.BoundObjectReference{
 					APIVersion: "v1", Kind: "Pod", Name: b.pod.Name, UID: b.pod.UID}},
 			}, metav1.CreateOptions{})
 			return err
 		}},
-		{"mint an unbound token of the agent's ServiceAccount", false, func() error {
-			_, err := asNode.CoreV1().ServiceAccounts("mountmedic").CreateToken(ctx, "mountmedic", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+		{"mint an unbound token of the agent's ServiceAccount", false, false, "", func() error {
+			_, err := ag.CoreV1().ServiceAccounts("mountmedic").CreateToken(ctx, "mountmedic", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
 			return err
 		}},
 		// Leases: a node writes only its own in kube-node-lease, the
 		// ServiceAccount only its node's heartbeat.
-		{"node identity: create a heartbeat Lease", false, func() error {
-			_, err := asNode.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		{"node identity: create a heartbeat Lease", false, false, agent.IdentityNode, func() error {
+			_, err := ag.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		}},
-		{"ServiceAccount: create node A's heartbeat Lease", true, func() error {
+		{"ServiceAccount: create node A's heartbeat Lease", true, true, "", func() error {
 			_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{})
 			return err
 		}},
-		{"ServiceAccount: renew node A's heartbeat Lease", true, func() error {
+		{"ServiceAccount: renew node A's heartbeat Lease", true, true, "", func() error {
 			l, err := asSA.CoordinationV1().Leases("mountmedic").Get(ctx, nodeA, metav1.GetOptions{})
 			if err != nil {
 				return err
@@ -331,15 +423,15 @@ func TestNodeBlastRadius(t *testing.T) {
 			_, err = asSA.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
 			return err
 		}},
-		{"ServiceAccount: list the heartbeat Leases", true, func() error {
+		{"ServiceAccount: list the heartbeat Leases", true, true, "", func() error {
 			_, err := asSA.CoordinationV1().Leases("mountmedic").List(ctx, metav1.ListOptions{})
 			return err
 		}},
-		{"ServiceAccount: create node B's heartbeat Lease", false, func() error {
+		{"ServiceAccount: create node B's heartbeat Lease", false, false, "", func() error {
 			_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{})
 			return err
 		}},
-		{"ServiceAccount: renew node B's heartbeat Lease", false, func() error {
+		{"ServiceAccount: renew node B's heartbeat Lease", false, false, "", func() error {
 			l, err := asSA.CoordinationV1().Leases("mountmedic").Get(ctx, nodeB, metav1.GetOptions{})
 			if err != nil {
 				return fmt.Errorf("get: %w (a get is allowed: the write is what must be refused)", err)
@@ -348,52 +440,104 @@ func TestNodeBlastRadius(t *testing.T) {
 			_, err = asSA.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
 			return err
 		}},
-		{"ServiceAccount: delete node B's heartbeat Lease", false, func() error {
+		{"ServiceAccount: delete node B's heartbeat Lease", false, false, "", func() error {
 			return asSA.CoordinationV1().Leases("mountmedic").Delete(ctx, nodeB, metav1.DeleteOptions{})
 		}},
-		{"ServiceAccount: a Lease in kube-node-lease", false, func() error {
+		{"ServiceAccount: a Lease in kube-node-lease", false, false, "", func() error {
 			_, err := asSA.CoordinationV1().Leases(corev1.NamespaceNodeLease).Create(ctx, lease(nodeA), metav1.CreateOptions{})
 			return err
 		}},
-		{"ServiceAccount: get a Secret", false, func() error {
+		// Node mode: the ServiceAccount does nothing but the Lease.
+		{"ServiceAccount: get a Secret", false, false, agent.IdentityNode, func() error {
 			_, err := asSA.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
 			return err
 		}},
-		{"ServiceAccount: evict node A's pod", false, func() error { return evict(ctx, asSA, a.pod) }},
-		{"ServiceAccount: get a PV", false, func() error {
+		{"ServiceAccount: evict node A's pod", false, false, agent.IdentityNode, func() error { return evictDry(ctx, asSA, a.pod) }},
+		{"ServiceAccount: get a PV", false, false, agent.IdentityNode, func() error {
 			_, err := asSA.CoreV1().PersistentVolumes().Get(ctx, a.pv, metav1.GetOptions{})
 			return err
 		}},
-		{"ServiceAccount: delete node B's pod", false, func() error { return deleteUID(ctx, asSA, b.pod2) }},
-		{"ServiceAccount: patch node B", false, func() error {
-			_, err := asSA.CoreV1().Nodes().Patch(ctx, nodeB, types.MergePatchType, annotate, metav1.PatchOptions{})
-			return err
-		}},
-		{"ServiceAccount: list pods", false, func() error {
+		{"ServiceAccount: list pods", false, false, agent.IdentityNode, func() error {
 			_, err := asSA.CoreV1().Pods("").List(ctx, ownNode(nodeA))
 			return err
 		}},
+		// A token of the agent's ServiceAccount that names no node (minted
+		// without a pod binding) writes nothing.
+		{"unbound token: create a Lease", false, false, "", func() error {
+			_, err := unbound.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA+"-unbound"), metav1.CreateOptions{})
+			return err
+		}},
+		{"unbound token: evict node A's pod", false, false, "", func() error { return evictDry(ctx, unbound, a.pod) }},
+		{"unbound token: delete node A's pod", false, false, "", func() error {
+			return unbound.CoreV1().Pods(appsNS).Delete(ctx, a.pod.Name, metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}})
+		}},
+		{"unbound token: create an agent event", false, false, "", func() error {
+			_, err := unbound.EventsV1().Events(appsNS).Create(ctx, event(agent.ReportingController, nodeA), metav1.CreateOptions{})
+			return err
+		}},
 		// Last: they remove node A's pods.
-		{"evict node A's pod", true, func() error { return evict(ctx, asNode, a.pod) }},
-		{"delete node A's pod", true, func() error { return deleteUID(ctx, asNode, a.pod2) }},
+		{"evict node A's pod", true, true, "", func() error { return evict(ctx, ag, a.pod) }},
+		{"delete node A's pod", true, true, "", func() error { return deleteUID(ctx, ag, a.pod2) }},
 	} {
+		if tc.only != "" && tc.only != mode {
+			continue
+		}
+		allow := tc.node
+		if mode == agent.IdentityServiceAccount {
+			allow = tc.sa
+		}
 		err := tc.do()
 		switch {
-		case tc.allow && err != nil:
-			t.Errorf("node A's agent: %s: %v, want it allowed", tc.name, err)
-		case !tc.allow && err == nil:
-			t.Errorf("node A's agent: %s: allowed, want it refused", tc.name)
-		case !tc.allow && !apierrors.IsForbidden(err):
-			t.Errorf("node A's agent: %s: %v, want 403 Forbidden", tc.name, err)
+		case allow && err != nil:
+			t.Errorf("node A's agent (%s): %s: %v, want it allowed", mode, tc.name, err)
+		case !allow && err == nil:
+			t.Errorf("node A's agent (%s): %s: allowed, want it refused", mode, tc.name)
+		case !allow && !apierrors.IsForbidden(err):
+			t.Errorf("node A's agent (%s): %s: %v, want 403 Forbidden", mode, tc.name, err)
 		}
 	}
 
-	// A token of the same ServiceAccount that names no node (minted
-	// without a pod binding) writes no Lease at all.
-	unbound := clientFor(t, c.ServiceAccountConfig(t, "mountmedic", "mountmedic"))
-	if _, err := unbound.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA+"-unbound"), metav1.CreateOptions{}); !apierrors.IsForbidden(err) {
-		t.Errorf("an unbound token of the agent's ServiceAccount creates a Lease: %v, want 403 Forbidden", err)
+	// A user who may create events (here the cluster admin) cannot pass
+	// one off as an agent's.
+	for _, forge := range []func() error{
+		func() error {
+			_, err := admin.EventsV1().Events(appsNS).Create(ctx, event(agent.ReportingController, nodeA), metav1.CreateOptions{})
+			return err
+		},
+		func() error {
+			_, err := admin.CoreV1().Events(appsNS).Create(ctx, coreAgentEvent(a.pod, nodeA), metav1.CreateOptions{})
+			return err
+		},
+	} {
+		if err := forge(); !apierrors.IsForbidden(err) {
+			t.Errorf("the admin creates an event as node A's agent: %v, want 403 Forbidden", err)
+		}
 	}
+}
+
+// coreAgentEvent is a core/v1 Event that claims to come from node's
+// mountmedic agent, about pod.
+func coreAgentEvent(pod *corev1.Pod, node string) *corev1.Event {
+	return &corev1.Event{
+		ObjectMeta:          metav1.ObjectMeta{GenerateName: "forged-"},
+		InvolvedObject:      corev1.ObjectReference{Kind: "Pod", Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID},
+		Reason:              "VolumeRepaired",
+		Message:             "forged",
+		Type:                corev1.EventTypeNormal,
+		EventTime:           metav1.NowMicro(),
+		Action:              "Repair",
+		ReportingController: agent.ReportingController,
+		ReportingInstance:   node,
+	}
+}
+
+// evictDry is evict as a server-side dry run.
+func evictDry(ctx context.Context, cs kubernetes.Interface, pod *corev1.Pod) error {
+	return cs.PolicyV1().Evictions(pod.Namespace).Evict(ctx, &policyv1.Eviction{
+		ObjectMeta: metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name},
+		DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &pod.UID},
+			DryRun: []string{metav1.DryRunAll}},
+	})
 }
 
 // createRadiusPod creates a pod bound to node (claim: a PVC volume, when

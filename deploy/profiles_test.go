@@ -27,6 +27,9 @@ import (
 // profileLayout is what a profile sets: the values of the chart's
 // kubelet and criSocket knobs.
 type profileLayout struct {
+	// Identity is the agent's --identity: node, or serviceaccount (no
+	// kubelet kubeconfig, no credentials directories).
+	Identity          string   `json:"identity"`
 	KubeletRoot       string   `json:"kubeletRoot"`
 	KubeletKubeconfig string   `json:"kubeletKubeconfig"`
 	CredentialDirs    []string `json:"credentialDirs"`
@@ -68,8 +71,12 @@ func layoutOf(t *testing.T, ds *appsv1.DaemonSet) profileLayout {
 	l.KubeletRoot, ok[0] = flagValue(args, "kubelet-root")
 	l.KubeletKubeconfig, ok[1] = flagValue(args, "node-kubeconfig")
 	l.CRISocket, ok[2] = flagValue(args, "cri-socket")
+	l.Identity = "node"
+	if id, set := flagValue(args, "identity"); set {
+		l.Identity, ok[1] = id, !ok[1]
+	}
 	if ok != [3]bool{true, true, true} {
-		t.Fatalf("DaemonSet args %q lack one of --kubelet-root, --node-kubeconfig, --cri-socket", args)
+		t.Fatalf("DaemonSet args %q lack one of --kubelet-root, --node-kubeconfig (or --identity=serviceaccount, not both), --cri-socket", args)
 	}
 	for _, v := range ds.Spec.Template.Spec.Volumes {
 		if strings.HasPrefix(v.Name, "kubelet-credentials-") && v.HostPath != nil {
@@ -101,16 +108,16 @@ func profilesTemplate(t *testing.T) []byte {
 // Component): the Components are checked against this table, not only
 // against themselves.
 var profileWant = map[string]profileLayout{
-	"kubeadm":          {"/var/lib/kubelet", "/etc/kubernetes/kubelet.conf", nil, "unix:///run/containerd/containerd.sock", false},
-	"k3s":              {"/var/lib/kubelet", "/var/lib/rancher/k3s/agent/kubelet.kubeconfig", []string{"/var/lib/rancher/k3s/agent"}, "unix:///run/k3s/containerd/containerd.sock", true},
-	"rke2":             {"/var/lib/kubelet", "/var/lib/rancher/rke2/agent/kubelet.kubeconfig", []string{"/var/lib/rancher/rke2/agent"}, "unix:///run/k3s/containerd/containerd.sock", true},
-	"microk8s":         {"/var/snap/microk8s/common/var/lib/kubelet", "/var/snap/microk8s/current/credentials/kubelet.config", nil, "unix:///var/snap/microk8s/common/run/containerd.sock", true},
-	"k0s":              {"/var/lib/k0s/kubelet", "/var/lib/k0s/kubelet.conf", nil, "unix:///run/k0s/containerd.sock", false},
-	"eks-al2023":       {"/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", []string{"/etc/kubernetes/pki"}, "unix:///run/containerd/containerd.sock", false},
-	"eks-bottlerocket": {"/var/lib/kubelet", "/etc/kubernetes/kubelet/kubeconfig", []string{"/etc/kubernetes/pki"}, "unix:///run/containerd/containerd.sock", false},
-	"gke-cos":          {"/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", []string{"/etc/srv/kubernetes/pki"}, "unix:///run/containerd/containerd.sock", false},
-	"aks":              {"/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", []string{"/etc/kubernetes/certs"}, "unix:///run/containerd/containerd.sock", false},
-	"openshift":        {"/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", nil, "unix:///var/run/crio/crio.sock", false},
+	"kubeadm":          {"node", "/var/lib/kubelet", "/etc/kubernetes/kubelet.conf", nil, "unix:///run/containerd/containerd.sock", false},
+	"k3s":              {"node", "/var/lib/kubelet", "/var/lib/rancher/k3s/agent/kubelet.kubeconfig", []string{"/var/lib/rancher/k3s/agent"}, "unix:///run/k3s/containerd/containerd.sock", true},
+	"rke2":             {"node", "/var/lib/kubelet", "/var/lib/rancher/rke2/agent/kubelet.kubeconfig", []string{"/var/lib/rancher/rke2/agent"}, "unix:///run/k3s/containerd/containerd.sock", true},
+	"microk8s":         {"node", "/var/snap/microk8s/common/var/lib/kubelet", "/var/snap/microk8s/current/credentials/kubelet.config", nil, "unix:///var/snap/microk8s/common/run/containerd.sock", true},
+	"k0s":              {"node", "/var/lib/k0s/kubelet", "/var/lib/k0s/kubelet.conf", nil, "unix:///run/k0s/containerd.sock", false},
+	"eks-al2023":       {"serviceaccount", "/var/lib/kubelet", "", nil, "unix:///run/containerd/containerd.sock", false},
+	"eks-bottlerocket": {"serviceaccount", "/var/lib/kubelet", "", nil, "unix:///run/containerd/containerd.sock", false},
+	"gke-cos":          {"node", "/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", []string{"/etc/srv/kubernetes/pki"}, "unix:///run/containerd/containerd.sock", false},
+	"aks":              {"node", "/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", []string{"/etc/kubernetes/certs"}, "unix:///run/containerd/containerd.sock", false},
+	"openshift":        {"node", "/var/lib/kubelet", "/var/lib/kubelet/kubeconfig", nil, "unix:///var/run/crio/crio.sock", false},
 }
 
 // TestProfilesRender renders every profile with kustomize and checks its
@@ -195,7 +202,11 @@ func checkLayout(t *testing.T, ds *appsv1.DaemonSet) {
 	if m, ok := mountOf(l.KubeletRoot); !ok || m.Name != "kubelet-root" || m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationBidirectional {
 		t.Errorf("kubelet root %s: mount %+v, want the kubelet-root volume, Bidirectional", l.KubeletRoot, m)
 	}
-	if m, ok := mountOf(l.KubeletKubeconfig); !ok || (m.Name != "kubelet-root" && !m.ReadOnly) {
+	if l.Identity == "serviceaccount" {
+		if v := volume("kubelet-kubeconfig"); v != nil {
+			t.Errorf("--identity=serviceaccount with the kubelet kubeconfig mounted (%+v): want no kubelet credentials", v)
+		}
+	} else if m, ok := mountOf(l.KubeletKubeconfig); !ok || (m.Name != "kubelet-root" && !m.ReadOnly) {
 		t.Errorf("kubeconfig %s: mount %+v, want it under a read-only mount or the kubelet root", l.KubeletKubeconfig, m)
 	}
 	for _, d := range l.CredentialDirs {

@@ -1,7 +1,8 @@
 // Package kubeclient builds the Kubernetes clients of mountmedic's commands
 // with only the API groups mountmedic calls: core, storage, policy, events,
-// coordination, and authentication and authorization (the agent's check of
-// its own identity).
+// coordination, authentication and authorization (the agent's check of
+// its own identity), and admissionregistration (mountmedic status reads the
+// policy that vouches for the agents' events).
 //
 // client-go's kubernetes.NewForConfig makes a client of every API group the
 // cluster serves, and so links every group's client, apply configurations
@@ -19,6 +20,7 @@ import (
 	"net/http"
 
 	"k8s.io/client-go/kubernetes"
+	admissionregistrationv1 "k8s.io/client-go/kubernetes/typed/admissionregistration/v1"
 	authenticationv1 "k8s.io/client-go/kubernetes/typed/authentication/v1"
 	authorizationv1 "k8s.io/client-go/kubernetes/typed/authorization/v1"
 	coordinationv1 "k8s.io/client-go/kubernetes/typed/coordination/v1"
@@ -44,6 +46,7 @@ type Clientset struct {
 	coordination *coordinationv1.CoordinationV1Client
 	authn        *authenticationv1.AuthenticationV1Client
 	authz        *authorizationv1.AuthorizationV1Client
+	admission    *admissionregistrationv1.AdmissionregistrationV1Client
 }
 
 func (c *Clientset) CoreV1() corev1.CoreV1Interface                         { return c.core }
@@ -55,6 +58,12 @@ func (c *Clientset) AuthenticationV1() authenticationv1.AuthenticationV1Interfac
 	return c.authn
 }
 func (c *Clientset) AuthorizationV1() authorizationv1.AuthorizationV1Interface { return c.authz }
+
+// AdmissionregistrationV1 serves mountmedic status, which reads the
+// admission policy that vouches for the agents' events.
+func (c *Clientset) AdmissionregistrationV1() admissionregistrationv1.AdmissionregistrationV1Interface {
+	return c.admission
+}
 
 // New returns a Clientset for rc, as kubernetes.NewForConfig would: one
 // HTTP client, and one token-bucket rate limiter of rc.QPS and rc.Burst
@@ -101,6 +110,9 @@ func NewForConfigAndClient(rc *rest.Config, httpClient *http.Client) (*Clientset
 		return nil, err
 	}
 	if cs.authz, err = authorizationv1.NewForConfigAndClient(&c, httpClient); err != nil {
+		return nil, err
+	}
+	if cs.admission, err = admissionregistrationv1.NewForConfigAndClient(&c, httpClient); err != nil {
 		return nil, err
 	}
 	return &cs, nil

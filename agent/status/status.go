@@ -106,6 +106,8 @@ var repairOutcome = map[agent.Reason]string{
 	agent.ReasonEvictionBlocked: "eviction blocked",
 	agent.ReasonDriverDown:      "driver down",
 	agent.ReasonVolumeBroken:    "broken",
+	agent.ReasonRepairOptedOut:  "opted out",
+	agent.ReasonWouldRepair:     "dry run",
 }
 
 // pageSize bounds each list (nodes and events): a 5,000-node cluster is
@@ -114,6 +116,11 @@ const pageSize = 500
 
 // Read builds the view.
 func Read(ctx context.Context, cs kubernetes.Interface, opts Options) (*View, error) {
+	return read(ctx, cs, opts, true)
+}
+
+// read builds the view, with each node's last repair when repairs.
+func read(ctx context.Context, cs kubernetes.Interface, opts Options, repairs bool) (*View, error) {
 	if opts.Now.IsZero() {
 		opts.Now = time.Now()
 	}
@@ -128,7 +135,9 @@ func Read(ctx context.Context, cs kubernetes.Interface, opts Options) (*View, er
 		rows[row.Name] = row
 	}
 	readHeartbeats(ctx, cs, opts, rows, v)
-	readRepairs(ctx, cs, opts, rows, v)
+	if repairs {
+		readRepairs(ctx, cs, readTrust(ctx, cs), rows, v)
+	}
 	for _, r := range rows {
 		v.Nodes = append(v.Nodes, *r)
 	}
@@ -142,7 +151,7 @@ func listNodes(ctx context.Context, cs kubernetes.Interface, names []string) ([]
 		for _, n := range names {
 			node, err := cs.CoreV1().Nodes().Get(ctx, n, metav1.GetOptions{})
 			if err != nil {
-				return nil, fmt.Errorf("get node %s: %w", n, err)
+				return nil, fmt.Errorf("get node %s: %w%s", n, err, rbacHint(err))
 			}
 			out = append(out, *node)
 		}
@@ -153,7 +162,7 @@ func listNodes(ctx context.Context, cs kubernetes.Interface, names []string) ([]
 	for {
 		l, err := cs.CoreV1().Nodes().List(ctx, opts)
 		if err != nil {
-			return nil, fmt.Errorf("list nodes: %w", err)
+			return nil, fmt.Errorf("list nodes: %w%s", err, rbacHint(err))
 		}
 		out = append(out, l.Items...)
 		if l.Continue == "" {
@@ -250,62 +259,62 @@ func heartbeat(row *Node, l *coordinationv1.Lease, opts Options) {
 	}
 }
 
-// readRepairs finds each node's latest repair event. The agents' events are
-// on pods and claims; the node is the one whose agent pod wrote the event
-// (its reportingInstance ends with the pod's name), else the pod's node.
-func readRepairs(ctx context.Context, cs kubernetes.Interface, opts Options, rows map[string]*Node, v *View) {
-	agentNode := map[string]string{} // agent pod name -> node
-	pods, err := cs.CoreV1().Pods(opts.Namespace).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		v.Warnings = append(v.Warnings, fmt.Sprintf("agent pods in %s: %v", opts.Namespace, err))
-	} else {
-		for _, p := range pods.Items {
-			agentNode[p.Name] = p.Spec.NodeName
+// readRepairs finds each node's latest repair event: an event of the
+// agent (reportingController) naming the node as its reportingInstance,
+// which the trust says its node's agent wrote (readTrust). Events the
+// trust cannot vouch for are counted in a warning and left out.
+func readRepairs(ctx context.Context, cs kubernetes.Interface, tr trust, rows map[string]*Node, v *View) {
+	var untrusted int
+	err := listAgentEvents(ctx, cs, func(e *corev1.Event) {
+		outcome, ok := repairOutcome[agent.Reason(e.Reason)]
+		if !ok {
+			return
 		}
+		row := rows[e.ReportingInstance]
+		if row == nil {
+			return
+		}
+		if !tr.vouches(e) {
+			untrusted++
+			return
+		}
+		at := eventTime(e)
+		if row.LastRepair == nil || at.After(row.LastRepair.At) {
+			row.LastRepair = &Repair{Reason: e.Reason, Outcome: outcome, Object: objectName(e.InvolvedObject), Note: e.Message, At: at}
+		}
+	})
+	if err != nil {
+		v.Warnings = append(v.Warnings, fmt.Sprintf("mountmedic events: %v", err))
 	}
-	podNode := map[string]string{} // namespace/name -> node, for events whose writer is gone
+	if untrusted > 0 {
+		v.Warnings = append(v.Warnings, tr.ignored(untrusted))
+	}
+}
+
+// listAgentEvents calls each with every event whose reporting controller
+// is the agent's, in pages.
+func listAgentEvents(ctx context.Context, cs kubernetes.Interface, each func(*corev1.Event)) error {
 	lo := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("reportingComponent", agent.ReportingController).String(), Limit: pageSize}
 	for {
 		l, err := cs.CoreV1().Events("").List(ctx, lo)
 		if err != nil {
-			v.Warnings = append(v.Warnings, fmt.Sprintf("mountmedic events: %v", err))
-			return
+			return err
 		}
 		for i := range l.Items {
-			e := &l.Items[i]
-			outcome, ok := repairOutcome[agent.Reason(e.Reason)]
-			if !ok {
-				continue
-			}
-			node := ""
-			if _, podName, ok := strings.Cut(e.ReportingInstance, agent.ReportingController+"-"); ok {
-				node = agentNode[podName]
-			}
-			if node == "" && e.InvolvedObject.Kind == "Pod" {
-				key := e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name
-				if n, seen := podNode[key]; seen {
-					node = n
-				} else if p, err := cs.CoreV1().Pods(e.InvolvedObject.Namespace).Get(ctx, e.InvolvedObject.Name, metav1.GetOptions{}); err == nil {
-					node, podNode[key] = p.Spec.NodeName, p.Spec.NodeName
-				} else {
-					podNode[key] = ""
-				}
-			}
-			row := rows[node]
-			if row == nil {
-				continue
-			}
-			at := eventTime(e)
-			if row.LastRepair == nil || at.After(row.LastRepair.At) {
-				row.LastRepair = &Repair{Reason: e.Reason, Outcome: outcome, Object: strings.ToLower(e.InvolvedObject.Kind) + "/" + e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name,
-					Note: e.Message, At: at}
-			}
+			each(&l.Items[i])
 		}
 		if l.Continue == "" {
-			return
+			return nil
 		}
 		lo.Continue = l.Continue
 	}
+}
+
+func objectName(o corev1.ObjectReference) string {
+	if o.Namespace == "" {
+		return strings.ToLower(o.Kind) + "/" + o.Name
+	}
+	return strings.ToLower(o.Kind) + "/" + o.Namespace + "/" + o.Name
 }
 
 // eventTime is when an event last happened.
@@ -321,10 +330,16 @@ func eventTime(e *corev1.Event) time.Time {
 	return e.CreationTimestamp.Time
 }
 
-// Table writes the view as the default output of mountmedic status.
-func (v *View) Table(w io.Writer, now time.Time) error {
+// Table writes the view as the default output of mountmedic status; wide
+// adds when the volumes' state began, the heartbeat's age and the last
+// repair's note.
+func (v *View) Table(w io.Writer, now time.Time, wide bool) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NODE\tREADY\tVOLUMES\tBROKEN MOUNTS\tLAST REPAIR\tFAILOVER")
+	header := "NODE\tREADY\tVOLUMES\tBROKEN MOUNTS\tLAST REPAIR\tFAILOVER"
+	if wide {
+		header += "\tVOLUMES SINCE\tHEARTBEAT\tREPAIR NOTE"
+	}
+	fmt.Fprintln(tw, header)
 	for _, n := range v.Nodes {
 		vol := n.Volumes.State
 		if n.Volumes.State == "broken" || n.Volumes.State == "healthy" {
@@ -348,7 +363,21 @@ func (v *View) Table(w io.Writer, now time.Time) error {
 		case n.Failover.TaintedAt != nil:
 			fo += " (" + ago(now.Sub(*n.Failover.TaintedAt)) + " ago)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", safe(n.Name), n.Ready, vol, safe(orDash(strings.Join(broken, ", "))), safe(repair), fo)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s", safe(n.Name), n.Ready, vol, safe(orDash(strings.Join(broken, ", "))), safe(repair), fo)
+		if wide {
+			since, hb, note := "-", "-", "-"
+			if n.Volumes.Since != nil {
+				since = ago(now.Sub(*n.Volumes.Since))
+			}
+			if n.Failover.HeartbeatAge != nil {
+				hb = *n.Failover.HeartbeatAge
+			}
+			if n.LastRepair != nil {
+				note = orDash(strings.ReplaceAll(n.LastRepair.Note, "\n", " "))
+			}
+			fmt.Fprintf(tw, "\t%s\t%s\t%s", since, hb, safe(note))
+		}
+		fmt.Fprintln(tw)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -28,10 +28,13 @@ type agentFlags struct {
 	cfg      agent.Config
 	tiers    []string
 	failover failover.Config
+	// identity is --identity: agent.IdentityNode or
+	// agent.IdentityServiceAccount.
+	identity string
 }
 
 func newAgentCommand() *cobra.Command {
-	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers.Names(), failover: failover.DefaultConfig()}
+	f := &agentFlags{cfg: agent.DefaultConfig(), tiers: agent.DefaultTiers.Names(), failover: failover.DefaultConfig(), identity: agent.IdentityNode}
 	f.cfg.NodeName = os.Getenv("NODE_NAME")
 	// The heartbeat identity is $POD_NAME, else the node's name, chosen at
 	// run time: a default taken from the host name would print the
@@ -55,14 +58,22 @@ dead ones through the repair ladder (--tiers, least disruptive first):
   delete, force-delete   opt-in: delete with a UID precondition; force-delete
             pods stuck terminating
 
-It acts with its node's own identity, the kubelet's credentials
-(--node-kubeconfig, system:node:<node>), which the API server's Node
-authorizer and NodeRestriction confine to this node's objects: it reads pods
-of this node only (a field selector on spec.nodeName) and gets
+With --identity=node (the default) it acts with its node's own identity, the
+kubelet's credentials (--node-kubeconfig, system:node:<node>), which the API
+server's Node authorizer and NodeRestriction confine to this node's objects:
+it reads pods of this node only (a field selector on spec.nodeName) and gets
 PersistentVolumes, claims, CSIDrivers, VolumeAttachments and Secrets by name
 when a repair needs them. The ServiceAccount (--kubeconfig, default the pod's
-token) is used only for the failover heartbeat Lease. With --dry-run it decides, records events (marked
-[dry-run]) and metrics, and changes nothing.
+token) is used only for the failover heartbeat Lease.
+
+With --identity=serviceaccount every call goes with the ServiceAccount's
+pod-bound token, which names this node; the admission policies of
+deploy/identity/serviceaccount hold its writes to this node's objects (for
+kubelets whose credentials the agent cannot use, such as EKS' exec plugin).
+docs/security.md says what each mode can read and write.
+
+With --dry-run it decides, records events (marked [dry-run]) and metrics, and
+changes nothing.
 
 With --failover (off by default) it also renews a heartbeat Lease for its
 node and fences the node's pods with ReadWriteOnce volumes when it loses the
@@ -84,8 +95,9 @@ and deploy/README.md before enabling it).`,
 func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	c := &f.cfg
 	fl.StringVar(&c.NodeName, "node-name", c.NodeName, "this node's name (default $NODE_NAME, from the downward API)")
-	fl.StringVar(&c.NodeKubeconfig, "node-kubeconfig", c.NodeKubeconfig, "kubeconfig of this node's own identity (the kubelet's, system:node:<node>), with which the agent makes every API call but the heartbeat Lease")
-	fl.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's ServiceAccount, used only for the failover heartbeat Lease; empty uses the pod's in-cluster token")
+	fl.StringVar(&f.identity, "identity", f.identity, "whose credentials the agent acts with: node (the kubelet's, --node-kubeconfig) or serviceaccount (the pod's node-bound ServiceAccount token, --kubeconfig; needs deploy/identity/serviceaccount)")
+	fl.StringVar(&c.NodeKubeconfig, "node-kubeconfig", c.NodeKubeconfig, "with --identity=node: kubeconfig of this node's own identity (the kubelet's, system:node:<node>), with which the agent makes every API call but the heartbeat Lease")
+	fl.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's ServiceAccount (with --identity=node used only for the failover heartbeat Lease); empty uses the pod's in-cluster token")
 	fl.StringVar(&c.KubeletRoot, "kubelet-root", c.KubeletRoot, "kubelet root directory (kubelet --root-dir)")
 	fl.StringVar(&c.HostTable, "host-table", c.HostTable, "mount table to watch and probe (/proc/1/mountinfo with hostPID)")
 	fl.Var((*sizeValue)(&c.MaxTableSize), "max-table-size", "read at most this much of a mount table (a quantity: 32Mi, 200M); raise it on a node that raised fs.mount-max")
@@ -170,7 +182,46 @@ func checkNoExecPlugin(path string) error {
 	if err != nil || rc.ExecProvider == nil {
 		return nil
 	}
-	return fmt.Errorf("--node-kubeconfig %s: kubelet's credentials come from the exec plugin %q (EKS' IAM authenticator), which the agent cannot run: mountmedic acts with a node identity from a client certificate or token and has no identity of its own yet (deploy/profiles/README.md)", path, rc.ExecProvider.Command)
+	return fmt.Errorf("--node-kubeconfig %s: kubelet's credentials come from the exec plugin %q (EKS' IAM authenticator), which the agent cannot run: run the agent with --identity=serviceaccount instead (the chart's identity=serviceaccount, the eks profiles' default; deploy/identity/serviceaccount)", path, rc.ExecProvider.Command)
+}
+
+// agentClient makes the client the agent acts with in the --identity
+// mode and checks, with the API server, that it is this node's.
+func agentClient(ctx context.Context, identity string, cfg agent.Config) (kubernetes.Interface, error) {
+	switch identity {
+	case agent.IdentityNode:
+		if err := checkNoExecPlugin(cfg.NodeKubeconfig); err != nil {
+			return nil, err
+		}
+		client, err := agent.NewNodeClient(cfg)
+		if err != nil {
+			return nil, err
+		}
+		return client, checkNodeIdentity(ctx, client, cfg)
+	case agent.IdentityServiceAccount:
+		rc, err := restConfig(cfg.Kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("--identity=serviceaccount: %w", err)
+		}
+		client, err := agent.NewServiceAccountClient(cfg, rc)
+		if err != nil {
+			return nil, err
+		}
+		cctx, cancel := context.WithTimeout(ctx, cfg.APITimeout)
+		defer cancel()
+		err = agent.CheckServiceAccountIdentity(cctx, client, cfg.NodeName)
+		switch {
+		case errors.Is(err, agent.ErrNotNodeBound):
+			return nil, fmt.Errorf("--identity=serviceaccount: %w", err)
+		case apierrors.IsUnauthorized(err):
+			return nil, fmt.Errorf("--identity=serviceaccount: the API server rejects the ServiceAccount token: %w", err)
+		case err != nil:
+			klog.FromContext(ctx).Info("Cannot check the ServiceAccount credentials now; going on", "err", err)
+		}
+		return client, nil
+	default:
+		return nil, fmt.Errorf("--identity %q: want %s or %s", identity, agent.IdentityNode, agent.IdentityServiceAccount)
+	}
 }
 
 func runAgent(cmd *cobra.Command, f *agentFlags) error {
@@ -187,17 +238,11 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if err := fcfg.Validate(); err != nil {
 		return err
 	}
-	if err := checkNoExecPlugin(cfg.NodeKubeconfig); err != nil {
-		return err
-	}
-	client, err := agent.NewNodeClient(cfg)
+	client, err := agentClient(cmd.Context(), f.identity, cfg)
 	if err != nil {
 		return err
 	}
-	if err := checkNodeIdentity(cmd.Context(), client, cfg); err != nil {
-		return err
-	}
-	// The ServiceAccount: only the failover heartbeat's Lease uses it, on a
+	// The ServiceAccount writes the failover heartbeat's Lease, on a
 	// client of its own (rate limiter, connections): a renewal never waits
 	// behind the agent's reads.
 	var leases kubernetes.Interface

@@ -11,6 +11,8 @@ import (
 	"github.com/go-logr/logr/funcr"
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
+
+	"github.com/mountmedic/mountmedic/agent/status/statuscmd"
 )
 
 // Exit statuses, documented in the README. A command that SIGINT or SIGTERM
@@ -66,7 +68,7 @@ EIO, stale handles and hangs, and repairs them through the CSI driver.`,
 		}
 		return nil
 	}
-	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), newStatusCommand(), newVersionCommand())
+	root.AddCommand(newAgentCommand(), newControllerCommand(), newScanCommand(), statuscmd.NewStatusCommand(newKubeconfigFlags(), version), statuscmd.NewNodeCommand(newKubeconfigFlags(), version), newVersionCommand())
 	return root
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -12,12 +13,14 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/agent/status"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
 // TestStatusOnRealAPIServer builds a small cluster's worth of the objects
@@ -27,6 +30,11 @@ import (
 func TestStatusOnRealAPIServer(t *testing.T) {
 	c := kubetest.Start(t, kubetest.Options{})
 	ctx := context.Background()
+	// The admission policy that vouches for the agents' events (below).
+	if out, err := exec.Command(lab.RequireTool(t, "kubectl"), "--kubeconfig="+c.Kubeconfig, "apply", "-f", "../../deploy/agent-events-policy.yaml").CombinedOutput(); err != nil {
+		t.Fatalf("apply the events policy: %v\n%s", err, out)
+	}
+	time.Sleep(11 * time.Second) // status trusts events created 10 s after the policy
 	now := time.Now()
 	cs := c.Client
 	c.CreateNamespace(t, "mountmedic")
@@ -73,9 +81,11 @@ func TestStatusOnRealAPIServer(t *testing.T) {
 	lease("node-healthy", now.Add(-2*time.Second), "agent-a")
 	lease("node-broken", now.Add(-2*time.Minute), "agent-b")
 	lease("node-dead", now.Add(-10*time.Minute), "agent-d")
-	// The agent pod of node-broken, and its repair events: the newer one wins.
-	if _, err := cs.CoreV1().Pods("mountmedic").Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "mountmedic-x7k2p", Namespace: "mountmedic"},
-		Spec: corev1.PodSpec{NodeName: "node-broken", Containers: []corev1.Container{{Name: "agent", Image: "mountmedic"}}}}, metav1.CreateOptions{}); err != nil {
+	// Node-broken's agent's repair events, written with node-broken's
+	// identity under the admission policy that vouches for them: the
+	// newer one wins.
+	asNode, err := kubernetes.NewForConfig(c.NodeConfig(t, "node-broken"))
+	if err != nil {
 		t.Fatal(err)
 	}
 	event := func(name, reason, note string, at time.Time) {
@@ -84,8 +94,8 @@ func TestStatusOnRealAPIServer(t *testing.T) {
 			InvolvedObject: corev1.ObjectReference{Kind: "Pod", Namespace: "app", Name: "db-0", APIVersion: "v1"},
 			Reason:         reason, Message: note, Type: corev1.EventTypeNormal, Action: "Repair",
 			EventTime:           metav1.NewMicroTime(at),
-			ReportingController: agent.ReportingController, ReportingInstance: agent.ReportingController + "-mountmedic-x7k2p"}
-		if _, err := cs.CoreV1().Events("app").Create(ctx, e, metav1.CreateOptions{}); err != nil {
+			ReportingController: agent.ReportingController, ReportingInstance: "node-broken"}
+		if _, err := asNode.CoreV1().Events("app").Create(ctx, e, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}

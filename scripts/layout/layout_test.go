@@ -60,6 +60,10 @@ var forbidden = map[string][]string{
 	"agent":          {module + "/cmd"},
 	"agent/failover": {module + "/cmd"},
 	"agent/status":   {module + "/cmd"},
+	// statuscmd and the agent's command: no k8s.io/cli-runtime (18 MB of
+	// the binary); only the kubectl plugin's command carries it.
+	"agent/status/statuscmd": {module + "/cmd", "k8s.io/cli-runtime"},
+	"cmd/mountmedic":         {"k8s.io/cli-runtime"},
 }
 
 // deps is the transitive, non-test dependency list of pkg (go list -deps).

@@ -28,6 +28,12 @@ app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | qu
 {{- index $all .Values.profile | toYaml -}}
 {{- end }}
 
+{{/* The agent's --identity: the value's, else the profile's. */}}
+{{- define "mountmedic.identity" -}}
+{{- $p := include "mountmedic.profile" . | fromYaml -}}
+{{- .Values.identity | default $p.identity -}}
+{{- end }}
+
 {{- define "mountmedic.kubeletRoot" -}}
 {{- $p := include "mountmedic.profile" . | fromYaml -}}
 {{- .Values.kubelet.root | default $p.kubeletRoot | trimSuffix "/" -}}
@@ -47,14 +53,17 @@ app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | qu
 {{- include "mountmedic.criSocket" . | trimPrefix "unix://" | dir -}}
 {{- end }}
 
-{{/* The credentials directories, one a line. */}}
+{{/* The credentials directories, one a line (none with the
+ServiceAccount identity: the agent then reads no kubelet credentials). */}}
 {{- define "mountmedic.credentialDirs" -}}
+{{- if ne (include "mountmedic.identity" .) "serviceaccount" -}}
 {{- $p := include "mountmedic.profile" . | fromYaml -}}
 {{- $dirs := $p.credentialDirs -}}
 {{- if not (kindIs "invalid" .Values.kubelet.credentialDirs) }}{{ $dirs = .Values.kubelet.credentialDirs }}{{ end -}}
 {{- range $dirs }}
 {{ trimSuffix "/" . }}
 {{- end }}
+{{- end -}}
 {{- end }}
 
 {{- define "mountmedic.hostNetwork" -}}
@@ -66,16 +75,24 @@ app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | qu
 under the kubelet root (a file bind inside that Bidirectional mount would
 reach the host) or under a credentials directory. */}}
 {{- define "mountmedic.kubeconfigMounted" -}}
+{{- if ne (include "mountmedic.identity" .) "serviceaccount" -}}
 {{- $kc := include "mountmedic.kubeletKubeconfig" . -}}
 {{- $covered := hasPrefix (printf "%s/" (include "mountmedic.kubeletRoot" .)) $kc -}}
 {{- range splitList "\n" (include "mountmedic.credentialDirs" .) }}
 {{- if and . (hasPrefix (printf "%s/" .) $kc) }}{{ $covered = true }}{{ end }}
 {{- end -}}
 {{- if not $covered }}true{{ end -}}
+{{- end -}}
 {{- end }}
 
+{{/* The identity's flag: the kubelet's kubeconfig, or the
+ServiceAccount. */}}
 {{- define "mountmedic.argNodeKubeconfig" -}}
+{{- if eq (include "mountmedic.identity" .) "serviceaccount" -}}
+--identity=serviceaccount
+{{- else -}}
 --node-kubeconfig={{ include "mountmedic.kubeletKubeconfig" . }}
+{{- end -}}
 {{- end }}
 {{- define "mountmedic.argKubeletRoot" -}}
 --kubelet-root={{ include "mountmedic.kubeletRoot" . }}
@@ -169,7 +186,13 @@ annotations:
 {{- if and .Values.controller.enabled (not .Values.failover.enabled) -}}
 {{- fail "controller.enabled=true needs failover.enabled=true: the controller confirms a node dead only from the agents' heartbeats, so without them it would never act (deploy/README.md, \"Failover (opt-in)\")" -}}
 {{- end -}}
-{{- $owned := dict "node-kubeconfig" "kubelet.kubeconfig" "kubelet-root" "kubelet.root" "cri-socket" "criSocket" "tiers" "agent.tiers" "drivers" "agent.drivers" "include-namespaces" "agent.includeNamespaces" "exclude-namespaces" "agent.excludeNamespaces" "dry-run" "agent.dryRun" "failover" "failover.enabled" "host-table" "" "metrics-addr" "" "failover-peer-key-file" "" "node-name" "" -}}
+{{- if not (has (include "mountmedic.identity" .) (list "node" "serviceaccount")) -}}
+{{- fail (printf "identity %q: want node (the kubelet's credentials) or serviceaccount (the agent's own, node-bound; docs/security.md)" (include "mountmedic.identity" .)) -}}
+{{- end -}}
+{{- if and (eq (include "mountmedic.identity" .) "serviceaccount") (or .Values.kubelet.kubeconfig .Values.kubelet.credentialDirs) -}}
+{{- fail "identity=serviceaccount reads no kubelet credentials: unset kubelet.kubeconfig and kubelet.credentialDirs, or choose identity=node" -}}
+{{- end -}}
+{{- $owned := dict "identity" "identity" "node-kubeconfig" "kubelet.kubeconfig" "kubelet-root" "kubelet.root" "cri-socket" "criSocket" "tiers" "agent.tiers" "drivers" "agent.drivers" "include-namespaces" "agent.includeNamespaces" "exclude-namespaces" "agent.excludeNamespaces" "dry-run" "agent.dryRun" "failover" "failover.enabled" "host-table" "" "metrics-addr" "" "failover-peer-key-file" "" "node-name" "" -}}
 {{- range .Values.agent.extraArgs -}}
 {{- $flag := regexReplaceAll "^--?([^=]+).*$" (toString .) "${1}" -}}
 {{- if hasKey $owned $flag -}}

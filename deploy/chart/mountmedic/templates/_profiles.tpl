@@ -5,33 +5,36 @@ aks:
   - /etc/kubernetes/certs
   criSocket: unix:///run/containerd/containerd.sock
   hostNetwork: false
+  identity: node
   kubeletKubeconfig: /var/lib/kubelet/kubeconfig
   kubeletRoot: /var/lib/kubelet
 eks-al2023:
-  credentialDirs:
-  - /etc/kubernetes/pki
+  credentialDirs: null
   criSocket: unix:///run/containerd/containerd.sock
   hostNetwork: false
-  kubeletKubeconfig: /var/lib/kubelet/kubeconfig
+  identity: serviceaccount
+  kubeletKubeconfig: ""
   kubeletRoot: /var/lib/kubelet
 eks-bottlerocket:
-  credentialDirs:
-  - /etc/kubernetes/pki
+  credentialDirs: null
   criSocket: unix:///run/containerd/containerd.sock
   hostNetwork: false
-  kubeletKubeconfig: /etc/kubernetes/kubelet/kubeconfig
+  identity: serviceaccount
+  kubeletKubeconfig: ""
   kubeletRoot: /var/lib/kubelet
 gke-cos:
   credentialDirs:
   - /etc/srv/kubernetes/pki
   criSocket: unix:///run/containerd/containerd.sock
   hostNetwork: false
+  identity: node
   kubeletKubeconfig: /var/lib/kubelet/kubeconfig
   kubeletRoot: /var/lib/kubelet
 k0s:
   credentialDirs: null
   criSocket: unix:///run/k0s/containerd.sock
   hostNetwork: false
+  identity: node
   kubeletKubeconfig: /var/lib/k0s/kubelet.conf
   kubeletRoot: /var/lib/k0s/kubelet
 k3s:
@@ -39,24 +42,28 @@ k3s:
   - /var/lib/rancher/k3s/agent
   criSocket: unix:///run/k3s/containerd/containerd.sock
   hostNetwork: true
+  identity: node
   kubeletKubeconfig: /var/lib/rancher/k3s/agent/kubelet.kubeconfig
   kubeletRoot: /var/lib/kubelet
 kubeadm:
   credentialDirs: null
   criSocket: unix:///run/containerd/containerd.sock
   hostNetwork: false
+  identity: node
   kubeletKubeconfig: /etc/kubernetes/kubelet.conf
   kubeletRoot: /var/lib/kubelet
 microk8s:
   credentialDirs: null
   criSocket: unix:///var/snap/microk8s/common/run/containerd.sock
   hostNetwork: true
+  identity: node
   kubeletKubeconfig: /var/snap/microk8s/current/credentials/kubelet.config
   kubeletRoot: /var/snap/microk8s/common/var/lib/kubelet
 openshift:
   credentialDirs: null
   criSocket: unix:///var/run/crio/crio.sock
   hostNetwork: false
+  identity: node
   kubeletKubeconfig: /var/lib/kubelet/kubeconfig
   kubeletRoot: /var/lib/kubelet
 rke2:
@@ -64,6 +71,7 @@ rke2:
   - /var/lib/rancher/rke2/agent
   criSocket: unix:///run/k3s/containerd/containerd.sock
   hostNetwork: true
+  identity: node
   kubeletKubeconfig: /var/lib/rancher/rke2/agent/kubelet.kubeconfig
   kubeletRoot: /var/lib/kubelet
 {{- end }}

@@ -1,0 +1,101 @@
+package status
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// EventsPolicy is the ValidatingAdmissionPolicy (and its binding) that
+// admits an event of the agent's reporting controller only from the
+// identity of the node its reportingInstance names
+// (deploy/agent-events-policy.yaml).
+const EventsPolicy = "mountmedic-agent-events"
+
+// policySettle is how long after the policy and its binding were created
+// an event must be created to be trusted: the API server enforces a new
+// policy once its informers have loaded it, a moment after the create.
+const policySettle = 10 * time.Second
+
+// ViewerRole is the ClusterRole that is enough for status and the node
+// drill-down (deploy/viewer-rbac.yaml).
+const ViewerRole = "mountmedic-viewer"
+
+// trust says which of the agent's events were written by the agent of
+// the node they name: those created once EventsPolicy was in force, with
+// Deny. Anyone who may create events can write one that claims to be the
+// agent's; the policy refuses such a write unless it comes from that
+// node's identity (its kubelet's credentials or its agent's node-bound
+// ServiceAccount token), so an event created after it is the node's own.
+type trust struct {
+	// since: events created at or after it are vouched for; zero: none.
+	since time.Time
+	// why no event is vouched for, when since is zero.
+	why string
+}
+
+// readTrust reads EventsPolicy and its binding.
+func readTrust(ctx context.Context, cs kubernetes.Interface) trust {
+	ar := cs.AdmissionregistrationV1()
+	p, err := ar.ValidatingAdmissionPolicies().Get(ctx, EventsPolicy, metav1.GetOptions{})
+	if err != nil {
+		return trust{why: policyErr("ValidatingAdmissionPolicy", err)}
+	}
+	b, err := ar.ValidatingAdmissionPolicyBindings().Get(ctx, EventsPolicy, metav1.GetOptions{})
+	if err != nil {
+		return trust{why: policyErr("ValidatingAdmissionPolicyBinding", err)}
+	}
+	switch {
+	case b.Spec.PolicyName != EventsPolicy:
+		return trust{why: fmt.Sprintf("the binding %s binds policy %q, not %s", EventsPolicy, b.Spec.PolicyName, EventsPolicy)}
+	case !slices.Contains(b.Spec.ValidationActions, admissionregistrationv1.Deny):
+		return trust{why: fmt.Sprintf("the binding %s does not deny (validationActions %v)", EventsPolicy, b.Spec.ValidationActions)}
+	case p.Spec.FailurePolicy != nil && *p.Spec.FailurePolicy != admissionregistrationv1.Fail:
+		return trust{why: fmt.Sprintf("the policy %s lets a write through when it cannot be evaluated (failurePolicy %s)", EventsPolicy, *p.Spec.FailurePolicy)}
+	}
+	since := p.CreationTimestamp.Time
+	if b.CreationTimestamp.After(since) {
+		since = b.CreationTimestamp.Time
+	}
+	return trust{since: since.Add(policySettle)}
+}
+
+func policyErr(kind string, err error) string {
+	switch {
+	case apierrors.IsNotFound(err):
+		return fmt.Sprintf("the %s %s is not installed (deploy/agent-events-policy.yaml)", kind, EventsPolicy)
+	case apierrors.IsForbidden(err):
+		return fmt.Sprintf("cannot read the %s %s (bind the ClusterRole %s): %v", kind, EventsPolicy, ViewerRole, err)
+	}
+	return fmt.Sprintf("cannot read the %s %s: %v", kind, EventsPolicy, err)
+}
+
+// vouches reports whether e (which names a node as its reportingInstance)
+// was written by that node's agent.
+func (t trust) vouches(e *corev1.Event) bool {
+	return !t.since.IsZero() && !e.CreationTimestamp.Time.Before(t.since)
+}
+
+// ignored is the warning for n events the trust does not vouch for.
+func (t trust) ignored(n int) string {
+	if t.since.IsZero() {
+		return fmt.Sprintf("%d events claim to come from a mountmedic agent and none can be verified: %s; they are not shown", n, t.why)
+	}
+	return fmt.Sprintf("%d events claim to come from a mountmedic agent but were created before the admission policy %s was in force (%s): they are not shown",
+		n, EventsPolicy, t.since.UTC().Format(time.RFC3339))
+}
+
+// rbacHint names the viewer role after a Forbidden error.
+func rbacHint(err error) string {
+	if apierrors.IsForbidden(err) {
+		return " (bind the ClusterRole " + ViewerRole + " to the user: deploy/viewer-rbac.yaml)"
+	}
+	return ""
+}
