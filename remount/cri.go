@@ -119,9 +119,9 @@ type Container struct {
 	Attempt      uint32
 }
 
-// PodContainers lists the running containers of the pod with UID podUID, by
+// podContainers lists the running containers of the pod with UID podUID, by
 // the label kubelet sets on each of them.
-func (c *CRIClient) PodContainers(ctx context.Context, podUID string) ([]Container, error) {
+func (c *CRIClient) podContainers(ctx context.Context, podUID string) ([]Container, error) {
 	if podUID == "" {
 		return nil, errors.New("list containers: empty pod UID")
 	}
@@ -169,11 +169,11 @@ func (c *CRIClient) StopContainer(ctx context.Context, id string, grace time.Dur
 	})
 }
 
-// ContainerPID returns the host PID of a running container's init process,
+// containerPID returns the host PID of a running container's init process,
 // from the runtime's verbose status (containerd and CRI-O put it in the
 // "info" JSON as "pid"). Use it where pods have no cgroup of their own for
 // the cgroup scan (PodPIDs) to find.
-func (c *CRIClient) ContainerPID(ctx context.Context, id string) (int, error) {
+func (c *CRIClient) containerPID(ctx context.Context, id string) (int, error) {
 	var resp *runtimeapi.ContainerStatusResponse
 	err := c.call(ctx, "ContainerStatus", c.opts.Timeout, func(ctx context.Context) error {
 		var err error
@@ -236,7 +236,7 @@ func (r *Restarter) Restart(ctx context.Context, podUID string, names ...string)
 	if grace <= 0 {
 		grace = defaultStopGrace
 	}
-	ctrs, err := r.CRI.PodContainers(ctx, podUID)
+	ctrs, err := r.CRI.podContainers(ctx, podUID)
 	if err != nil {
 		a := Action{Op: opStopContainer, Path: "pod " + podUID, DryRun: r.DryRun, Err: err}
 		return nil, []Action{a}, err

@@ -28,10 +28,10 @@ const (
 	holdMap holdKind = "mmap"
 )
 
-// Holder is a process that still uses a dead filesystem: it keeps the
+// holder is a process that still uses a dead filesystem: it keeps the
 // filesystem (and a detached mount of it) alive, and its calls there keep
 // failing after a repair.
-type Holder struct {
+type holder struct {
 	Pid  int
 	Comm string
 	Kind holdKind
@@ -45,7 +45,7 @@ type Holder struct {
 	Path string
 }
 
-func (h Holder) String() string {
+func (h holder) String() string {
 	s := fmt.Sprintf("pid %d (%s) %s", h.Pid, h.Comm, h.Kind)
 	if h.Kind == holdFD {
 		s += " " + strconv.Itoa(h.FD)
@@ -53,7 +53,7 @@ func (h Holder) String() string {
 	return s + " " + h.Path
 }
 
-// FindHolders reports the processes under procDir ("/proc" when empty) that
+// holdersOf reports the processes under procDir ("/proc" when empty) that
 // hold the filesystem with device number dev: a working directory, root or
 // open descriptor on one of its mounts, or a mapping of one of its files.
 // A mount is one of the filesystem's when the process's own mountinfo shows
@@ -66,7 +66,7 @@ func (h Holder) String() string {
 // its /proc link (a jump to the held path, no lookup in the filesystem, no
 // open call) only to read the descriptor's mnt_id; nothing is stat'ed. The
 // calling process itself is left out.
-func FindHolders(ctx context.Context, procDir string, dev probe.Dev, mountIDs ...int) ([]Holder, error) {
+func holdersOf(ctx context.Context, procDir string, dev probe.Dev, mountIDs ...int) ([]holder, error) {
 	detached := make(map[int]probe.Dev, len(mountIDs))
 	for _, id := range mountIDs {
 		detached[id] = dev
@@ -74,11 +74,11 @@ func FindHolders(ctx context.Context, procDir string, dev probe.Dev, mountIDs ..
 	return findHolders(ctx, procDir, nil, []probe.Dev{dev}, detached)
 }
 
-// findHolders is FindHolders over the processes pids (every process when
+// findHolders is holdersOf over the processes pids (every process when
 // pids is nil) and the filesystems devs, in one pass: each holder is
 // reported once, with the device of the mount it holds. detached maps the
 // IDs of mounts no mountinfo shows any more to their device.
-func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.Dev, detached map[int]probe.Dev) ([]Holder, error) {
+func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.Dev, detached map[int]probe.Dev) ([]holder, error) {
 	if procDir == "" {
 		procDir = "/proc"
 	}
@@ -102,7 +102,7 @@ func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.D
 		want[d] = true
 	}
 	byNS := make(map[string]map[int]probe.Dev) // mount IDs of devs per namespace
-	var out []Holder
+	var out []holder
 	for _, name := range names {
 		if err := ctx.Err(); err != nil {
 			return out, fmt.Errorf("find holders of %v: %w", devs, err)
@@ -134,7 +134,7 @@ func findHolders(ctx context.Context, procDir string, pids []int, devs []probe.D
 			return d, ok
 		}
 		comm := readComm(proc)
-		var hs []Holder
+		var hs []holder
 		if len(ids) > 0 || len(detached) > 0 {
 			hs = append(hs, linkHolders(proc, held)...)
 			hs = append(hs, fdHolders(proc, held)...)
@@ -157,8 +157,8 @@ func readComm(proc string) string {
 }
 
 // linkHolders checks the cwd and root links.
-func linkHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
-	var out []Holder
+func linkHolders(proc string, held func(int) (probe.Dev, bool)) []holder {
+	var out []holder
 	for _, k := range []holdKind{holdCwd, holdRoot} {
 		link := filepath.Join(proc, string(k))
 		fd, err := unix.Open(link, unix.O_PATH|unix.O_CLOEXEC, 0)
@@ -175,18 +175,18 @@ func linkHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 			continue
 		}
 		target, _ := os.Readlink(link)
-		out = append(out, Holder{Kind: k, Dev: dev, MountID: id, Path: target})
+		out = append(out, holder{Kind: k, Dev: dev, MountID: id, Path: target})
 	}
 	return out
 }
 
 // fdHolders checks each open descriptor's fdinfo.
-func fdHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
+func fdHolders(proc string, held func(int) (probe.Dev, bool)) []holder {
 	entries, err := os.ReadDir(filepath.Join(proc, "fdinfo"))
 	if err != nil {
 		return nil
 	}
-	var out []Holder
+	var out []holder
 	for _, e := range entries {
 		n, err := strconv.Atoi(e.Name())
 		if err != nil {
@@ -201,14 +201,14 @@ func fdHolders(proc string, held func(int) (probe.Dev, bool)) []Holder {
 			continue
 		}
 		target, _ := os.Readlink(filepath.Join(proc, "fd", e.Name()))
-		out = append(out, Holder{Kind: holdFD, Dev: dev, FD: n, MountID: id, Path: target})
+		out = append(out, holder{Kind: holdFD, Dev: dev, FD: n, MountID: id, Path: target})
 	}
 	return out
 }
 
 // mapHolders reads /proc/<pid>/maps for mappings of files on devs,
 // streamed: a process has up to vm.max_map_count mappings.
-func mapHolders(proc string, devs devSet) []Holder {
+func mapHolders(proc string, devs devSet) []holder {
 	f, err := os.Open(filepath.Join(proc, "maps"))
 	if err != nil {
 		return nil
@@ -218,12 +218,12 @@ func mapHolders(proc string, devs devSet) []Holder {
 }
 
 // parseMaps lists the files mapped from the filesystems devs, each once.
-func parseMaps(r io.Reader, devs devSet) []Holder {
+func parseMaps(r io.Reader, devs devSet) []holder {
 	type key struct {
 		dev  probe.Dev
 		path string
 	}
-	var out []Holder
+	var out []holder
 	seen := map[key]bool{}
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
@@ -242,7 +242,7 @@ func parseMaps(r io.Reader, devs devSet) []Holder {
 			continue
 		}
 		seen[k] = true
-		out = append(out, Holder{Kind: holdMap, Dev: dev, Path: k.path})
+		out = append(out, holder{Kind: holdMap, Dev: dev, Path: k.path})
 	}
 	return out
 }

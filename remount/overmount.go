@@ -47,13 +47,13 @@ type overMounter struct {
 	Sys Syscalls
 }
 
-// OverMount binds the mount at source (a freshly staged or published mount
+// overMount binds the mount at source (a freshly staged or published mount
 // below the kubelet root) recursively on top of dead, which must still be on
 // top at its path: with dead.ID set, the mount on top there must have that
 // ID (and dead.UniqueID, when set), or the action fails with
 // ErrMountChanged. Both paths must pass
 // openSafe.
-func (o *overMounter) OverMount(ctx context.Context, source string, dead *probe.Mount) ([]Action, error) {
+func (o *overMounter) overMount(ctx context.Context, source string, dead *probe.Mount) ([]Action, error) {
 	root := o.Root
 	if root == "" {
 		root = probe.DefaultKubeletRoot

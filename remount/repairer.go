@@ -589,7 +589,7 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 			for _, w := range waits {
 				uid := string(w.p.uid)
 				if _, ok := byPod[uid]; !ok {
-					ctrs, err := cri.PodContainers(ctx, uid)
+					ctrs, err := cri.podContainers(ctx, uid)
 					if err != nil {
 						r.logWait(ctx, err)
 					}
@@ -606,7 +606,7 @@ func (r *Repairer) Restart(ctx context.Context, v *Volume) Outcome {
 				now := byPod[uid][i]
 				a := Action{Op: opWaitRunning, Path: now.ID, Took: time.Since(start),
 					Detail: fmt.Sprintf("container %s of pod %s runs again (attempt %d, was %d)", name, uid, now.Attempt, w.before.Attempt)}
-				pid, err := cri.ContainerPID(ctx, now.ID)
+				pid, err := cri.containerPID(ctx, now.ID)
 				if err != nil {
 					a.Err = fmt.Errorf("container %s of pod %s: find its process to verify: %w", name, uid, err)
 				} else {

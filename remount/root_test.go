@@ -361,9 +361,9 @@ func TestRefusePlantedSymlink(t *testing.T) {
 		if !errors.Is(err, errUnsafePath) || len(acts) != 1 || !strings.Contains(acts[0].Err.Error(), p) {
 			t.Errorf("Unmount(%s) = %v, %v; want one refused action naming it", p, acts, err)
 		}
-		acts, err = (&overMounter{Root: root}).OverMount(ctx, fresh, &probe.Mount{Path: p})
+		acts, err = (&overMounter{Root: root}).overMount(ctx, fresh, &probe.Mount{Path: p})
 		if !errors.Is(err, errUnsafePath) {
-			t.Errorf("OverMount onto %s = %v, %v; want errUnsafePath", p, acts, err)
+			t.Errorf("overMount onto %s = %v, %v; want errUnsafePath", p, acts, err)
 		}
 	}
 	if after := outsideMounts(t, outside); !slices.Equal(after, before) {
@@ -395,16 +395,16 @@ func TestOverMountDeadAndHung(t *testing.T) {
 
 			done := make(chan error, 1)
 			go func() {
-				_, err := (&overMounter{Root: root}).OverMount(context.Background(), fresh, &probe.Mount{Path: v.staging, ID: deadID})
+				_, err := (&overMounter{Root: root}).overMount(context.Background(), fresh, &probe.Mount{Path: v.staging, ID: deadID})
 				done <- err
 			}()
 			select {
 			case err := <-done:
 				if err != nil {
-					t.Fatalf("OverMount = %v", err)
+					t.Fatalf("overMount = %v", err)
 				}
 			case <-time.After(failBound):
-				t.Fatalf("OverMount on a %s mount did not return", fault)
+				t.Fatalf("overMount on a %s mount did not return", fault)
 			}
 			// The staging mount's peers (the publish target) and their
 			// slaves (the HostToContainer container) receive it.
@@ -554,9 +554,9 @@ func TestFindHoldersOfDeadMount(t *testing.T) {
 
 	check := func(when string, ids ...int) {
 		t.Helper()
-		hs, err := FindHolders(context.Background(), "", v.dev(), ids...)
+		hs, err := holdersOf(context.Background(), "", v.dev(), ids...)
 		if err != nil {
-			t.Fatalf("FindHolders %s = %v", when, err)
+			t.Fatalf("holdersOf %s = %v", when, err)
 		}
 		var cwd, fd bool
 		for _, h := range hs {
@@ -567,7 +567,7 @@ func TestFindHoldersOfDeadMount(t *testing.T) {
 			fd = fd || (h.Kind == holdFD && h.FD == 3)
 		}
 		if !cwd || !fd {
-			t.Errorf("FindHolders %s = %v; want pid %d by cwd and by fd 3", when, hs, cmd.Process.Pid)
+			t.Errorf("holdersOf %s = %v; want pid %d by cwd and by fd 3", when, hs, cmd.Process.Pid)
 		}
 	}
 	check("on the dead mount")
@@ -622,7 +622,7 @@ func TestDryRunChangesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	acts = append(acts, a...)
-	if a, err = (&overMounter{Root: root, DryRun: true}).OverMount(ctx, fresh, &probe.Mount{Path: v.staging, ID: topID(t, root, v.staging)}); err != nil {
+	if a, err = (&overMounter{Root: root, DryRun: true}).overMount(ctx, fresh, &probe.Mount{Path: v.staging, ID: topID(t, root, v.staging)}); err != nil {
 		t.Fatal(err)
 	}
 	acts = append(acts, a...)

@@ -30,12 +30,12 @@ import (
 // stay dead; new lookups see the fresh one. The containers' processes come
 // from the Repairer's shared cgroup scan, or the CRI (docs/remount.md).
 
-// Propagation is the mount propagation of a volumeMount.
-type Propagation int
+// propagation is the mount propagation of a volumeMount.
+type propagation int
 
 const (
 	// propagationNone is mountPropagation None: a private mount.
-	propagationNone Propagation = iota
+	propagationNone propagation = iota
 	// propagationHostToContainer is a slave of the host's mount.
 	propagationHostToContainer
 	// propagationBidirectional is a peer of the host's mount.
@@ -44,14 +44,14 @@ const (
 
 var propagationNames = [...]string{"None", "HostToContainer", "Bidirectional"}
 
-func (p Propagation) String() string {
+func (p propagation) String() string {
 	if int(p) >= 0 && int(p) < len(propagationNames) {
 		return propagationNames[p]
 	}
 	return "Propagation(" + strconv.Itoa(int(p)) + ")"
 }
 
-func (p Propagation) flag() uint64 {
+func (p propagation) flag() uint64 {
 	switch p {
 	case propagationHostToContainer:
 		return unix.MS_SLAVE
@@ -63,7 +63,7 @@ func (p Propagation) flag() uint64 {
 
 // propagationOf reads the propagation of a mount from mountinfo's optional
 // fields: shared:N is a peer group, master:N a slave.
-func propagationOf(optional string) Propagation {
+func propagationOf(optional string) propagation {
 	var master bool
 	for _, f := range strings.Fields(optional) {
 		switch {
@@ -97,7 +97,7 @@ type swapTarget struct {
 	// ReadOnly re-applies read-only (MOUNT_ATTR_RDONLY) to the clone.
 	ReadOnly bool
 	// Propagation is given to the clone (recursively).
-	Propagation Propagation
+	Propagation propagation
 	// MountID is the dead mount's ID in the container's mountinfo. When set,
 	// the swap happens only while that mount is on top at ContainerPath;
 	// otherwise it fails with ErrMountChanged.

@@ -68,8 +68,8 @@ func AllTiers() []Tier {
 	return out
 }
 
-// ParseTier reads a tier from its name.
-func ParseTier(name string) (Tier, error) {
+// parseTier reads a tier from its name.
+func parseTier(name string) (Tier, error) {
 	for i, n := range tierNames {
 		if n == name {
 			return Tier(i), nil
@@ -99,7 +99,7 @@ func ParseTierSet(names []string) (TierSet, error) {
 		if n == "" {
 			continue
 		}
-		t, err := ParseTier(n)
+		t, err := parseTier(n)
 		if err != nil {
 			return 0, err
 		}

@@ -14,9 +14,9 @@ func TestTierNames(t *testing.T) {
 		t.Fatalf("every tier's name = %v, want %v", got, want)
 	}
 	for _, tier := range AllTiers() {
-		got, err := ParseTier(tier.String())
+		got, err := parseTier(tier.String())
 		if err != nil || got != tier {
-			t.Errorf("ParseTier(%q) = %v, %v; want %v", tier, got, err, tier)
+			t.Errorf("parseTier(%q) = %v, %v; want %v", tier, got, err, tier)
 		}
 	}
 	if s := Tier(numTiers).String(); s != "tier(8)" {

@@ -2,7 +2,6 @@ package failover
 
 import (
 	"context"
-	"crypto/sha256"
 	"fmt"
 	"slices"
 	"time"
@@ -210,11 +209,9 @@ func (r claimReader) claim(ctx context.Context, ns, name string) claimInfo {
 	return info
 }
 
-// attachmentName is the name kubelet's CSI attacher and the attach/detach
-// controller give the VolumeAttachment of a CSI volume on a node:
-// csi-<hex sha256(volumeHandle + driver + nodeName)> (k8s.io/kubernetes
-// pkg/volume/csi, getAttachmentName). The controller reads and deletes
+// attachmentName is the name of the VolumeAttachment of a CSI volume on a
+// node (kubelet.AttachmentName). The controller reads and deletes
 // attachments by this name instead of listing them all.
 func attachmentName(volumeHandle, driver, node string) string {
-	return fmt.Sprintf("csi-%x", sha256.Sum256([]byte(volumeHandle+driver+node)))
+	return kubelet.AttachmentName(volumeHandle, driver, node)
 }

@@ -33,7 +33,7 @@ import (
 //     container of the pod at once and keeps working while the runtime is
 //     busy or restarting; the sandbox (pause) process is in the pod cgroup
 //     too, and planSwap skips it because its namespace lacks the volume.
-//  2. The runtime's verbose ContainerStatus (CRIClient.ContainerPID), for
+//  2. The runtime's verbose ContainerStatus (CRIClient.containerPID), for
 //     every container when a CRI endpoint is set (the runtime's process of
 //     a container is the one whose mount namespace a swap enters, over what
 //     the cgroups say), and the only source for containers the cgroups do
@@ -483,7 +483,7 @@ func (r *Repairer) criProcs(ctx context.Context, p *podPlan, pp *podProcs, ids [
 		return fmt.Errorf("find container processes of pod %s: %w", p.uid, err)
 	}
 	if len(ids) == 0 && len(pp.pids) == 0 {
-		ctrs, err := cri.PodContainers(ctx, string(p.uid))
+		ctrs, err := cri.podContainers(ctx, string(p.uid))
 		if err != nil {
 			return fmt.Errorf("find container processes of pod %s: %w", p.uid, err)
 		}
@@ -494,7 +494,7 @@ func (r *Repairer) criProcs(ctx context.Context, p *podPlan, pp *podProcs, ids [
 	var errs []error
 	n := 0
 	for _, id := range ids {
-		pid, err := cri.ContainerPID(ctx, id)
+		pid, err := cri.containerPID(ctx, id)
 		if err != nil {
 			errs = append(errs, err)
 			continue

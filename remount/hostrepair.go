@@ -709,7 +709,7 @@ func (h *hostRun) publishOver(ctx context.Context, p *podPlan) error {
 	}
 	h.add(a)
 	om := &overMounter{Root: h.r.root, Sys: h.r.cfg.Sys}
-	acts, err := om.OverMount(ctx, temp, &probe.Mount{Path: p.target, ID: p.keep.ID, UniqueID: p.keep.UniqueID})
+	acts, err := om.overMount(ctx, temp, &probe.Mount{Path: p.target, ID: p.keep.ID, UniqueID: p.keep.UniqueID})
 	h.add(acts...)
 	cleanup()
 	if err != nil {
