@@ -293,7 +293,7 @@ func TestLadderWaitsForTheAPIServer(t *testing.T) {
 func TestLadderLeavesAnOptedOutClaim(t *testing.T) {
 	c := newLadderCase(t, ladderOptions{optOut: true})
 	c.run(t, outcomeIgnored)
-	c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonNotRepaired}, OptOutAnnotation)
+	c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonRepairOptedOut}, OptOutAnnotation)
 }
 
 func TestLadderDryRunReportsThePlan(t *testing.T) {
@@ -301,7 +301,7 @@ func TestLadderDryRunReportsThePlan(t *testing.T) {
 	c.rep.outcomes[remount.TierRestage] = remount.Outcome{Actions: []remount.Action{
 		{Op: remount.Op("stage"), Path: "/var/lib/kubelet/plugins/kubernetes.io/csi/x/globalmount", DryRun: true}}}
 	c.run(t, outcomeWaiting, "restage")
-	c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonNotRepaired}, dryRunPrefix, "would restage", "plugins/kubernetes.io/csi/x/globalmount")
+	c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonWouldRepair}, dryRunPrefix, "would restage", "plugins/kubernetes.io/csi/x/globalmount")
 }
 
 // TestLadderLeavesAResidual: the re-stage heals the host, but the
