@@ -50,6 +50,10 @@ type Config struct {
 	ProbeTimeout  time.Duration
 	// ProbeParallel bounds the probes run at once in a cycle.
 	ProbeParallel int
+	// WriteCheck probes read-write block filesystems for writes too
+	// (probe.Config.WriteCheck): for kernels whose mount table hides an
+	// ext4 shutdown. Off by default.
+	WriteCheck bool
 	// StallPoll is how often the agent reads each FUSE connection's count
 	// of waiting requests between probe cycles, to probe a backend with
 	// requests waiting at once (probe.Prober.WatchStalls); 0 turns it off.

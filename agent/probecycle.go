@@ -13,7 +13,7 @@ import (
 // for the Repairer to verify with (Deps.Prober, remount.Config.Prober).
 func NewProber(cfg Config) *probe.Prober {
 	pc := probe.DefaultConfig()
-	pc.Timeout, pc.Parallel = cfg.ProbeTimeout, cfg.ProbeParallel
+	pc.Timeout, pc.Parallel, pc.WriteCheck = cfg.ProbeTimeout, cfg.ProbeParallel, cfg.WriteCheck
 	return probe.NewProber(pc)
 }
 

@@ -233,6 +233,30 @@ func TestReadDeviceErrorIsIOError(t *testing.T) {
 	}
 }
 
+// TestWriteCheckOnlyWhenConfigured: the write check reaches a volume only
+// when the agent asks for it (--write-check); by default a read-write
+// block filesystem gets no write, and a shut-down one is found only then.
+func TestWriteCheckOnlyWhenConfigured(t *testing.T) {
+	b := &Backend{Kind: BackendBlock, FSType: "ext4", Device: "nbd0", Dev: Dev{43, 0}, SuperOptions: "rw"}
+	m := &Mount{Path: "/var/lib/kubelet/plugins/x", Backend: b, Options: "rw"}
+	b.Mounts = []*Mount{m}
+	inv := &Inventory{Root: "/var/lib/kubelet", Mounts: []*Mount{m}, Backends: []*Backend{b}}
+	for _, on := range []bool{false, true} {
+		calls := 0
+		sys := newFakeFS().syscalls()
+		sys.ReadFile = func(string) ([]byte, error) { return []byte("0\n"), nil }
+		sys.WriteCheck = func(string) (State, error) { calls++; return Shutdown, unix.EIO }
+		st := NewProberWith(Config{Timeout: time.Minute, WriteCheck: on}, sys).Probe(context.Background(), inv).Mounts[0].State
+		want, wantCalls := Healthy, 0
+		if on {
+			want, wantCalls = Shutdown, 1
+		}
+		if st != want || calls != wantCalls {
+			t.Errorf("WriteCheck %v: state %v after %d write checks, want %v after %d", on, st, calls, want, wantCalls)
+		}
+	}
+}
+
 // TestCheckPath: a path is probed under a backend's rules: its errno
 // classified, Hung past the deadline, and never a second probe while the
 // first has not returned.

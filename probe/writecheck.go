@@ -10,8 +10,9 @@ import (
 // WriteCheck asks a block filesystem mounted read-write at path whether it
 // still takes writes, for kernels whose mount table does not say: Linux 6.1
 // shows neither the "shutdown" nor the "emergency_ro" super option
-// (docs/kernel-facts.md). Two steps, neither of which leaves anything on the
-// volume:
+// (docs/kernel-facts.md). Two steps, neither of which leaves a file on the
+// volume, though both reach the device (a cache flush, a journal
+// transaction): the probe runs it only when configured (Config.WriteCheck).
 //
 //   - fsync(2) of the root directory: nothing to write on a clean
 //     directory, but ext4 and xfs answer EIO once shut down;

@@ -117,6 +117,14 @@ func (r *Repairer) Reattach(ctx context.Context, v *Volume) Outcome {
 			return
 		}
 		if err := r.filesystemWrites(ctx, st); err != nil {
+			if errors.Is(err, probe.ErrHung) || ctx.Err() != nil {
+				// No answer is no proof of a failed filesystem (a frozen
+				// one waits too): never take it down for that.
+				a := Action{Op: opVerify, Path: st.mount.Path, Detail: "filesystem did not answer the write check: not mounted afresh", Err: err}
+				add(a)
+				o.Err = fmt.Errorf("volume %q of %s on %s: %w", v.VolumeHandle, v.Driver, dev, err)
+				return
+			}
 			add(Action{Op: opVerify, Path: st.mount.Path, Detail: "filesystem refuses writes (" + err.Error() + "): mount the kept device afresh"})
 			r.freshFilesystem(ctx, v, st, o)
 			if !o.Healed {

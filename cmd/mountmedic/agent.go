@@ -104,6 +104,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.DurationVar(&c.ProbeInterval, "probe-interval", c.ProbeInterval, "time between probe cycles (jittered by 10%)")
 	fl.DurationVar(&c.ProbeTimeout, "probe-timeout", c.ProbeTimeout, "deadline of each probe; past it a mount is Hung")
 	fl.IntVar(&c.ProbeParallel, "probe-parallel", c.ProbeParallel, "probes run at once in a cycle")
+	fl.BoolVar(&c.WriteCheck, "write-check", c.WriteCheck, "also check that read-write block filesystems take writes (fsync and an unnamed file in their root, every probe): for kernels whose mount table does not show an ext4 shutdown (6.1); costs a journal write per probe, and a filesystem frozen longer than --probe-timeout reads as hung")
 	fl.DurationVar(&c.StallPoll, "stall-poll", c.StallPoll, "how often to read each FUSE connection's waiting requests between cycles and probe a backend with requests waiting at once; at most 1,000 reads a second, so past 250 FUSE backends the polls stretch (0: off)")
 	fl.IntVar(&c.Strikes, "strikes", c.Strikes, "consecutive broken probe cycles before a repair (a definitely dead FUSE connection, and a driver that just came back, act at once)")
 	fl.DurationVar(&c.Resync, "resync", c.Resync, "re-read the mount table and retry volumes waiting for their driver at least this often")
