@@ -444,3 +444,24 @@ func TestPrepareSortsThePods(t *testing.T) {
 		t.Errorf("prepare(pods unknown) = %+v, want nil", j)
 	}
 }
+
+// TestTerminatingUnmountKnowsTheVolumesUsers: the unmount tier of a
+// terminating pod is told every pod that uses the volume, so that the
+// abort of a hung connection never takes one of their processes for the
+// daemon.
+func TestTerminatingUnmountKnowsTheVolumesUsers(t *testing.T) {
+	dead := []*probe.Mount{{ID: 7, Path: "/var/lib/kubelet/pods/uid-a/volumes/kubernetes.io~csi/pv-1/mount"}}
+	j := &job{vol: &brokenVolume{pods: map[string]*podUse{"uid-a": {uid: "uid-a"}, "uid-b": {uid: "uid-b"}}}}
+	got := volumeUsers(j, "uid-a", dead)
+	var uids []string
+	for _, p := range got {
+		uids = append(uids, string(p.Publish.PodUID))
+	}
+	slices.Sort(uids)
+	if !slices.Equal(uids, []string{"uid-a", "uid-b"}) {
+		t.Errorf("users = %v, want [uid-a uid-b]", uids)
+	}
+	if got[0].Publish.PodUID != "uid-a" || len(got[0].Dead) != 1 || len(got[1].Dead) != 0 {
+		t.Errorf("only the terminating pod's dead mounts are to be unmounted: %+v", got)
+	}
+}

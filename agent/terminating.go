@@ -5,8 +5,11 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
 	"github.com/mountmedic/mountmedic/remount"
 )
 
@@ -35,7 +38,7 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 			}
 		default:
 			v := &remount.Volume{Driver: j.vol.driver, VolumeHandle: j.vol.volumeHandle, Backend: j.vol.backend, Hung: j.vol.hung,
-				Pods: []remount.PodVolume{{Dead: use.dead}}}
+				Pods: volumeUsers(j, pod.UID, use.dead)}
 			out := a.repairer.Unmount(ctx, v)
 			if out.Err != nil {
 				a.metrics.repair(remount.TierUnmount, resultFailure, out.Took)
@@ -57,4 +60,18 @@ func (a *Agent) unmountTerminating(ctx context.Context, j *job) outcome {
 		}
 	}
 	return o
+}
+
+// volumeUsers are the pods of the unmount tier's volume: the terminating
+// pod with its dead mounts, and every other pod on the node that uses the
+// volume, so that a hung connection's abort never kills a process of a
+// pod that uses the volume (remount.Unmounter.Users).
+func volumeUsers(j *job, uid types.UID, dead []*probe.Mount) []remount.PodVolume {
+	out := []remount.PodVolume{{Publish: kubelet.VolumeRequest{PodUID: uid}, Dead: dead}}
+	for other := range j.vol.pods {
+		if other != string(uid) {
+			out = append(out, remount.PodVolume{Publish: kubelet.VolumeRequest{PodUID: types.UID(other)}})
+		}
+	}
+	return out
 }

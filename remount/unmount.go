@@ -437,7 +437,7 @@ func (u *Unmounter) AbortFUSE(ctx context.Context, dev probe.Dev, at *probe.Moun
 		actions = append(actions, a)
 		for _, s := range servers {
 			actions = append(actions, Action{Op: opKillServer, Path: "pid " + strconv.Itoa(s.pid), DryRun: true,
-				Detail: fmt.Sprintf("%s serves fuse connection %d: would be stopped before the abort and killed after it", s, conn)})
+				Detail: fmt.Sprintf("%s serves fuse connection %d: would be killed right before the abort", s, conn)})
 		}
 		return append(actions, notes...), nil
 	}
