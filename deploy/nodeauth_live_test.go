@@ -354,6 +354,19 @@ func blastRadius(t *testing.T, mode string) {
 			_, err := ag.CoreV1().Nodes().PatchStatus(ctx, nodeA, condition(string(corev1.NodeReady)))
 			return err
 		}},
+		{"label node A through its status", true, false, "", func() error {
+			n, err := ag.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType,
+				[]byte(`{"metadata":{"labels":{"mountmedic.io/radius":"steered"}}}`), metav1.PatchOptions{}, "status")
+			if err == nil && n.Labels["mountmedic.io/radius"] != "steered" {
+				err = fmt.Errorf("the status patch was admitted but did not set the label")
+			}
+			return err
+		}},
+		{"set node A's address through its status", true, false, "", func() error {
+			_, err := ag.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType,
+				[]byte(`{"status":{"addresses":[{"type":"InternalIP","address":"192.0.2.66"}]}}`), metav1.PatchOptions{}, "status")
+			return err
+		}},
 		{"patch node A", true, false, "", func() error {
 			_, err := ag.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType, annotate, metav1.PatchOptions{})
 			return err
