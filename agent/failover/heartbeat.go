@@ -179,7 +179,9 @@ func NewHeartbeat(cfg Config, client, leases kubernetes.Interface, pods cache.Sh
 	if err != nil {
 		return nil, err
 	}
-	r := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
+	// The renewals' jitter and the peer loop's shard draw run on their own
+	// goroutines: one source, locked.
+	r := rand.New(&lockedSource{src: rand.NewPCG(rand.Uint64(), rand.Uint64())})
 	h := &Heartbeat{
 		cfg: cfg, client: client, leases: leases, podInf: pods, containers: containers, volumes: volumes, metrics: m,
 		peerMetrics: pm,
@@ -949,4 +951,17 @@ func (h *Heartbeat) nodeEvent(eventtype, reason, format string, args ...any) {
 	h.mu.Unlock()
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: h.cfg.NodeName, UID: uid}}
 	h.rec.Eventf(node, nil, eventtype, reason, "PeerCheck", format, args...)
+}
+
+// lockedSource is a rand.Source for several goroutines: rand.Rand keeps no
+// state of its own, so a Rand over it is safe to share.
+type lockedSource struct {
+	mu  sync.Mutex
+	src rand.Source
+}
+
+func (s *lockedSource) Uint64() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.src.Uint64()
 }
