@@ -178,12 +178,13 @@ func (v *nbdVol) readerOK() error {
 	return nil
 }
 
-// markBroken probes as the agent does and fills the volume's backend and
+// markBroken probes as the agent does with --write-check (6.1's mount table
+// shows no ext4 shutdown) and fills the volume's backend and
 // dead mounts; it waits (up to a minute) for the probe to find the volume
 // broken.
 func (l *nbdLab) markBroken(t testing.TB, vs ...*nbdVol) {
 	t.Helper()
-	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, Parallel: 8, ReadDevice: true})
+	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, Parallel: 8, ReadDevice: true, WriteCheck: true})
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(500 * time.Millisecond) {
 		inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: l.root, Live: true})
 		if err != nil {
@@ -223,7 +224,7 @@ func (l *nbdLab) markBroken(t testing.TB, vs ...*nbdVol) {
 // and dead mounts as markBroken does.
 func (l *nbdLab) brokenNow(t testing.TB, v *nbdVol) bool {
 	t.Helper()
-	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true})
+	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true, WriteCheck: true})
 	inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: l.root, Live: true})
 	if err != nil {
 		t.Fatal(err)
