@@ -57,13 +57,7 @@ func (a *Agent) guardMissing(ctx context.Context, j *job) {
 			if errors.Is(act.Err, remount.ErrMountChanged) {
 				continue // published again meanwhile
 			}
-			result := resultSuccess
-			switch {
-			case act.Err != nil:
-				result = resultFailure
-			case act.DryRun:
-				result = resultDryRun
-			}
+			result := guardResult(act)
 			// Every cycle tries an unguarded target again: a dry run's
 			// plan and a failure count, log and report once an episode.
 			first := a.notes.once(j.key, noteGuard, result+" "+m.Path)
@@ -86,4 +80,15 @@ func (a *Agent) guardMissing(ctx context.Context, j *job) {
 			}
 		}
 	}
+}
+
+// guardResult is the metrics result of a guard's action.
+func guardResult(act remount.Action) string {
+	switch {
+	case act.Err != nil:
+		return resultFailure
+	case act.DryRun:
+		return resultDryRun
+	}
+	return resultSuccess
 }

@@ -44,13 +44,7 @@ func (a *Agent) guardStaging(ctx context.Context, j *job, path string) {
 	if errors.Is(act.Err, remount.ErrMountChanged) {
 		return // staged again meanwhile
 	}
-	result := resultSuccess
-	switch {
-	case act.Err != nil:
-		result = resultFailure
-	case act.DryRun:
-		result = resultDryRun
-	}
+	result := guardResult(act)
 	first := a.notes.once(j.key, noteGuard, result+" "+path)
 	if result == resultSuccess || first {
 		a.metrics.guards.WithLabelValues(result).Inc()
