@@ -255,13 +255,14 @@ func (r *Repairer) sendReattach(ctx context.Context, v *Volume, dev string, add 
 // readDevice reads the first block of dev with O_DIRECT under the probe
 // deadline. A read past it answers probe.ErrHung; its goroutine stays
 // parked in the kernel until the device answers or fails the read (the
-// kernel's dead-connection timeout bounds that).
+// kernel's dead-connection timeout bounds that), and later reads of the
+// device wait on that one instead of parking more.
 func (r *Repairer) readDevice(ctx context.Context, dev string) error {
 	read := r.cfg.ProbeSys.ReadDevice
 	if read == nil {
 		read = probe.HostSyscalls().ReadDevice
 	}
-	return r.bounded(ctx, func() error { return read(dev) })
+	return r.checks.run(ctx, "read "+dev, r.cfg.Probe.Timeout, func() error { return read(dev) })
 }
 
 // filesystemWrites says whether the staging mount's filesystem takes
@@ -276,29 +277,12 @@ func (r *Repairer) filesystemWrites(ctx context.Context, st reattachStaging) err
 	if check == nil {
 		check = probe.WriteCheck
 	}
-	return r.bounded(ctx, func() error {
+	return r.checks.run(ctx, "write check "+st.mount.Path, r.cfg.Probe.Timeout, func() error {
 		if s, err := check(st.mount.Path); s != probe.Healthy {
 			return fmt.Errorf("%s: %w", s, err)
 		}
 		return nil
 	})
-}
-
-// bounded runs fn on its own goroutine and waits for it at most the probe
-// deadline.
-func (r *Repairer) bounded(ctx context.Context, fn func() error) error {
-	done := make(chan error, 1)
-	go func() { done <- fn() }()
-	timer := time.NewTimer(r.cfg.Probe.Timeout)
-	defer timer.Stop()
-	select {
-	case err := <-done:
-		return err
-	case <-timer.C:
-		return fmt.Errorf("%w (%s)", probe.ErrHung, r.cfg.Probe.Timeout)
-	case <-ctx.Done():
-		return ctx.Err()
-	}
 }
 
 // IsNBD reports whether a backend is a filesystem on an nbd device

@@ -121,6 +121,7 @@ type Repairer struct {
 	table   *probe.TableReader
 	built   builtTable
 	lookup  lookups
+	checks  checkFlights
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
