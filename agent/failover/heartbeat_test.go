@@ -406,6 +406,16 @@ func testSuspend(t *testing.T, l *hbLab) {
 func testAPIServerStopped(t *testing.T, l *hbLab, n, flood int) {
 	cfg := l.hbConfig()
 	cfg.Peers = n - 1
+	// No fence is an availability claim, made for the shipped peer
+	// timeout: a check that misses one peer's answer fences (safety
+	// first), and the lab's 500 ms misses them under a loaded CI
+	// machine's scheduling, not under the outage or the flood.
+	// The lab's ratios stay: fence after four beats, so that a peer
+	// whose last renewal just succeeded no longer says it can renew
+	// (FenceAfter/2) when the asker's window ends.
+	cfg.PeerTimeout = DefaultConfig().PeerTimeout
+	cfg.HeartbeatInterval = cfg.PeerTimeout + cfg.PeerTimeout/4
+	cfg.FenceAfter = 4 * cfg.HeartbeatInterval
 	var nodes []*hbNode
 	prefix := "outage"
 	if flood > 0 {
