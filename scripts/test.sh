@@ -29,7 +29,19 @@ if [ -n "$unformatted" ]; then
 fi
 go vet ./...
 go vet -tags guest ./probe ./remount
-go test -race -count=1 -timeout 30m $(go list ./... | grep -v -e /scripts/e2e$ -e /scripts/scale$ -e /scripts/guest$) 2>&1 | tee /tmp/mountmedic-test.log
+# The failover availability tests (an API server outage with every peer
+# endpoint flooded: no node may fence) judge peers by their answers within
+# the shipped 2 s peer timeout; beside the other test binaries under -race,
+# a 2-core machine misses those answers and the nodes fence, safely but
+# wrongly for the claim. They run after, alone and without -race; the same
+# code is raced by the other heartbeat and peer tests.
+availability='TestPeerCheckFlooded|TestHeartbeat/api_server_stopped'
+go test -race -count=1 -timeout 30m -skip "$availability" $(go list ./... | grep -v -e /scripts/e2e$ -e /scripts/scale$ -e /scripts/guest$) 2>&1 | tee /tmp/mountmedic-test.log
+if ! go test -count=1 -timeout 10m -run "$availability" -v ./agent/failover 2>&1 | tee /tmp/mountmedic-availability.log | grep -E '^(=== RUN|--- |\s+--- |ok|FAIL|PASS)|_test\.go:'; then
+	echo "--- the availability tests failed (whole log: /tmp/mountmedic-availability.log):"
+	grep -v '^=== RUN' /tmp/mountmedic-availability.log | tail -n 200
+	exit 1
+fi
 # The failover duty at cluster size (scripts/scale: kwok nodes, 100 real
 # heartbeats, the real controller, on the real etcd + kube-apiserver), alone
 # and without the race detector: its heartbeats keep scaled-down timings
