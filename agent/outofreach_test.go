@@ -44,10 +44,13 @@ func TestOutOfReachFollowsTheCatalogue(t *testing.T) {
 			cfg := DefaultConfig()
 			cfg.EscalateOutOfReach, cfg.Tiers = tc.optIn, tc.tiers
 			a := &Agent{cfg: cfg}
-			const why = "reported, not repaired"
+			why := notUnderstood(&brokenVolume{csi: true, driver: tc.driver}, false)
 			rec, skip := a.recoveryPlan(tc.driver, why)
 			if !strings.HasPrefix(skip, why) {
 				t.Errorf("recoveryPlan(%s) = %q, want it to start with the report %q", tc.driver, skip, why)
+			}
+			if n := len(dryRunPrefix + skip); n > 1000 {
+				t.Errorf("recoveryPlan(%s) is %d bytes with the dry-run mark, want at most 1000: the event would cut off what mountmedic does", tc.driver, n)
 			}
 			for _, s := range tc.says {
 				if !strings.Contains(skip, s) {
