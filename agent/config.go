@@ -96,6 +96,12 @@ type Config struct {
 	// staging path, as if their layout were kubelet's plain one. Off, they
 	// are probed and reported only.
 	RepairUnknownDrivers bool
+	// EscalateOutOfReach follows the driver catalogue's Recovery for a
+	// catalogued driver whose dead daemon the node plugin cannot restart
+	// (a mount pod, a sidecar in the application pod, an engine pod): once
+	// its grace has passed, the escalation it names (eviction of the pods
+	// a controller owns). Off, those volumes are reported only.
+	EscalateOutOfReach bool
 	// IncludeNamespaces, when not empty, limits repairs to pods in these
 	// namespaces; ExcludeNamespaces are never repaired.
 	IncludeNamespaces []string

@@ -24,6 +24,9 @@ type job struct {
 	// heal this driver's volumes); its lost publish targets are guarded
 	// all the same.
 	reported bool
+	// recovery: the catalogue's Recovery of a reported volume whose daemon
+	// is out of the node plugin's reach (outofreach.go).
+	recovery *kubelet.Recovery
 	// active are the pods to repair; terminating are pods being deleted
 	// that still hold dead mounts; excluded are opted out or filtered
 	// pods, with why.
@@ -62,6 +65,9 @@ func (a *Agent) prepare(bv *brokenVolume) *job {
 	case bv.csi:
 		j.skip = notUnderstood(bv, a.cfg.RepairUnknownDrivers)
 		j.reported = j.skip != ""
+		if j.reported {
+			j.recovery, j.skip = a.recoveryPlan(bv.driver, j.skip)
+		}
 	}
 	n := 0
 	for _, uid := range bv.podUIDs() {

@@ -90,10 +90,16 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	}
 
 	a.announce(ctx, j)
-	if j.skip != "" {
-		return res
-	}
-	if len(j.terminating) > 0 {
+	switch {
+	case j.skip != "":
+		// Reported, not repaired; the eviction rung alone, when the
+		// driver's daemon is out of the plugin's reach and the
+		// escalation is due.
+		var escalate bool
+		if res.outcome, escalate = a.outOfReach(ctx, j); !escalate {
+			return res
+		}
+	case len(j.terminating) > 0:
 		res.outcome = a.unmountTerminating(ctx, j)
 	}
 	if len(j.active) == 0 {
@@ -115,7 +121,7 @@ func (a *Agent) run(ctx context.Context, j *job) (res jobResult) {
 	if j.resume != nil {
 		floor = max(floor, remount.TierLiveSwap) // the host is re-staged already
 	}
-	rungs := a.rungs(j.vol, j.vol.csi, floor)
+	rungs := a.rungs(j.vol, j.vol.csi && j.skip == "", floor)
 	var (
 		r   *resolved
 		err error

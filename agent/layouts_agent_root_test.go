@@ -179,8 +179,16 @@ func TestHealthyLayoutsUnderRunningAgent(t *testing.T) {
 }
 
 // layoutAPIVolume creates a bound PV (of driver, with handle) and PVC and a
-// Running pod pod-<tag> using it, and the CSIDriver object when missing.
-func (d *driverEnv) layoutAPIVolume(tag, driver, handle string) *corev1.Pod {
+// Running pod pod-<tag> using it, owned by a ReplicaSet, and the CSIDriver
+// object when missing.
+func (d *env) layoutAPIVolume(tag, driver, handle string) *corev1.Pod {
+	d.t.Helper()
+	return d.layoutAPIVolumeOwned(tag, driver, handle, true)
+}
+
+// layoutAPIVolumeOwned is layoutAPIVolume; owned false leaves the pod
+// without an owner.
+func (d *env) layoutAPIVolumeOwned(tag, driver, handle string, owned bool) *corev1.Pod {
 	d.t.Helper()
 	attach := false
 	_, _ = d.admin.StorageV1().CSIDrivers().Create(context.Background(), &storagev1.CSIDriver{
@@ -191,8 +199,11 @@ func (d *driverEnv) layoutAPIVolume(tag, driver, handle string) *corev1.Pod {
 		pv.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany}
 		pv.Spec.CSI.Driver, pv.Spec.CSI.VolumeHandle = driver, handle
 	})
-	owner := d.replicaSet("rs-"+tag, map[string]string{"app": tag})
-	return d.createPod("pod-"+tag, v, podOptions{owner: owner, labels: map[string]string{"app": tag}})
+	o := podOptions{labels: map[string]string{"app": tag}}
+	if owned {
+		o.owner = d.replicaSet("rs-"+tag, o.labels)
+	}
+	return d.createPod("pod-"+tag, v, o)
 }
 
 // publish calls NodePublishVolume on the driver's socket as kubelet does for
@@ -281,4 +292,113 @@ func diffMounts(before, after map[string]bool) (gone, added []string) {
 	sort.Strings(gone)
 	sort.Strings(added)
 	return gone, added
+}
+
+// TestOutOfReachEscalation runs the agent, opted in with
+// --escalate-out-of-reach and with an acting repairer, over volumes whose
+// real daemons live out of the node plugin's reach: sshfs as a GCS FUSE
+// sidecar (the catalogue: nothing recovers it, evict at once) for a pod a
+// ReplicaSet owns and for a pod no controller owns, rclone as a JuiceFS
+// mount pod (the catalogue: its own recovery gets 2 minutes), and a
+// healthy sidecar volume. The hostile actor is the application pod's own
+// user, who controls its sidecar: killing it gets at most that user's own
+// controller-owned pod evicted, never a pod no controller owns, never a
+// re-stage or an unmount on the node.
+//
+// A dry run first reports exactly the decisions of the real run that
+// follows: the owned pod evicted (against the real API server), the
+// unowned one refused, the mount pod's volume left to its recovery, the
+// healthy volume untouched; and neither run unmounts, stages or publishes
+// anything.
+func TestOutOfReachEscalation(t *testing.T) {
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	root := e.kubelet.Root()
+	const gcs, jfs = "gcsfuse.csi.storage.gke.io", "csi.juicefs.com"
+	drivers := map[string]*csilab.LayoutDriver{
+		gcs: csilab.StartLayoutDriver(t, gcs, filepath.Join(root, "plugins", gcs, "csi.sock"), t.TempDir(), kubelet.DaemonAppSidecar, csilab.WithSSHFS()),
+		jfs: csilab.StartLayoutDriver(t, jfs, filepath.Join(root, "plugins", jfs, "csi.sock"), t.TempDir(), kubelet.DaemonMountPod),
+	}
+	pods := map[string]*corev1.Pod{}
+	for _, v := range []struct {
+		tag, driver string
+		owned       bool
+	}{
+		{"gcs-owned", gcs, true},
+		{"gcs-lone", gcs, false},
+		{"jfs-owned", jfs, true},
+		{"gcs-healthy", gcs, true},
+	} {
+		handle := "handle-" + v.tag
+		pods[v.tag] = e.layoutAPIVolumeOwned(v.tag, v.driver, handle, v.owned)
+		e.kubelet.StagingPath(v.driver, handle)
+		target := e.kubelet.PreparePublish(string(pods[v.tag].UID), "pv-"+v.tag, v.driver, handle)
+		publish(t, drivers[v.driver].Socket(), handle, target)
+	}
+	for tag, driver := range map[string]string{"gcs-owned": gcs, "gcs-lone": gcs, "jfs-owned": jfs} {
+		if err := drivers[driver].KillDaemon("handle-" + tag); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := kubeletMounts(t, root)
+
+	cfg := e.config()
+	cfg.EscalateOutOfReach, cfg.DryRun = true, true
+	dry := e.startAgent(cfg, agent.Deps{Repairer: e.dryRunRepairer()})
+	e.waitEvent(pods["gcs-owned"].UID, string(agent.ReasonNotRepaired), "[dry-run]", "sidecar", "will evict")
+	e.waitEvent(pods["gcs-owned"].UID, string(agent.ReasonEvicting), "[dry-run] would evict")
+	e.waitEvent(pods["gcs-lone"].UID, string(agent.ReasonNotRepaired), "[dry-run]", "no controller owner")
+	jfsNote := e.waitEvent(pods["jfs-owned"].UID, string(agent.ReasonNotRepaired), "[dry-run]", "mount pod", "--enable-manager", "2m0s")
+	t.Logf("mount pod: %s", jfsNote.Note)
+	// Stopped here and again at the cleanup: its result stays for that.
+	dry.cancel()
+	dryErr := <-dry.done
+	dry.done <- dryErr
+	for tag, p := range pods {
+		got, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, p.Name, metav1.GetOptions{})
+		if err != nil || got.DeletionTimestamp != nil {
+			t.Errorf("%s after the dry run: %v, deletion %v; want it untouched", tag, err, got.DeletionTimestamp)
+		}
+		checkDryRunMarks(t, e, p.UID)
+	}
+
+	rep, err := remount.New(remount.Config{KubeletRoot: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close() })
+	cfg.DryRun = false
+	ra := e.startAgent(cfg, agent.Deps{Repairer: rep})
+	ev := e.waitEvent(pods["gcs-owned"].UID, string(agent.ReasonEvicting), "evicted the pod", "ReplicaSet")
+	t.Logf("sidecar, owned: %s", ev.Note)
+	e.waitFor("the owned pod to be terminating", func() (bool, error) {
+		p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pods["gcs-owned"].Name, metav1.GetOptions{})
+		return err == nil && p.DeletionTimestamp != nil, err
+	})
+	e.waitFor("the refusal in the metrics", func() (bool, error) {
+		n, _ := ra.metric(`mountmedic_evictions_total{result="no_controller"}`)
+		return n >= 1, nil
+	})
+	// A few cycles more for anything the agent would do after.
+	time.Sleep(10 * cfg.ProbeInterval)
+	for _, tag := range []string{"gcs-lone", "jfs-owned", "gcs-healthy"} {
+		p, err := e.admin.CoreV1().Pods(testNamespace).Get(ctx, pods[tag].Name, metav1.GetOptions{})
+		if err != nil || p.DeletionTimestamp != nil {
+			t.Errorf("%s: %v, deletion %v; want it left alone (no controller owner; its driver's recovery still has time; healthy)", tag, err, p.DeletionTimestamp)
+		}
+	}
+	if evs := e.eventsOf(pods["gcs-healthy"].UID); len(evs) != 0 {
+		t.Errorf("healthy sidecar volume: %d events, first %s %q; want none", len(evs), evs[0].Reason, evs[0].Note)
+	}
+	if n, _ := ra.metric(`mountmedic_evictions_total{result="evicted"}`); n != 1 {
+		t.Errorf("mountmedic_evictions_total{evicted} = %v, want 1", n)
+	}
+	for m, n := range actions(ra) {
+		if !strings.Contains(m, `tier="evict"`) && !strings.HasPrefix(m, "mountmedic_evictions_total") {
+			t.Errorf("%s = %v: an action other than the eviction rung", m, n)
+		}
+	}
+	if gone, added := diffMounts(before, kubeletMounts(t, root)); len(gone) != 0 || len(added) != 0 {
+		t.Errorf("daemons out of the plugin's reach: mounts gone %v, added %v; want none unmounted, staged or published", gone, added)
+	}
 }

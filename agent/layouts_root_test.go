@@ -11,6 +11,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/mountmedic/mountmedic/probe"
 	"github.com/mountmedic/mountmedic/scripts/csilab"
@@ -187,5 +189,81 @@ func TestVolumeIDDirLayoutWithRealDriver(t *testing.T) {
 		if why := notUnderstood(v, true); why != "" {
 			t.Errorf("dead volume %s with --repair-unknown-drivers: skip = %q, want repaired", key, why)
 		}
+	}
+}
+
+// TestMountPodRecoveryEndsTheEpisode serves a JuiceFS-style volume from a
+// real rclone "mount pod" and kills it: the volume is broken, reported
+// with the catalogue's recovery and never re-staged. Then the mount pod
+// recovers as JuiceFS CSI's does (the daemon mounts again outside the
+// kubelet root, the publish target gets a fresh bind on top of its dead
+// one): the volume is no longer broken, so the agent's episode ends there
+// and its grace never runs out into an eviction. The dead bind left below
+// is not taken for a broken volume.
+func TestMountPodRecoveryEndsTheEpisode(t *testing.T) {
+	lab.RequireRoot(t)
+	dir := t.TempDir()
+	k := lab.NewKubelet(t, filepath.Join(dir, "kubelet"))
+	const name, handle = "csi.juicefs.com", "pv-jfs"
+	drv := csilab.StartLayoutDriver(t, name, filepath.Join(k.Root(), "plugins", name, "csi.sock"), filepath.Join(dir, "jfs"), kubelet.DaemonMountPod)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	k.StagingPath(name, handle)
+	target := k.PreparePublish("pod-1", "pv-1", name, handle)
+	t.Cleanup(func() {
+		for unix.Unmount(target, unix.MNT_DETACH) == nil {
+		}
+	})
+	conn, err := grpc.NewClient("unix://"+drv.Socket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := csi.NewNodeClient(conn).NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+		VolumeId: handle, TargetPath: target,
+		VolumeCapability: &csi.VolumeCapability{
+			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER},
+		},
+	}); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+	broken := func() map[string]*brokenVolume {
+		inv, err := probe.ReadTable(ctx, "/proc/self/mountinfo", probe.Options{Root: k.Root(), Live: true, PublishGrace: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return groupBroken(probe.NewProber(probe.Config{Timeout: 2 * time.Second}).Probe(ctx, inv))
+	}
+	if got := broken(); len(got) != 0 {
+		t.Fatalf("healthy volume: groupBroken = %d volumes, want none", len(got))
+	}
+
+	if err := drv.KillDaemon(handle); err != nil {
+		t.Fatal(err)
+	}
+	got := broken()
+	if len(got) != 1 {
+		t.Fatalf("mount pod dead: groupBroken = %d volumes, want 1", len(got))
+	}
+	a := &Agent{cfg: DefaultConfig()}
+	a.cfg.EscalateOutOfReach = true
+	for key, v := range got {
+		rec, why := a.recoveryPlan(v.driver, notUnderstood(v, false))
+		if v.driver != name || v.state != probe.Disconnected || rec == nil || !strings.Contains(why, "mount pod") || !strings.Contains(why, "--enable-manager") {
+			t.Errorf("mount pod dead: volume %s of %q is %s, report %q; want Disconnected, reported with JuiceFS's recovery", key, v.driver, v.state, why)
+		}
+	}
+
+	if err := drv.RecoverMountPod(ctx, handle, target); err != nil {
+		t.Fatal(err)
+	}
+	if got := broken(); len(got) != 0 {
+		for key, v := range got {
+			t.Errorf("mount pod recovered: volume %s is still %s (%v), want none broken: the episode ends with the driver's recovery", key, v.state, v.err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(target, "after"), []byte("x"), 0o644); err != nil {
+		t.Errorf("write through the recovered target: %v", err)
 	}
 }

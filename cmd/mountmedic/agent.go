@@ -119,6 +119,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.DurationVar(&c.ForceDeleteAfter, "force-delete-after", c.ForceDeleteAfter, "how long past its deletion time a pod must be stuck before the force-delete tier acts")
 	fl.StringSliceVar(&c.Drivers, "drivers", nil, "repair only volumes of these CSI drivers (default all; others are still probed and reported)")
 	fl.BoolVar(&c.RepairUnknownDrivers, "repair-unknown-drivers", false, "repair volumes of CSI drivers mountmedic has not catalogued that stage below kubelet's staging path (default: probe and report them only; see docs/drivers.md)")
+	fl.BoolVar(&c.EscalateOutOfReach, "escalate-out-of-reach", false, "for a catalogued driver whose dead daemon the node plugin cannot restart (a mount pod, a sidecar in the pod, an engine pod), evict the volume's controller-owned pods (PodDisruptionBudgets respected) once the catalogue's grace for the driver's own recovery has passed (default: report them only; see docs/drivers.md)")
 	fl.StringSliceVar(&c.IncludeNamespaces, "include-namespaces", nil, "repair only pods in these namespaces (default all)")
 	fl.StringSliceVar(&c.ExcludeNamespaces, "exclude-namespaces", nil, "never repair pods in these namespaces")
 	fl.BoolVar(&c.DryRun, "dry-run", false, "decide and report (events marked [dry-run], metrics), change nothing")

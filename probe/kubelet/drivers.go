@@ -3,6 +3,7 @@ package kubelet
 import (
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Layout says where a CSI driver mounts a volume on the node.
@@ -129,6 +130,10 @@ type Driver struct {
 	// attach --device` for the device its stash recorded). Such a volume on
 	// an NBD device is repaired by re-attaching, Restage or not.
 	Reattach bool
+	// Recovery, for a driver whose daemon lives out of the node plugin's
+	// reach, says who brings a dead one back and what the agent does when
+	// nobody has; nil otherwise.
+	Recovery *Recovery
 	// match reports whether a CSI driver name is this driver's.
 	match func(name string) bool
 }
@@ -145,6 +150,46 @@ func (d *Driver) Mounter(fsType, source string) (Mounter, bool) {
 		}
 	}
 	return Mounter{}, false
+}
+
+// Escalation is what the agent does about a volume whose daemon, out of the
+// node plugin's reach, is still dead after its Recovery's grace.
+type Escalation int
+
+const (
+	// EscalateNone: report only.
+	EscalateNone Escalation = iota
+	// EscalateEvict: evict the volume's pods that a controller owns
+	// (PodDisruptionBudgets respected; never a pod no controller owns),
+	// so that their replacements are published afresh.
+	EscalateEvict
+)
+
+var escalationNames = [...]string{"report", "evict"}
+
+func (e Escalation) String() string {
+	if int(e) < len(escalationNames) {
+		return escalationNames[e]
+	}
+	return "escalation(" + strconv.Itoa(int(e)) + ")"
+}
+
+// MarshalText makes an Escalation read as its name in JSON.
+func (e Escalation) MarshalText() ([]byte, error) { return []byte(e.String()), nil }
+
+// Recovery is how a dead daemon out of the node plugin's reach comes back,
+// read from the driver's source (docs/drivers.md cites the files). A
+// re-stage through the node plugin is never among its steps.
+type Recovery struct {
+	// By says who restarts the daemon and restores the pods' mounts, or
+	// that nothing does.
+	By string
+	// Grace is how long the agent leaves a dead volume to By before it
+	// escalates (0: nothing recovers it by itself).
+	Grace time.Duration
+	// Then is the agent's escalation once Grace has passed; opt-in
+	// (agent.Config.EscalateOutOfReach).
+	Then Escalation
 }
 
 func named(names ...string) func(string) bool {
@@ -196,13 +241,29 @@ var catalogue = []Driver{
 		Name: "csi.juicefs.com", Project: "JuiceFS CSI", Layout: LayoutPublishOnly,
 		Mounters: []Mounter{{Name: "juicefs", FSTypes: []string{"fuse.juicefs"}, Daemon: DaemonMountPod}},
 		Why:      "JuiceFS runs its FUSE daemon in a mount pod the driver manages and binds the publish target from it; re-staging through the node plugin does not restart a mount pod",
-		match:    named("csi.juicefs.com"),
+		// pkg/juicefs/mount/builder/common.go (restartPolicy Always),
+		// pkg/controller/pod_driver.go (podReadyHandler -> recover ->
+		// recoverTarget), cmd/main.go (--enable-manager), pkg/config/config.go
+		// (ReconcilerInterval 5 s).
+		Recovery: &Recovery{
+			By:    "kubelet restarts the mount pod's container (restartPolicy Always) and JuiceFS's pod manager (node plugin --enable-manager) binds the publish targets again; a container sees that only with HostToContainer propagation",
+			Grace: 2 * time.Minute, Then: EscalateEvict,
+		},
+		match: named("csi.juicefs.com"),
 	},
 	{
 		Name: "gcsfuse.csi.storage.gke.io", Project: "Cloud Storage FUSE CSI", Layout: LayoutPublishOnly,
 		Mounters: []Mounter{{Name: "gcsfuse", FSTypes: []string{"fuse.gcsfuse"}, Daemon: DaemonAppSidecar}},
 		Why:      "gcsfuse runs in a sidecar container of the application pod, which receives the FUSE file descriptor the node plugin opened; only restarting the pod restarts it",
-		match:    named("gcsfuse.csi.storage.gke.io"),
+		// pkg/csi_mounter/csi_mounter.go: the node plugin closes its copy
+		// of the descriptor after handing it over, so a sidecar restarted
+		// alone cannot mount again; pkg/csi_driver/node.go opens a new one
+		// only in the NodePublishVolume of a new pod.
+		Recovery: &Recovery{
+			By:   "nothing: a restarted sidecar has no FUSE descriptor to serve the mount with, and the node plugin opens a new one only for a new pod",
+			Then: EscalateEvict,
+		},
+		match: named("gcsfuse.csi.storage.gke.io"),
 	},
 	{
 		Name: "blob.csi.azure.com", Project: "Azure Blob CSI", Layout: LayoutGlobalMount,
@@ -240,7 +301,14 @@ var catalogue = []Driver{
 		Name: "driver.longhorn.io", Project: "Longhorn", Layout: LayoutGlobalMount,
 		Mounters: []Mounter{{Name: "longhorn engine", Daemon: DaemonEnginePod}},
 		Why:      "a Longhorn volume's device is served by its engine in an instance-manager pod; re-staging through the node plugin does not bring a dead engine back",
-		match:    named("driver.longhorn.io"),
+		// longhorn-manager controller/kubernetes_pod_controller.go
+		// (handlePodDeletionIfVolumeRequestRemount), types/setting.go
+		// (auto-delete-pod-when-volume-detached-unexpectedly, default true).
+		Recovery: &Recovery{
+			By:    "longhorn-manager salvages the volume and deletes its pods that a controller owns (setting auto-delete-pod-when-volume-detached-unexpectedly, on by default)",
+			Grace: 2 * time.Minute, Then: EscalateEvict,
+		},
+		match: named("driver.longhorn.io"),
 	},
 	{
 		Name: "ebs.csi.aws.com", Project: "AWS EBS CSI", Layout: LayoutGlobalMount,

@@ -59,3 +59,27 @@ func TestGuessPublishOnly(t *testing.T) {
 		}
 	}
 }
+
+// TestOutOfReachDriversSayHowTheyRecover: every catalogued driver whose
+// daemon the node plugin cannot restart (a mount pod, a sidecar, an engine
+// pod) and that a re-stage cannot repair says who recovers it, and no
+// other driver has a recovery: for those the agent's own ladder is it.
+func TestOutOfReachDriversSayHowTheyRecover(t *testing.T) {
+	for _, d := range Catalogue() {
+		outOfReach := false
+		for _, m := range d.Mounters {
+			switch m.Daemon {
+			case DaemonMountPod, DaemonAppSidecar, DaemonEnginePod:
+				outOfReach = true
+			}
+		}
+		switch r := d.Recovery; {
+		case outOfReach && !d.Restage && r == nil:
+			t.Errorf("%s: its daemon is out of the node plugin's reach and it has no Recovery", d.Project)
+		case (!outOfReach || d.Restage) && r != nil:
+			t.Errorf("%s: Recovery %+v on a driver the agent's ladder repairs or that has no daemon out of reach", d.Project, *r)
+		case r != nil && (r.By == "" || r.Grace < 0 || r.Then.String() == "" || r.Then > EscalateEvict):
+			t.Errorf("%s: Recovery %+v: want who recovers, a grace >= 0 and a known escalation", d.Project, *r)
+		}
+	}
+}

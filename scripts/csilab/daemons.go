@@ -139,6 +139,32 @@ func (d *LayoutDriver) KillDaemon(volumeID string) error {
 	return nil
 }
 
+// RecoverMountPod does for a mount-pod volume what JuiceFS CSI does when
+// kubelet has restarted a dead mount pod (juicefs-csi-driver
+// pkg/controller/pod_driver.go, recover and recoverTarget): the daemon
+// mounts again on the mount pod's path outside the kubelet root (the dead
+// mount there detached first), and each publish target in targets gets the
+// volume's directory bound on top of its dead bind, which stays below.
+func (d *LayoutDriver) RecoverMountPod(ctx context.Context, volumeID string, targets ...string) error {
+	if d.home != kubelet.DaemonMountPod {
+		return fmt.Errorf("layout driver %s: its daemons are not in mount pods (%s)", d.name, d.home)
+	}
+	mnt := filepath.Join(d.dir, "mountpods", volumeID)
+	if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("detach the dead mount at %s: %w", mnt, err)
+	}
+	if err := d.mountDaemon(ctx, volumeID, mnt); err != nil {
+		return err
+	}
+	src := filepath.Join(mnt, volumeID)
+	for _, t := range targets {
+		if err := unix.Mount(src, t, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("bind %s on %s: %w", src, t, err)
+		}
+	}
+	return nil
+}
+
 // mountDaemon starts rclone serving the volume's backing directory on
 // mountpoint and waits until the mount is there.
 func (d *LayoutDriver) mountDaemon(ctx context.Context, volumeID, mountpoint string) error {
