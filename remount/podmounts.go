@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -38,6 +40,45 @@ func (u *Unmounter) PerPath() bool { return stacksSupported(u.procDir()) }
 // kubelet's symlink to the first), each stack bottom first, classified
 // (Target) and with mountmedic's guard marked. Only for PerPath kernels.
 func (u *Unmounter) PodMounts(podUIDs []string) ([]*probe.Mount, error) {
+	byPod, err := u.podPaths(podUIDs)
+	if err != nil {
+		return nil, err
+	}
+	root := filepath.Clean(u.root())
+	var out []*probe.Mount
+	for _, uid := range slices.Sorted(maps.Keys(byPod)) {
+		pp := byPod[uid]
+		for _, p := range slices.Concat(pp.whole, pp.other) {
+			stack, err := stackAt(root, p)
+			if err != nil && !errors.Is(err, errUnsafePath) {
+				return nil, err
+			}
+			out = append(out, stack...)
+		}
+	}
+	return out, nil
+}
+
+// CSIPaths returns, for each pod of podUIDs, the paths where kubelet
+// mounts a CSI volume of the pod whole, mounted or not: its CSI publish
+// targets and raw block binds.
+func (u *Unmounter) CSIPaths(podUIDs []string) (map[string][]string, error) {
+	byPod, err := u.podPaths(podUIDs)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string][]string, len(byPod))
+	for uid, pp := range byPod {
+		out[uid] = pp.whole
+	}
+	return out, nil
+}
+
+// volumePaths are a pod's volume paths: whole are its CSI publish targets
+// and raw block binds, other its other plugins' volumes and subPath binds.
+type volumePaths struct{ whole, other []string }
+
+func (u *Unmounter) podPaths(podUIDs []string) (map[string]volumePaths, error) {
 	root := filepath.Clean(u.root())
 	pods := filepath.Join(root, "pods")
 	if podUIDs == nil {
@@ -56,11 +97,12 @@ func (u *Unmounter) PodMounts(podUIDs []string) ([]*probe.Mount, error) {
 	if err != nil && !errors.Is(err, errUnsafePath) {
 		return nil, err
 	}
-	var paths []string
+	out := make(map[string]volumePaths, len(podUIDs))
 	for _, uid := range podUIDs {
 		if uid == "" || strings.Contains(uid, "/") || uid == "." || uid == ".." {
 			return nil, fmt.Errorf("pod UID %q: not a directory name below %s", uid, pods)
 		}
+		var pp volumePaths
 		pod := filepath.Join(pods, uid)
 		// volumes/<plugin>/<volume>, and its mount directory for CSI.
 		vols, err := globSafe(root, filepath.Join(pod, "volumes"), 2)
@@ -68,32 +110,25 @@ func (u *Unmounter) PodMounts(podUIDs []string) ([]*probe.Mount, error) {
 			return nil, err
 		}
 		for _, v := range vols {
-			paths = append(paths, v)
 			if filepath.Base(filepath.Dir(v)) == kubelet.CSIPluginDir {
-				paths = append(paths, filepath.Join(v, "mount"))
+				pp.whole = append(pp.whole, filepath.Join(v, "mount"))
 			}
+			pp.other = append(pp.other, v)
 		}
 		subs, err := globSafe(root, filepath.Join(pod, "volume-subpaths"), 3)
 		if err != nil {
 			return nil, err
 		}
-		paths = append(paths, subs...)
+		pp.other = append(pp.other, subs...)
 		for _, pv := range blockPVs {
 			if pv != "publish" && pv != "staging" {
-				paths = append(paths, filepath.Join(blockDir, pv, "dev", uid))
+				pp.whole = append(pp.whole, filepath.Join(blockDir, pv, "dev", uid))
 			}
 		}
 		for _, pv := range published {
-			paths = append(paths, filepath.Join(blockDir, "publish", pv, uid))
+			pp.whole = append(pp.whole, filepath.Join(blockDir, "publish", pv, uid))
 		}
-	}
-	var out []*probe.Mount
-	for _, p := range paths {
-		stack, err := stackAt(root, p)
-		if err != nil && !errors.Is(err, errUnsafePath) {
-			return nil, err
-		}
-		out = append(out, stack...)
+		out[uid] = pp
 	}
 	return out, nil
 }
@@ -128,6 +163,8 @@ func globSafe(root, dir string, depth int) ([]string, error) {
 type pathState struct {
 	mountPoint bool
 	dev        probe.Dev
+	// link: resolving the path meets a symlink, which is not followed.
+	link bool
 }
 
 // DifferIn returns the paths (below the root, each opened without symlinks
@@ -178,9 +215,17 @@ func (u *Unmounter) DifferIn(nsRoot string, paths []string) ([]string, error) {
 }
 
 // stateAt resolves rel below the directory dirfd without symlinks and says
-// what is there; a missing path is the zero state. Nothing is asked of a
-// filesystem mounted at rel.
+// what is there; a missing path is the zero state, a path through a
+// symlink the link state. Nothing is asked of a filesystem mounted at rel.
 func stateAt(dirfd int, rel string) (pathState, error) {
+	st, err := resolveState(dirfd, rel)
+	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
+		return pathState{link: true}, nil
+	}
+	return st, err
+}
+
+func resolveState(dirfd int, rel string) (pathState, error) {
 	dir, name := filepath.Split(rel)
 	dir = strings.TrimSuffix(dir, "/")
 	if dir == "" {

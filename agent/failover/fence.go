@@ -191,7 +191,7 @@ func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []P
 	u := f.unmounter()
 	out := make([]PodResult, len(podUIDs))
 	for i, uid := range podUIDs {
-		mounts, err := f.agreeing(u, byPod[uid])
+		mounts, err := f.agreeing(u, uid, byPod[uid])
 		if err != nil {
 			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
 		}

@@ -36,14 +36,20 @@ func (f *NodeFence) hostRoot() string {
 
 // agreeing returns the mounts at the paths where HostTable's namespace
 // shows what ours does (remount.Unmounter.DifferIn), and an error naming
-// the others, which are left alone. Without per-path lookups every mount
-// was read from HostTable itself: all of them.
-func (f *NodeFence) agreeing(u *remount.Unmounter, mounts []*probe.Mount) ([]*probe.Mount, error) {
+// the others, which are left alone. The pod's CSI paths are compared too,
+// so that a volume mounted there only (a namespace ours does not receive
+// mounts from) is an error rather than a fence done. Without per-path
+// lookups every mount was read from HostTable itself: all of them.
+func (f *NodeFence) agreeing(u *remount.Unmounter, uid string, mounts []*probe.Mount) ([]*probe.Mount, error) {
 	root := f.hostRoot()
-	if len(mounts) == 0 || root == "" || !u.PerPath() {
+	if root == "" || !u.PerPath() {
 		return mounts, nil
 	}
-	differ, err := u.DifferIn(root, mountPaths(mounts))
+	paths, err := f.podPaths(u, uid, mounts)
+	if err != nil {
+		return nil, err
+	}
+	differ, err := u.DifferIn(root, paths)
 	if err != nil {
 		return nil, fmt.Errorf("compare with %s: %w", f.HostTable, err)
 	}
@@ -62,10 +68,14 @@ func (f *NodeFence) agreeing(u *remount.Unmounter, mounts []*probe.Mount) ([]*pr
 func (f *NodeFence) checkGoneAt(byPod map[string][]*probe.Mount, podUIDs []string, out []PodResult) {
 	u := f.unmounter()
 	for i, uid := range podUIDs {
-		if out[i].Err != nil || len(byPod[uid]) == 0 {
+		if out[i].Err != nil {
 			continue
 		}
-		differ, err := u.DifferIn(f.hostRoot(), mountPaths(byPod[uid]))
+		paths, err := f.podPaths(u, uid, byPod[uid])
+		var differ []string
+		if err == nil {
+			differ, err = u.DifferIn(f.hostRoot(), paths)
+		}
 		switch {
 		case err != nil:
 			out[i].Err = fmt.Errorf("check the unmounts of pod %s: %w", uid, err)
@@ -73,6 +83,21 @@ func (f *NodeFence) checkGoneAt(byPod map[string][]*probe.Mount, podUIDs []strin
 			out[i].Err = fmt.Errorf("pod %s: %s is still mounted in %s after its unmount: our unmounts do not reach that mount namespace (is the kubelet root mounted with Bidirectional propagation?)", uid, differ[0], f.HostTable)
 		}
 	}
+}
+
+// podPaths lists the paths of mounts and the pod's CSI paths, each once.
+func (f *NodeFence) podPaths(u *remount.Unmounter, uid string, mounts []*probe.Mount) ([]string, error) {
+	csi, err := u.CSIPaths([]string{uid})
+	if err != nil {
+		return nil, fmt.Errorf("list the volume paths of pod %s: %w", uid, err)
+	}
+	paths := mountPaths(mounts)
+	for _, p := range csi[uid] {
+		if !slices.Contains(paths, p) {
+			paths = append(paths, p)
+		}
+	}
+	return paths, nil
 }
 
 // mountPaths lists the clean paths of mounts, each once.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"testing"
@@ -135,4 +136,32 @@ func TestNodeFenceNeverFollowsSymlinks(t *testing.T) {
 		pub: false, staging: true,
 		filepath.Join(outside, "mount"): true, filepath.Join(outside, "ctr/0"): true,
 	})
+}
+
+// TestNodeFenceHostOnlyMount: the table's namespace has a pod's volume
+// mounted where ours has nothing (a namespace ours receives no mounts
+// from). The fence cannot take it off and must say so, not report the pod
+// fenced.
+func TestNodeFenceHostOnlyMount(t *testing.T) {
+	lab.RequireRoot(t)
+	ctx := context.Background()
+	k := lab.NewKubelet(t, filepath.Join(t.TempDir(), "kubelet"))
+	const drv = "lab.csi.mountmedic.test"
+	pub := k.PreparePublish("pod-a", "pv-a", drv, "vol-a")
+	host := lab.StartMountNamespace(t, "private")
+	pid := filepath.Base(filepath.Dir(host))
+	if out, err := exec.Command("nsenter", "-t", pid, "-m", "mount", "-t", "tmpfs", "-o", "size=1m", "host-only", pub).CombinedOutput(); err != nil {
+		t.Fatalf("mount in the table's namespace: %v: %s", err, out)
+	}
+	if !mountedIn(t, host, pub) || mountedIn(t, "/proc/self/mountinfo", pub) {
+		t.Fatalf("%s: want mounted in the table's namespace only", pub)
+	}
+	f := &NodeFence{KubeletRoot: k.Root(), HostTable: host}
+	got := f.UnmountPodVolumes(ctx, []string{"pod-a"})
+	if len(got) != 1 || got[0].Err == nil {
+		t.Errorf("UnmountPodVolumes(pod-a) mounted in the table's namespace only = %v, want an error", got)
+	}
+	if !mountedIn(t, host, pub) {
+		t.Errorf("%s was unmounted in a private namespace", pub)
+	}
 }
