@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mountmedic/mountmedic/probe"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
@@ -109,6 +111,8 @@ func namespaceMounts(procDir string, pids []int, devs []probe.Dev) ([]processMou
 // container's own mount. A subPath root that reads deleted is planned from
 // its name all the same (see liveRoot). Each mount namespace is read once,
 // through one of its processes, and our own namespace (the host's) never.
+// Each target gets the unique ID of its dead mount where the kernel has
+// them (pinUniqueIDs), which the swap checks.
 func planSwap(procDir string, pids []int, dead []probe.Dev, deadRoot, source string) ([]swapTarget, error) {
 	if procDir == "" {
 		procDir = "/proc"
@@ -131,7 +135,65 @@ func planSwap(procDir string, pids []int, dead []probe.Dev, deadRoot, source str
 			Dev:         m.Dev,
 		})
 	}
+	pinUniqueIDs(procDir, out)
 	return out, err
+}
+
+// pinUniqueIDs sets each target's UniqueID: the unique ID of the mount on
+// top at its container path, resolved through the process's root, when
+// that mount has the mountinfo ID the table showed; the table's line and
+// the mount are then the same, and from here on the swap names the mount by
+// an ID the kernel never reuses. A target inside another target's path is
+// left out: resolving it walks through the dead mount, and its swap binds
+// into the fresh parent, replacing nothing. Where the kernel has no unique
+// IDs, or the mount on top changed since the read, UniqueID stays 0 and the
+// swap checks the mountinfo ID.
+func pinUniqueIDs(procDir string, ts []swapTarget) {
+	roots := map[int]int{}
+	defer func() {
+		for _, fd := range roots {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+		}
+	}()
+	for i := range ts {
+		t := &ts[i]
+		if nestedTarget(ts, t) {
+			continue
+		}
+		rootfd, ok := roots[t.Pid]
+		if !ok {
+			fd, err := unix.Open(filepath.Join(procDir, strconv.Itoa(t.Pid), "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			if err != nil {
+				fd = -1
+			}
+			roots[t.Pid], rootfd = fd, fd
+		}
+		if rootfd < 0 {
+			continue
+		}
+		c, err := resolveContainer(rootfd, t.ContainerPath)
+		if err != nil {
+			continue
+		}
+		if c.mountPoint && c.mountID == t.MountID {
+			t.UniqueID = c.uniqueID
+		}
+		c.close()
+	}
+}
+
+// nestedTarget reports whether t's container path lies below another
+// target's of the same process.
+func nestedTarget(ts []swapTarget, t *swapTarget) bool {
+	for i := range ts {
+		o := &ts[i]
+		if o != t && o.Pid == t.Pid && kubelet.Under(filepath.Clean(o.ContainerPath), filepath.Clean(t.ContainerPath)) {
+			return true
+		}
+	}
+	return false
 }
 
 // liveRoot drops the "//deleted" mountinfo appends to a mount whose root

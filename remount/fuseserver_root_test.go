@@ -295,11 +295,15 @@ func TestAbortSparesTheVolumesUsers(t *testing.T) {
 	}
 	defer unattached.Close()
 	user := exec.Command("sleep", "600")
-	user.ExtraFiles = []*os.File{os.NewFile(uintptr(copyFD), "fuse-copy"), decoy, unattached}
+	// The copy is closed through its *os.File: closed by number as well,
+	// the File's finalizer would close that number again later, whatever
+	// descriptor of another test has it by then.
+	fuseCopy := os.NewFile(uintptr(copyFD), "fuse-copy")
+	user.ExtraFiles = []*os.File{fuseCopy, decoy, unattached}
 	if err := user.Start(); err != nil {
 		t.Fatal(err)
 	}
-	unix.Close(copyFD)
+	fuseCopy.Close()
 	lab.JoinPodCgroup(t, user.Process.Pid, labPod, "hostile0000000")
 	t.Cleanup(func() { _ = user.Process.Kill(); _ = user.Wait() })
 

@@ -105,8 +105,10 @@ func (r *Repairer) readStacks(paths []string) (*hostTable, error) {
 // stackAt reads the mounts at path, bottom first, through a descriptor
 // openSafe proved (below the kubelet root, no symlink, no call into the
 // mounted filesystem). A missing path has none.
-func (r *Repairer) stackAt(path string) ([]*probe.Mount, error) {
-	sp, err := openSafe(r.root, path)
+func (r *Repairer) stackAt(path string) ([]*probe.Mount, error) { return stackAt(r.root, path) }
+
+func stackAt(root, path string) ([]*probe.Mount, error) {
+	sp, err := openSafe(root, path)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -121,7 +123,7 @@ func (r *Repairer) stackAt(path string) ([]*probe.Mount, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read the mounts at %s: %w", path, err)
 	}
-	target, _ := kubelet.Classify(r.root, path)
+	target, _ := kubelet.Classify(root, path)
 	out := make([]*probe.Mount, 0, len(ms))
 	for i, s := range ms {
 		out = append(out, &probe.Mount{
@@ -167,14 +169,16 @@ func (r *Repairer) subPathBinds(target string) ([]string, error) {
 
 // readDirSafe lists the names in dir, a directory of kubelet's below the
 // root, opened without symlinks; a missing or non-directory dir has none.
-func (r *Repairer) readDirSafe(dir string) ([]string, error) {
-	rel, err := filepath.Rel(r.root, dir)
-	if err != nil || !kubelet.Under(r.root, dir) {
-		return nil, &unsafePathError{Path: dir, Root: r.root, Reason: "not strictly below the kubelet root"}
+func (r *Repairer) readDirSafe(dir string) ([]string, error) { return readDirSafe(r.root, dir) }
+
+func readDirSafe(root, dir string) ([]string, error) {
+	rel, err := filepath.Rel(root, dir)
+	if err != nil || !kubelet.Under(root, dir) {
+		return nil, &unsafePathError{Path: dir, Root: root, Reason: "not strictly below the kubelet root"}
 	}
-	rootFD, err := unix.Open(r.root, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	rootFD, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("open kubelet root %s: %w", r.root, err)
+		return nil, fmt.Errorf("open kubelet root %s: %w", root, err)
 	}
 	defer unix.Close(rootFD)
 	fd, err := openat2(rootFD, rel, unix.O_RDONLY|unix.O_DIRECTORY, resolveSafe)
@@ -182,7 +186,7 @@ func (r *Repairer) readDirSafe(dir string) ([]string, error) {
 	case errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENOTDIR):
 		return nil, nil
 	case err != nil:
-		return nil, resolveErr(r.root, dir, dir, err)
+		return nil, resolveErr(root, dir, dir, err)
 	}
 	f := os.NewFile(uintptr(fd), dir)
 	defer f.Close()

@@ -98,10 +98,17 @@ type swapTarget struct {
 	ReadOnly bool
 	// Propagation is given to the clone (recursively).
 	Propagation propagation
-	// MountID is the dead mount's ID in the container's mountinfo. When set,
-	// the swap happens only while that mount is on top at ContainerPath;
-	// otherwise it fails with ErrMountChanged.
+	// MountID is the dead mount's ID in the container's mountinfo. When set
+	// (and UniqueID is not), the swap happens only while a mount of that ID
+	// is on top at ContainerPath; otherwise it fails with ErrMountChanged.
+	// The kernel reuses it as soon as the mount is freed.
 	MountID int
+	// UniqueID is the dead mount's unique ID (statx STATX_MNT_ID_UNIQUE,
+	// Linux 6.8), which the kernel never reuses: planSwap pins it where the
+	// kernel has it, 0 elsewhere. When set, the swap happens only while that
+	// mount is on top at ContainerPath, checked again right before it is
+	// detached.
+	UniqueID uint64
 	// Dev is the dead mount's device number.
 	Dev probe.Dev
 }
@@ -215,6 +222,13 @@ func (s *swapper) swapPid(ctx context.Context, pid int, ts []swapTarget) []Actio
 		return failAll(fmt.Errorf("open root of pid %d: %w", pid, err))
 	}
 	defer unix.Close(rootfd)
+	// Our descriptors, by the host's procfs: inside the container's
+	// namespace /proc is the container's.
+	fdDir, err := unix.Open(filepath.Join(s.procDir(), "self", "fd"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return failAll(fmt.Errorf("open our descriptor directory: %w", err))
+	}
+	defer unix.Close(fdDir)
 
 	// Host side: resolve and clone every source while this thread is in
 	// the host namespace.
@@ -266,7 +280,7 @@ func (s *swapper) swapPid(ctx context.Context, pid int, ts []swapTarget) []Actio
 	err = inMountNamespace(sys, nsfd, func() {
 		for _, w := range work {
 			start := time.Now()
-			s.swapInNamespace(sys, rootfd, w)
+			s.swapInNamespace(sys, rootfd, fdDir, w)
 			w.a.Took = time.Since(start)
 		}
 	})
@@ -410,6 +424,8 @@ type containerTarget struct {
 	name               string
 	parentID, mountID  int
 	mountPoint, exists bool
+	// uniqueID is the unique ID of the mount at fd; 0 on kernels before 6.8.
+	uniqueID uint64
 }
 
 func (c *containerTarget) close() {
@@ -452,12 +468,25 @@ func resolveContainer(rootfd int, path string) (*containerTarget, error) {
 		return nil, containerResolveErr(path, err)
 	}
 	c.fd, c.exists = fd, true
-	if c.mountID, err = fdMountID(fd); err != nil {
+	if c.mountID, c.uniqueID, err = fdMountIDs(fd); err != nil {
 		c.close()
 		return nil, fmt.Errorf("mount ID of %s: %w", path, err)
 	}
 	c.mountPoint = c.mountID != c.parentID
 	return c, nil
+}
+
+// fdMountIDs returns the mountinfo ID of the mount fd is on and its unique
+// ID (0 on kernels before 6.8), asking nothing of the filesystem.
+func fdMountIDs(fd int) (id int, unique uint64, err error) {
+	if id, err = fdMountID(fd); err != nil {
+		return 0, 0, err
+	}
+	unique, err = probe.UniqueMountID(fd)
+	if errors.Is(err, probe.ErrNoUniqueMountID) {
+		return id, 0, nil
+	}
+	return id, unique, err
 }
 
 func containerResolveErr(path string, err error) error {
@@ -474,7 +503,10 @@ func (w *swap) check(c *containerTarget) error {
 	switch {
 	case !c.exists:
 		return fmt.Errorf("container path %s does not exist", w.t.ContainerPath)
-	case c.mountPoint && w.t.MountID != 0 && c.mountID != w.t.MountID:
+	case c.mountPoint && w.t.UniqueID != 0 && c.uniqueID != w.t.UniqueID:
+		return fmt.Errorf("mount %d (unique %d) is on top at %s, not the dead mount %d (unique %d): %w",
+			c.mountID, c.uniqueID, w.t.ContainerPath, w.t.MountID, w.t.UniqueID, ErrMountChanged)
+	case c.mountPoint && w.t.UniqueID == 0 && w.t.MountID != 0 && c.mountID != w.t.MountID:
 		return fmt.Errorf("mount %d is on top at %s, not mount %d: %w", c.mountID, w.t.ContainerPath, w.t.MountID, ErrMountChanged)
 	case !c.mountPoint && !w.nested:
 		return fmt.Errorf("nothing is mounted at %s: %w", w.t.ContainerPath, ErrMountChanged)
@@ -512,8 +544,8 @@ func (s *swapper) planInNamespace(rootfd int, w *swap) {
 }
 
 // swapInNamespace runs on the thread that entered the container's mount
-// namespace.
-func (s *swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
+// namespace. fdDir is our /proc/self/fd, opened before.
+func (s *swapper) swapInNamespace(sys Syscalls, rootfd, fdDir int, w *swap) {
 	fail := func(err error) { w.a.Err = fmt.Errorf("swap %s: %w", w.a.Path, err) }
 	c, err := resolveContainer(rootfd, w.t.ContainerPath)
 	if err != nil {
@@ -558,16 +590,45 @@ func (s *swapper) swapInNamespace(sys Syscalls, rootfd int, w *swap) {
 		return
 	}
 	// Beneath: a run killed here leaves the dead mount on top, which the
-	// next run finds and swaps again.
-	if err := sys.Fchdir(c.parent); err != nil {
-		fail(fmt.Errorf("enter the parent of %s: %w", w.t.ContainerPath, err))
+	// next run finds and swaps again. The last look before the detach: the
+	// mount checked must still be the one on top, or whatever came there
+	// since stays (over the clone beneath it). The detach then names that
+	// mount by the descriptor held since the check (its /proc/self/fd
+	// link, through fdDir), never by a path looked up again.
+	if err := recheckTop(c, w.t.ContainerPath); err != nil {
+		fail(err)
 		return
 	}
-	if err := sys.Unmount(c.name, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) {
+	if err := sys.Fchdir(fdDir); err != nil {
+		fail(fmt.Errorf("enter our descriptor directory: %w", err))
+		return
+	}
+	if err := sys.Unmount(strconv.Itoa(c.fd), unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
 		fail(fmt.Errorf("unmount dead mount %d at %s: %w", c.mountID, w.t.ContainerPath, err))
 		return
 	}
 	w.a.Detail = w.detail(c, ", mounted beneath")
+}
+
+// recheckTop resolves the container path again and checks that the mount
+// on top is still the one c resolved: by unique ID, or by mountinfo ID on
+// kernels before 6.8 (exact here: c's descriptor keeps that mount, and so
+// its ID, from being freed).
+func recheckTop(c *containerTarget, path string) error {
+	fd, err := openat2(c.parent, c.name, unix.O_PATH, resolveSafe)
+	if err != nil {
+		return containerResolveErr(path, err)
+	}
+	defer unix.Close(fd)
+	id, unique, err := fdMountIDs(fd)
+	if err != nil {
+		return fmt.Errorf("mount ID of %s: %w", path, err)
+	}
+	if id != c.mountID || unique != c.uniqueID {
+		return fmt.Errorf("mount %d came on top at %s after the check of dead mount %d: left in place over the clone: %w",
+			id, path, c.mountID, ErrMountChanged)
+	}
+	return nil
 }
 
 // inMountNamespace runs fn on a locked OS thread that entered the mount

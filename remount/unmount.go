@@ -117,10 +117,11 @@ func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount) ([
 //
 // Their mount IDs are not used: a mount copied or propagated into another
 // namespace is another mount with another ID. Each is found in our own
-// mount table, read once here, as the mount at the same path on the same
-// device with the same root (mountinfo's fourth field). On each path the
-// mounts of our stack are unmounted from the top down while the one on top
-// is one the table named, each checked by its ID in our namespace when the
+// mount namespace, read per path where the kernel allows it (PerPath) and
+// else from our mount table, read once here, as the mount at the same path
+// on the same device with the same root (mountinfo's fourth field). On each
+// path the mounts of our stack are unmounted from the top down while the
+// one on top is one the table named, each checked by its ID in our namespace when the
 // path is opened (openSafe: below the kubelet root, no symlink); a mount on
 // top here that the table does not name stops that path with
 // ErrMountChanged, and nothing below it is touched. A path with no mount
@@ -130,11 +131,17 @@ func (u *Unmounter) UnmountMounts(ctx context.Context, mounts []*probe.Mount) ([
 // (the DaemonSet's Bidirectional kubelet root); the caller checks that by
 // reading its table again.
 func (u *Unmounter) UnmountFromTable(ctx context.Context, mounts []*probe.Mount) ([]Action, error) {
-	own, err := probe.ReadFile(filepath.Join(u.procDir(), "thread-self", "mountinfo"), probe.Options{Root: u.root()})
-	if err != nil {
-		return nil, fmt.Errorf("read our own mount table: %w", err)
+	// Our stacks: per path where the kernel allows it (stackAt), else from
+	// our whole table.
+	perPath := u.PerPath()
+	var table *hostTable
+	if !perPath {
+		own, err := probe.ReadFile(filepath.Join(u.procDir(), "thread-self", "mountinfo"), probe.Options{Root: u.root()})
+		if err != nil {
+			return nil, fmt.Errorf("read our own mount table: %w", err)
+		}
+		table = buildHostTable(own)
 	}
-	table := buildHostTable(own)
 	named := map[string]map[mountKey]bool{}
 	var paths []string
 	for _, m := range mounts {
@@ -159,7 +166,18 @@ func (u *Unmounter) UnmountFromTable(ctx context.Context, mounts []*probe.Mount)
 				Err: fmt.Errorf("unmount %s: %w", path, err)})
 			continue
 		}
-		actions = append(actions, u.unmountNamed(ctx, sys, path, table.stack(path), named[path])...)
+		var stack []*probe.Mount
+		if perPath {
+			var err error
+			if stack, err = stackAt(u.root(), path); err != nil {
+				actions = append(actions, Action{Op: opUnmount, Path: path, DryRun: u.DryRun,
+					Err: fmt.Errorf("unmount %s: %w", path, err)})
+				continue
+			}
+		} else {
+			stack = table.stack(path)
+		}
+		actions = append(actions, u.unmountNamed(ctx, sys, path, stack, named[path])...)
 	}
 	return actions, actionsErr(actions)
 }
@@ -189,7 +207,7 @@ func (u *Unmounter) unmountNamed(ctx context.Context, sys Syscalls, path string,
 	// first (and, by the same propagation, the guard it came from).
 	for len(stack) > 1 && stack[len(stack)-1].Guard && named[keyOf(stack[len(stack)-2])] {
 		g := stack[len(stack)-1]
-		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: g.ID})
+		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: g.ID, uid: g.UniqueID})
 		a.Detail = "mountmedic's guard, propagated over the mount to unmount: " + a.Detail
 		out = append(out, a)
 		if a.Err != nil {
@@ -210,7 +228,7 @@ func (u *Unmounter) unmountNamed(ctx context.Context, sys Syscalls, path string,
 			out = append(out, Action{Op: opUnmount, Path: path, DryRun: true, Detail: "mount " + strconv.Itoa(m.ID) + ", below the one above"})
 			continue
 		}
-		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: m.ID})
+		a := u.unmountOne(ctx, sys, unmountTarget{path: path, id: m.ID, uid: m.UniqueID})
 		out = append(out, a)
 		if a.Err != nil || strings.HasSuffix(a.Detail, notMounted) {
 			break

@@ -149,7 +149,18 @@ func podMounts(inv *probe.Inventory, podUIDs []string) map[string][]*probe.Mount
 	return out
 }
 
-func (f *NodeFence) inventory() (*probe.Inventory, error) {
+// inventory reads the volume mounts of the pods podUIDs (of every pod when
+// nil): per path in our mount namespace where the kernel allows it
+// (remount.Unmounter.PodMounts, whose cost is the pods' paths and never
+// the node's mount count), else from HostTable.
+func (f *NodeFence) inventory(podUIDs []string) (*probe.Inventory, error) {
+	if u := f.unmounter(); f.hostRoot() != "" && u.PerPath() {
+		ms, err := u.PodMounts(podUIDs)
+		if err != nil {
+			return nil, fmt.Errorf("read the pods' volume mounts below %s: %w", f.KubeletRoot, err)
+		}
+		return &probe.Inventory{Mounts: ms}, nil
+	}
 	inv, err := probe.ReadFile(f.HostTable, probe.Options{Root: f.KubeletRoot})
 	if err != nil {
 		return nil, fmt.Errorf("read mount table %s: %w", f.HostTable, err)
@@ -157,12 +168,14 @@ func (f *NodeFence) inventory() (*probe.Inventory, error) {
 	return inv, nil
 }
 
-// UnmountPodVolumes reads the mount table once and lazily unmounts each
-// pod's CSI mounts, deepest first, each only while it is still the mount the
-// table named. The table may be another mount namespace's (the DaemonSet's
-// /proc/1/mountinfo): its mounts are matched in our own namespace by path,
-// device and root, never by mount ID (remount.Unmounter.UnmountFromTable),
-// and the table is read again afterwards: a pod's mount still there is an
+// UnmountPodVolumes finds each pod's CSI mounts (inventory: per path, or
+// from the mount table once) and lazily unmounts them, deepest first, each
+// only while it is still the mount found. The table may be another mount
+// namespace's (the DaemonSet's /proc/1/mountinfo): its mounts are matched
+// in our own namespace by path, device and root, never by mount ID
+// (remount.Unmounter.UnmountFromTable); per path, a path where that
+// namespace shows another mount than ours is left alone (agreeing). That
+// namespace is looked at again afterwards: a pod's mount still there is an
 // error (our unmounts do not reach that namespace), not a fence done. The
 // staging mount stays: other pods on the node may share it, and no process
 // of a fenced pod reaches it any more.
@@ -170,22 +183,25 @@ func (f *NodeFence) UnmountPodVolumes(ctx context.Context, podUIDs []string) []P
 	if len(podUIDs) == 0 {
 		return nil
 	}
-	inv, err := f.inventory()
+	inv, err := f.inventory(podUIDs)
 	if err != nil {
 		return allFailed(podUIDs, err)
 	}
 	byPod := podMounts(inv, podUIDs)
-	u := &remount.Unmounter{Root: f.KubeletRoot, DryRun: f.DryRun}
+	u := f.unmounter()
 	out := make([]PodResult, len(podUIDs))
 	for i, uid := range podUIDs {
-		mounts := byPod[uid]
+		mounts, err := f.agreeing(u, uid, byPod[uid])
+		if err != nil {
+			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
+		}
 		if len(mounts) == 0 {
 			continue
 		}
 		actions, err := u.UnmountFromTable(ctx, mounts)
 		out[i].N = remount.Unmounted(actions)
 		if err != nil {
-			out[i].Err = fmt.Errorf("unmount volumes of pod %s: %w", uid, err)
+			out[i].Err = errors.Join(out[i].Err, fmt.Errorf("unmount volumes of pod %s: %w", uid, err))
 			continue
 		}
 		f.guard(ctx, uid, mounts)
@@ -216,11 +232,15 @@ func (f *NodeFence) guard(ctx context.Context, uid string, unmounted []*probe.Mo
 	}
 }
 
-// checkGone reads the table again and fails each pod whose unmounts went
-// through but whose mounts the table still shows (same path, device and
-// root).
+// checkGone looks at HostTable's namespace again (per path: checkGoneAt;
+// else its whole table) and fails each pod whose unmounts went through but
+// whose mounts it still shows (same path, device and root).
 func (f *NodeFence) checkGone(byPod map[string][]*probe.Mount, podUIDs []string, out []PodResult) {
-	after, err := f.inventory()
+	if f.unmounter().PerPath() && f.hostRoot() != "" {
+		f.checkGoneAt(byPod, podUIDs, out)
+		return
+	}
+	after, err := f.inventory(nil)
 	if err != nil {
 		for i, uid := range podUIDs {
 			if out[i].Err == nil && len(byPod[uid]) > 0 {
@@ -254,7 +274,7 @@ func (f *NodeFence) checkGone(byPod map[string][]*probe.Mount, podUIDs []string,
 // MountedPods lists the pods with CSI publish targets or raw block paths
 // mounted.
 func (f *NodeFence) MountedPods(context.Context) ([]string, error) {
-	inv, err := f.inventory()
+	inv, err := f.inventory(nil)
 	if err != nil {
 		return nil, err
 	}
