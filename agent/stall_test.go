@@ -33,15 +33,16 @@ func TestAgentFindsAHangBetweenCycles(t *testing.T) {
 	pid := s3fsPid(t, "stall")
 	t.Cleanup(func() { _ = unix.Kill(pid, unix.SIGKILL) })
 
-	// A slow daemon: paused for 700 ms at a time (under the 2 s deadline)
-	// while the container reads, five times.
+	// A slow daemon: paused for 1.5 s at a time (under the 2 s deadline,
+	// the slowest answer the agent must not take for a hang) while the
+	// container reads, five times.
 	for i := 0; i < 5; i++ {
 		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
 			t.Fatal(err)
 		}
 		read := make(chan error, 1)
 		go func() { _, err := os.ReadFile(inContainer); read <- err }()
-		time.Sleep(700 * time.Millisecond)
+		time.Sleep(1500 * time.Millisecond)
 		if err := unix.Kill(pid, unix.SIGCONT); err != nil {
 			t.Fatal(err)
 		}
