@@ -484,7 +484,13 @@ func blastRadius(t *testing.T, mode, ns string) {
 			_, err := asSA.CoordinationV1().Leases(corev1.NamespaceNodeLease).Create(ctx, lease(nodeA), metav1.CreateOptions{})
 			return err
 		}},
-		// Node mode: the ServiceAccount does nothing but the Lease.
+		// Both modes: the ServiceAccount lists events (the eviction
+		// budget's rebuild), and writes none.
+		{"ServiceAccount: list events", true, true, "", func() error {
+			_, err := asSA.CoreV1().Events("").List(ctx, metav1.ListOptions{Limit: 1})
+			return err
+		}},
+		// Node mode: the ServiceAccount does nothing else but the Lease.
 		{"ServiceAccount: get a Secret", false, false, agent.IdentityNode, func() error {
 			_, err := asSA.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
 			return err
