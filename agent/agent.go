@@ -60,6 +60,10 @@ type Deps struct {
 	// put the volume back under a node that must not write to it. Nil
 	// fences nothing.
 	Fenced func(podUID string) bool
+	// EventReader lists the agent's past eviction events at start to
+	// rebuild the eviction budget (the ServiceAccount's client: a node's
+	// identity may not list events); nil is Client.
+	EventReader kubernetes.Interface
 	// ReleaseCode gives the kernel back the pages of the executable the
 	// process no longer uses (Config.ReleaseCode); nil is
 	// coldpages.Release.
@@ -83,8 +87,10 @@ type Agent struct {
 	report    reporter
 	notes     *noteBook
 	budget    *budget
-	decider   *decider
-	events    eventRecorder
+	// eventReader lists past eviction events (Deps.EventReader).
+	eventReader kubernetes.Interface
+	decider     *decider
+	events      eventRecorder
 	// limiter holds the events past the node's budget for a summary.
 	limiter *limitedRecorder
 
@@ -154,25 +160,26 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		deps.Table = NewTableReader(cfg)
 	}
 	a := &Agent{
-		table:    deps.Table,
-		cfg:      cfg,
-		repairer: deps.Repairer,
-		client:   deps.Client,
-		prober:   deps.Prober,
-		kube:     &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout, pvs: newPVStore(deps.Client, cfg.APITimeout)},
-		nodePods: newNodePods(deps.Client, cfg.NodeName, cfg.APITimeout),
-		caps:     newCapsCache(deps.DriverCaps),
-		metrics:  newMetrics(cfg.Version, deps.Registry),
-		notes:    newNoteBook(),
-		budget:   newBudget(cfg.MaxEvictions, cfg.EvictionWindow, nil),
-		decider:  newDecider(&cfg),
-		events:   deps.Events,
-		driverOK: make(map[string]bool),
-		driverUp: make(chan string, 16),
-		stalled:  make(chan struct{}, 1),
-		fenced:   deps.Fenced,
-		results:  make(chan jobResult, cfg.MaxConcurrentRepairs),
-		release:  deps.ReleaseCode,
+		table:       deps.Table,
+		cfg:         cfg,
+		repairer:    deps.Repairer,
+		client:      deps.Client,
+		prober:      deps.Prober,
+		kube:        &kube{client: deps.Client, cache: newObjectCache(cfg.CacheSize, cfg.CacheTTL, nil), timeout: cfg.APITimeout, pvs: newPVStore(deps.Client, cfg.APITimeout)},
+		nodePods:    newNodePods(deps.Client, cfg.NodeName, cfg.APITimeout),
+		caps:        newCapsCache(deps.DriverCaps),
+		metrics:     newMetrics(cfg.Version, deps.Registry),
+		notes:       newNoteBook(),
+		budget:      newBudget(cfg.MaxEvictions, cfg.EvictionWindow, nil),
+		eventReader: deps.EventReader,
+		decider:     newDecider(&cfg),
+		events:      deps.Events,
+		driverOK:    make(map[string]bool),
+		driverUp:    make(chan string, 16),
+		stalled:     make(chan struct{}, 1),
+		fenced:      deps.Fenced,
+		results:     make(chan jobResult, cfg.MaxConcurrentRepairs),
+		release:     deps.ReleaseCode,
 	}
 	// The loop's reads say a bare globalmount is a lost staging only for
 	// drivers that stage, as their capabilities say.
@@ -271,6 +278,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		logger.Error(err, "Cannot watch driver registrations; a driver's return is noticed at resync only")
 	}
 
+	a.restoreBudget(ctx)
 	a.nodePods.live(ctx)
 	a.workers.Add(1)
 	go func() {

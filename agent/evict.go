@@ -95,7 +95,7 @@ func (a *Agent) ownerVerdict(pod *corev1.Pod) (ok bool, noController bool, why s
 // evictPods runs the eviction rung for the pods of a volume: Eviction API
 // (PodDisruptionBudgets respected), or with the opt-in delete tier a
 // deletion with a UID precondition when eviction is off or failed for a
-// reason other than a budget.
+// reason other than a budget or a refusal (403 Forbidden).
 func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, pvc *corev1.PersistentVolumeClaim) evictResult {
 	var res evictResult
 	for _, pod := range pods {
@@ -149,6 +149,17 @@ func (a *Agent) evictPods(ctx context.Context, key string, pods []*corev1.Pod, p
 			case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
 				// Gone, or replaced under the same name: nothing to evict.
 				a.budget.give(at)
+				continue
+			case apierrors.IsForbidden(err):
+				// Refused by RBAC or an admission policy: a deletion
+				// would go around that refusal, so the delete tier does
+				// not follow.
+				a.budget.give(at)
+				res.failed++
+				a.metrics.evictions.WithLabelValues(evictFailed).Inc()
+				logger.Error(err, "Eviction refused")
+				a.report.pod(pod, pvc, corev1.EventTypeWarning, ReasonNotRepaired, actionEvict,
+					a.report.message("eviction refused, not deleting the pod instead: %v", apiMessage(err)))
 				continue
 			case apierrors.IsTooManyRequests(err):
 				a.budget.give(at)

@@ -328,6 +328,7 @@ func liveQueries(t *testing.T) []liveQuery {
 		"controller leads":        fmt.Sprintf(`mountmedic_failover_leader{node=%q} == 1`, labNode),
 		"simulated node fenced":   fmt.Sprintf(`mountmedic_failover_node_fenced{node=%q} == 1`, simNodeName),
 		"node failed over":        fmt.Sprintf(`mountmedic_failover_failovers_total{node=%q, result="success"} > 0`, labNode),
+		"failed-over node named":  fmt.Sprintf(`mountmedic_failover_last_failover_timestamp_seconds{node=%q, failed_node=%q} > 0`, labNode, simNodeName),
 		"its pod force-deleted":   fmt.Sprintf(`mountmedic_failover_pod_deletions_total{node=%q, result="success"} > 0`, labNode),
 		"death to action timed":   fmt.Sprintf(`mountmedic_failover_death_to_action_seconds_count{node=%q} > 0`, labNode),
 		"lab node never fenced":   fmt.Sprintf(`mountmedic_failover_fences_total{node=%q} == 0`, labNode),

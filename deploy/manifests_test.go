@@ -30,7 +30,7 @@ var kustomizations = []struct {
 	dir   string
 	kinds []string
 }{
-	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "ClusterRole", "DaemonSet", "Service",
+	{".", []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Service",
 		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration", "NetworkPolicy"}},
 	{"prometheus", []string{"PodMonitor", "PrometheusRule"}},
 	{"grafana", []string{"ConfigMap"}},
@@ -336,7 +336,7 @@ func TestApplyServerDryRun(t *testing.T) {
 }
 
 // checkAccess asks the API server what the agent's ServiceAccount may do:
-// the heartbeat Lease in its namespace, nothing else. The agent's other API
+// the heartbeat Lease in its namespace and events list, nothing else. The agent's other API
 // calls go with its node's identity, which TestNodeBlastRadius judges with
 // real requests. The in-agent failover leader's binding is deleted first:
 // that cluster-wide duty moves to its own ServiceAccount (mountmedic
@@ -366,6 +366,9 @@ func checkAccess(t *testing.T, c *kubetest.Cluster) {
 		{"patch leases", lease("patch", "mountmedic"), false},
 		{"watch leases", lease("watch", "mountmedic"), false},
 		{"leases elsewhere", lease("update", "kube-node-lease"), false},
+		// The eviction budget's rebuild (agent/budgetevents.go).
+		{"list events", ra{Verb: "list", Resource: "events"}, true},
+		{"create events", ra{Verb: "create", Resource: "events", Namespace: "default"}, false},
 		{"watch pods", ra{Verb: "watch", Resource: "pods"}, false},
 		{"list pods", ra{Verb: "list", Resource: "pods"}, false},
 		{"get pod", ra{Verb: "get", Resource: "pods", Namespace: "apps"}, false},

@@ -46,7 +46,7 @@ const (
 // node-stage and a node-publish Secret, a VolumeAttachment, its Node. From
 // node A's credentials every object of node B is refused and node A's own
 // are allowed; the ServiceAccount writes only node A's heartbeat Lease.
-func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode) }
+func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode, "") }
 
 // TestServiceAccountBlastRadius is TestNodeBlastRadius for
 // --identity=serviceaccount (deploy/ with deploy/identity/serviceaccount):
@@ -54,7 +54,18 @@ func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode) }
 // node B is refused as with the node identity (the admission policies);
 // reads of node B's pods, claims, PVs and attachments are allowed (RBAC
 // cannot confine reads to a node), Secrets are refused.
-func TestServiceAccountBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityServiceAccount) }
+func TestServiceAccountBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityServiceAccount, "") }
+
+// TestBlastRadiusOtherNamespace is the blast-radius test of both modes for
+// an install that a kustomize overlay moves to another namespace
+// (`namespace: ops`): the admission policies must hold a stolen token of
+// the moved ServiceAccount to its node as they do in mountmedic, and the
+// agent's own writes (its events, its heartbeat) must still pass.
+func TestBlastRadiusOtherNamespace(t *testing.T) {
+	for _, mode := range []string{agent.IdentityServiceAccount, agent.IdentityNode} {
+		t.Run(mode, func(t *testing.T) { blastRadius(t, mode, "ops") })
+	}
+}
 
 // radiusCase is one request of node A's agent and whether each identity
 // mode may make it.
@@ -66,12 +77,25 @@ type radiusCase struct {
 	do   func() error
 }
 
-func blastRadius(t *testing.T, mode string) {
+// blastRadius runs the cases for mode on an install into namespace ns
+// (empty: the base's, mountmedic, unchanged; else an overlay setting it).
+func blastRadius(t *testing.T, mode, ns string) {
 	kc := kubectl(t)
 	c := kubetest.Start(t, kubetest.Options{})
-	dir := "."
+	dir, agentNS := ".", baseNamespace
+	overlay := ""
 	if mode == agent.IdentityServiceAccount {
-		dir = overlayDir(t, "identity-serviceaccount", componentOverlay("identity/serviceaccount"))
+		overlay = componentOverlay("identity/serviceaccount")
+	}
+	if ns != "" {
+		agentNS = ns
+		if overlay == "" {
+			overlay = "resources: [../../deploy]\n"
+		}
+		overlay = "namespace: " + ns + "\n" + overlay
+	}
+	if overlay != "" {
+		dir = overlayDir(t, "radius-"+mode, overlay)
 	}
 	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", dir)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -136,7 +160,7 @@ func blastRadius(t *testing.T, mode string) {
 		}
 		o.pod = createRadiusPod(ctx, t, admin, appsNS, "app-"+node, node, "", o.pvc)
 		o.pod2 = createRadiusPod(ctx, t, admin, appsNS, "app2-"+node, node, "", o.pvc)
-		o.agentPod = createRadiusPod(ctx, t, admin, "mountmedic", "mountmedic-"+node, node, "mountmedic", "")
+		o.agentPod = createRadiusPod(ctx, t, admin, agentNS, "mountmedic-"+node, node, "mountmedic", "")
 	}
 	// A Secret no PV and no pod names.
 	if _, err := admin.CoreV1().Secrets(appsNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "unreferenced"}}, metav1.CreateOptions{}); err != nil {
@@ -148,7 +172,7 @@ func blastRadius(t *testing.T, mode string) {
 	// identity as the DaemonSet finds it (a kubeconfig naming kubelet's
 	// certificate file). ag is the client the agent acts with.
 	asSA := clientFor(t, c.PodTokenConfig(t, a.agentPod))
-	unbound := clientFor(t, c.ServiceAccountConfig(t, "mountmedic", "mountmedic"))
+	unbound := clientFor(t, c.ServiceAccountConfig(t, agentNS, "mountmedic"))
 	ag := asSA
 	if mode == agent.IdentityNode {
 		dir := t.TempDir()
@@ -214,7 +238,7 @@ func blastRadius(t *testing.T, mode string) {
 			`"lastHeartbeatTime":"` + now + `","lastTransitionTime":"` + now + `"}]}}`)
 	}
 	lease := func(name string) *coordinationv1.Lease {
-		return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "mountmedic"},
+		return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: agentNS},
 			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To("mountmedic-" + nodeA)}}
 	}
 	event := func(controller, instance string) *eventsv1.Event {
@@ -228,7 +252,7 @@ func blastRadius(t *testing.T, mode string) {
 	// The ValidatingAdmissionPolicies are enforced once the API server
 	// has loaded them: wait for their first refusals.
 	refusal := waitRefused(ctx, t, "the ServiceAccount creates node B's heartbeat Lease", func() error {
-		_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		_, err := asSA.CoordinationV1().Leases(agentNS).Create(ctx, lease(nodeB), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err
 	})
 	t.Logf("node A's ServiceAccount writing node B's Lease: %v", refusal)
@@ -237,7 +261,7 @@ func blastRadius(t *testing.T, mode string) {
 		return err
 	})
 	t.Logf("node A's agent writing an event as node B's agent: %v", refusal)
-	if _, err := admin.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{}); err != nil {
+	if _, err := admin.CoordinationV1().Leases(agentNS).Create(ctx, lease(nodeB), metav1.CreateOptions{}); err != nil {
 		t.Fatalf("create node B's Lease as admin: %v", err)
 	}
 
@@ -414,53 +438,59 @@ func blastRadius(t *testing.T, mode string) {
 			return err
 		}},
 		{"mint an unbound token of the agent's ServiceAccount", false, false, "", func() error {
-			_, err := ag.CoreV1().ServiceAccounts("mountmedic").CreateToken(ctx, "mountmedic", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+			_, err := ag.CoreV1().ServiceAccounts(agentNS).CreateToken(ctx, "mountmedic", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
 			return err
 		}},
 		// Leases: a node writes only its own in kube-node-lease, the
 		// ServiceAccount only its node's heartbeat.
 		{"node identity: create a heartbeat Lease", false, false, agent.IdentityNode, func() error {
-			_, err := ag.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+			_, err := ag.CoordinationV1().Leases(agentNS).Create(ctx, lease(nodeA), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		}},
 		{"ServiceAccount: create node A's heartbeat Lease", true, true, "", func() error {
-			_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA), metav1.CreateOptions{})
+			_, err := asSA.CoordinationV1().Leases(agentNS).Create(ctx, lease(nodeA), metav1.CreateOptions{})
 			return err
 		}},
 		{"ServiceAccount: renew node A's heartbeat Lease", true, true, "", func() error {
-			l, err := asSA.CoordinationV1().Leases("mountmedic").Get(ctx, nodeA, metav1.GetOptions{})
+			l, err := asSA.CoordinationV1().Leases(agentNS).Get(ctx, nodeA, metav1.GetOptions{})
 			if err != nil {
 				return err
 			}
 			l.Spec.RenewTime = &metav1.MicroTime{Time: time.Now()}
-			_, err = asSA.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
+			_, err = asSA.CoordinationV1().Leases(agentNS).Update(ctx, l, metav1.UpdateOptions{})
 			return err
 		}},
 		{"ServiceAccount: list the heartbeat Leases", true, true, "", func() error {
-			_, err := asSA.CoordinationV1().Leases("mountmedic").List(ctx, metav1.ListOptions{})
+			_, err := asSA.CoordinationV1().Leases(agentNS).List(ctx, metav1.ListOptions{})
 			return err
 		}},
 		{"ServiceAccount: create node B's heartbeat Lease", false, false, "", func() error {
-			_, err := asSA.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeB), metav1.CreateOptions{})
+			_, err := asSA.CoordinationV1().Leases(agentNS).Create(ctx, lease(nodeB), metav1.CreateOptions{})
 			return err
 		}},
 		{"ServiceAccount: renew node B's heartbeat Lease", false, false, "", func() error {
-			l, err := asSA.CoordinationV1().Leases("mountmedic").Get(ctx, nodeB, metav1.GetOptions{})
+			l, err := asSA.CoordinationV1().Leases(agentNS).Get(ctx, nodeB, metav1.GetOptions{})
 			if err != nil {
 				return fmt.Errorf("get: %w (a get is allowed: the write is what must be refused)", err)
 			}
 			l.Spec.HolderIdentity = ptr.To("mountmedic-" + nodeA)
-			_, err = asSA.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
+			_, err = asSA.CoordinationV1().Leases(agentNS).Update(ctx, l, metav1.UpdateOptions{})
 			return err
 		}},
 		{"ServiceAccount: delete node B's heartbeat Lease", false, false, "", func() error {
-			return asSA.CoordinationV1().Leases("mountmedic").Delete(ctx, nodeB, metav1.DeleteOptions{})
+			return asSA.CoordinationV1().Leases(agentNS).Delete(ctx, nodeB, metav1.DeleteOptions{})
 		}},
 		{"ServiceAccount: a Lease in kube-node-lease", false, false, "", func() error {
 			_, err := asSA.CoordinationV1().Leases(corev1.NamespaceNodeLease).Create(ctx, lease(nodeA), metav1.CreateOptions{})
 			return err
 		}},
-		// Node mode: the ServiceAccount does nothing but the Lease.
+		// Both modes: the ServiceAccount lists events (the eviction
+		// budget's rebuild), and writes none.
+		{"ServiceAccount: list events", true, true, "", func() error {
+			_, err := asSA.CoreV1().Events("").List(ctx, metav1.ListOptions{Limit: 1})
+			return err
+		}},
+		// Node mode: the ServiceAccount does nothing else but the Lease.
 		{"ServiceAccount: get a Secret", false, false, agent.IdentityNode, func() error {
 			_, err := asSA.CoreV1().Secrets(appsNS).Get(ctx, a.stage, metav1.GetOptions{})
 			return err
@@ -477,7 +507,7 @@ func blastRadius(t *testing.T, mode string) {
 		// A token of the agent's ServiceAccount that names no node (minted
 		// without a pod binding) writes nothing.
 		{"unbound token: create a Lease", false, false, "", func() error {
-			_, err := unbound.CoordinationV1().Leases("mountmedic").Create(ctx, lease(nodeA+"-unbound"), metav1.CreateOptions{})
+			_, err := unbound.CoordinationV1().Leases(agentNS).Create(ctx, lease(nodeA+"-unbound"), metav1.CreateOptions{})
 			return err
 		}},
 		{"unbound token: evict node A's pod", false, false, "", func() error { return evictDry(ctx, unbound, a.pod) }},

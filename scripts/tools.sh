@@ -21,6 +21,7 @@ S3DRIVER_VERSION=v0.43.7
 VERSITYGW_VERSION=v1.8.0
 HELM_VERSION=v3.22.0
 KWOK_VERSION=v0.8.0
+GGCR_VERSION=v0.22.1
 
 TOOLS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tools
 CACHE=${MOUNTMEDIC_CACHE:-/var/cache/mountmedic}
@@ -41,6 +42,8 @@ COMPONENTS=(
 	"versitygw|$VERSITYGW_VERSION|versitygw|github.com/versity/versitygw/cmd/versitygw"
 	"helm|$HELM_VERSION|helm|helm.sh/helm/v3/cmd/helm"
 	"kwok|$KWOK_VERSION|kwok|sigs.k8s.io/kwok/cmd/kwok"
+	# crane's `registry serve`: the OCI registry the chart is pushed to.
+	"crane|$GGCR_VERSION|crane|github.com/google/go-containerregistry/cmd/crane"
 )
 
 log() { printf '%s tools: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -62,6 +65,7 @@ module_of() {
 	github.com/versity/versitygw/*) echo github.com/versity/versitygw ;;
 	helm.sh/helm/v3/*) echo helm.sh/helm/v3 ;;
 	sigs.k8s.io/kwok/*) echo sigs.k8s.io/kwok ;;
+	github.com/google/go-containerregistry/*) echo github.com/google/go-containerregistry ;;
 	*) die "no module known for $1" ;;
 	esac
 }

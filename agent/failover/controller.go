@@ -1002,6 +1002,7 @@ func (t *term) act(ctx context.Context, cd candidate, all []nodePod, st *nodeSta
 	}
 	logger.Info("Failed the node over", kv...)
 	c.metrics.failovers.WithLabelValues(resultSuccess).Inc()
+	c.metrics.failedOver.set(cd.node.Name, now)
 	c.metrics.deathToAct.Observe(sinceLife.Seconds())
 	st.announced = true
 	c.event(cd.node, nil, corev1.EventTypeWarning, ReasonFailedOver, actionTaint, "Node confirmed dead: %s. Evidence: %s. mountmedic %s (%s)", cd.why, cd.ev, what, joinNames(names))

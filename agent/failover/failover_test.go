@@ -105,6 +105,9 @@ func testNodeDiesTaint(t *testing.T, h *harness) {
 	if got := metric(t, reg, "mountmedic_failover_death_to_action_seconds", nil); got != 1 {
 		t.Errorf("death_to_action_seconds count = %v, want 1", got)
 	}
+	if got := seriesOf(t, reg, "mountmedic_failover_last_failover_timestamp_seconds"); len(got) != 1 || !got[victim.name] {
+		t.Errorf("last_failover_timestamp_seconds names nodes %v, want only the dead %s", got, victim.name)
+	}
 	s.waitFor("FailedOver events on the node and the pod", 20*time.Second, func(ctx context.Context) (bool, error) {
 		return len(s.events(ctx, "default", "Node", victim.name, ReasonFailedOver)) == 1 &&
 			len(s.events(ctx, s.ns, "Pod", "db-0", ReasonFailedOver)) >= 1, nil

@@ -3,6 +3,8 @@ package failover
 import (
 	"errors"
 	"fmt"
+	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -21,9 +23,11 @@ var failoverResults = []string{resultSuccess, resultFailure, resultDryRun, resul
 var renewalResults = []string{resultSuccess, resultFailure}
 
 // controllerMetrics are the cluster side's collectors. No label names a
-// node or a pod.
+// pod; only failedOver names a node (the one failed over, which the
+// scrape target's node label, the leader's, cannot say).
 type controllerMetrics struct {
 	failovers    *prometheus.CounterVec
+	failedOver   *failedOverNodes
 	deathToAct   prometheus.Histogram
 	podDeletions *prometheus.CounterVec
 	inFailover   prometheus.Gauge
@@ -47,6 +51,7 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 			Name: "mountmedic_failover_failovers_total",
 			Help: "Node fail-overs decided by the failover leader, by result (deferred: held back by --failover-max-nodes; counted once per node and outage).",
 		}, []string{"result"}),
+		failedOver: newFailedOverNodes(),
 		deathToAct: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "mountmedic_failover_death_to_action_seconds",
 			Help:    "Seconds from a node's last sign of life seen by the leader (kubelet Lease, Ready heartbeat or mountmedic heartbeat) to the fail-over action.",
@@ -106,11 +111,51 @@ func newControllerMetrics(reg prometheus.Registerer) (*controllerMetrics, error)
 	for _, r := range []string{resultSuccess, resultFailure, resultDryRun} {
 		m.podDeletions.WithLabelValues(r)
 	}
-	if err := register(reg, m.failovers, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered,
+	if err := register(reg, m.failovers, m.failedOver.vec, m.deathToAct, m.podDeletions, m.inFailover, m.leader, m.recovered,
 		m.nodesJudged, m.nodesDead, m.standDown, m.standDowns, m.freshRefusals, m.sightRegained, m.podsLeft); err != nil {
 		return nil, err
 	}
 	return m, nil
+}
+
+// failedOverKeep is how long a failed-over node keeps its series: past
+// the alert's 10 minute window, short enough that the label's values stay
+// few (the nodes failed over in the last hour).
+const failedOverKeep = time.Hour
+
+// failedOverNodes is mountmedic_failover_last_failover_timestamp_seconds:
+// per node failed over, when the leader last did it. A series goes after
+// failedOverKeep (pruned at the next fail-over), so a node's name does not
+// stay a label value for the leader's whole life.
+type failedOverNodes struct {
+	mu  sync.Mutex
+	vec *prometheus.GaugeVec
+	at  map[string]time.Time
+}
+
+func newFailedOverNodes() *failedOverNodes {
+	return &failedOverNodes{
+		vec: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "mountmedic_failover_last_failover_timestamp_seconds",
+			Help: "Unix time of the leader's last successful fail-over of the node named by failed_node (kept for an hour).",
+		}, []string{"failed_node"}),
+		at: map[string]time.Time{},
+	}
+}
+
+// set records a fail-over of node at now and drops the series of nodes
+// failed over more than failedOverKeep before.
+func (f *failedOverNodes) set(node string, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for n, t := range f.at {
+		if now.Sub(t) > failedOverKeep {
+			delete(f.at, n)
+			f.vec.DeleteLabelValues(n)
+		}
+	}
+	f.at[node] = now
+	f.vec.WithLabelValues(node).Set(float64(now.UnixNano()) / 1e9)
 }
 
 // heartbeatMetrics are the node side's collectors.

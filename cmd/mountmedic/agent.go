@@ -278,6 +278,11 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	}
 	defer repairer.Close()
 	deps := agent.Deps{Client: client, Repairer: repairer, Prober: prober, Table: table, Registry: prometheus.NewRegistry()}
+	if f.identity == agent.IdentityNode {
+		// A node may not list events: the budget's rebuild lists them with
+		// the ServiceAccount (deploy/rbac.yaml, mountmedic-agent-budget).
+		deps.EventReader = eventReader(cmd.Context(), cfg)
+	}
 
 	ctx, cancel := context.WithCancel(cmd.Context())
 	defer cancel()
@@ -341,4 +346,21 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 		return nil, fmt.Errorf("--kubeconfig %s: %w", kubeconfig, err)
 	}
 	return rc, nil
+}
+
+// eventReader is the ServiceAccount's client for the eviction budget's
+// rebuild in --identity=node; nil (the agent's own client) when there is
+// no ServiceAccount configuration, which the agent's log then shows as a
+// refused list.
+func eventReader(ctx context.Context, cfg agent.Config) kubernetes.Interface {
+	rc, err := restConfig(cfg.Kubeconfig)
+	if err == nil {
+		rc.UserAgent = "mountmedic/" + version
+		var c kubernetes.Interface
+		if c, err = kubernetes.NewForConfig(rc); err == nil {
+			return c
+		}
+	}
+	klog.FromContext(ctx).Info("No ServiceAccount client to rebuild the eviction budget with", "err", err)
+	return nil
 }

@@ -30,14 +30,18 @@ import (
 func TestStatusOnRealAPIServer(t *testing.T) {
 	c := kubetest.Start(t, kubetest.Options{})
 	ctx := context.Background()
-	// The admission policy that vouches for the agents' events (below).
+	// The admission policy that vouches for the agents' events (below),
+	// with its parameter, the agent's ServiceAccount.
+	c.CreateNamespace(t, "mountmedic")
+	if _, err := c.Client.CoreV1().ServiceAccounts("mountmedic").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "mountmedic"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	if out, err := exec.Command(lab.RequireTool(t, "kubectl"), "--kubeconfig="+c.Kubeconfig, "apply", "-f", "../../deploy/agent-events-policy.yaml").CombinedOutput(); err != nil {
 		t.Fatalf("apply the events policy: %v\n%s", err, out)
 	}
 	time.Sleep(11 * time.Second) // status trusts events created 10 s after the policy
 	now := time.Now()
 	cs := c.Client
-	c.CreateNamespace(t, "mountmedic")
 	c.CreateNamespace(t, "app")
 	mkNode := func(name string, cond *corev1.NodeCondition, taint bool) {
 		t.Helper()
