@@ -190,7 +190,8 @@ func escapeTemplate(s string) string {
 }
 
 // markNamespace replaces the base namespace where a field names it: a
-// metadata or subject namespace, a PodMonitor's namespaceSelector, a
+// metadata or subject namespace, a PodMonitor's namespaceSelector, an
+// admission policy's namespaceSelector (kubernetes.io/metadata.name), a
 // FlowSchema rule's namespaces, and a
 // ServiceAccount user name (system:serviceaccount:NS:NAME) in a string.
 func markNamespace(v any) any {
@@ -198,7 +199,7 @@ func markNamespace(v any) any {
 	case map[string]any:
 		for k, e := range x {
 			switch {
-			case k == "namespace" && e == baseNamespace:
+			case (k == "namespace" || k == "kubernetes.io/metadata.name") && e == baseNamespace:
 				x[k] = markNS
 			case k == "matchNames" || k == "namespaces":
 				if l, ok := e.([]any); ok {
@@ -621,7 +622,8 @@ func TestChartValues(t *testing.T) {
 		if o.Metadata.Namespace != "" && o.Metadata.Namespace != "storage-ops" && o.Metadata.Namespace != "kube-node-lease" {
 			t.Errorf("%s is in namespace %q, want the release's", objKey(o), o.Metadata.Namespace)
 		}
-		if bytes.Contains(o.raw, []byte("system:serviceaccount:"+baseNamespace+":")) || bytes.Contains(o.raw, []byte("namespace: "+baseNamespace+"\n")) {
+		if bytes.Contains(o.raw, []byte("system:serviceaccount:"+baseNamespace+":")) || bytes.Contains(o.raw, []byte("namespace: "+baseNamespace+"\n")) ||
+			bytes.Contains(o.raw, []byte("kubernetes.io/metadata.name: "+baseNamespace+"\n")) {
 			t.Errorf("%s still names the namespace %s:\n%s", objKey(o), baseNamespace, o.raw)
 		}
 	}
