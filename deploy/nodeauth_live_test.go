@@ -24,6 +24,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
@@ -421,8 +422,14 @@ func blastRadius(t *testing.T, mode, ns string) {
 			_, err := ag.CoreV1().Events(appsNS).Create(ctx, coreAgentEvent(a.pod, nodeB), metav1.CreateOptions{})
 			return err
 		}},
-		{"create a failover heartbeat event", true, true, "", func() error {
-			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event("mountmedic.io/failover", "mountmedic.io/failover-"+a.agentPod.Name), metav1.CreateOptions{})
+		// The failover controller's events only from its ServiceAccount
+		// (the heartbeat's events about its node are the agent's, above).
+		{"create a failover controller event", false, false, "", func() error {
+			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event(failover.ReportingController, "mountmedic-controller-x"), metav1.CreateOptions{})
+			return err
+		}},
+		{"create a failover heartbeat event as its node's agent", true, true, "", func() error {
+			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event(failover.NodeReportingController, nodeA), metav1.CreateOptions{})
 			return err
 		}},
 		{"create an event of another controller", true, false, "", func() error {

@@ -38,7 +38,9 @@ import (
 	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
-// ReportingController names the duty in the events it writes.
+// ReportingController names the controller in the events it writes;
+// deploy/failover-events-policy.yaml admits them only from its
+// ServiceAccount.
 const ReportingController = "mountmedic.io/failover"
 
 // Event reasons.

@@ -228,12 +228,12 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	ctx = klog.NewContext(ctx, logger)
 
 	if h.rec == nil {
-		b := events.NewBroadcaster(&events.EventSinkImpl{Interface: h.client.EventsV1()})
+		b := events.NewBroadcaster(nodeEventSink{EventSink: &events.EventSinkImpl{Interface: h.client.EventsV1()}, node: h.cfg.NodeName})
 		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
 			logger.Error(err, "Cannot record failover events; logging only")
 		} else {
 			defer b.Shutdown()
-			h.rec = b.NewRecorder(scheme.Scheme, ReportingController)
+			h.rec = b.NewRecorder(scheme.Scheme, NodeReportingController)
 		}
 	}
 	stopPeers := func() {}
@@ -935,7 +935,8 @@ func (c *claimCache) sweep() {
 	clear(c.used)
 }
 
-// Events the heartbeat writes on its Node.
+// Events the heartbeat writes on its Node, as the node's agent
+// (NodeReportingController).
 const (
 	ReasonPeerCheckDegraded = "FailoverPeerCheckDegraded"
 	ReasonPeerCheckOK       = "FailoverPeerCheckOK"

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/failover"
 )
 
 // NodeDetail is the drill-down of one node: its row of the view, its
@@ -29,8 +30,15 @@ type NodeDetail struct {
 	// trust), newest first.
 	Events []AgentEvent `json:"events"`
 	// Verified says how the events are known to be the agent's own.
-	Verified string   `json:"verified"`
-	Warnings []string `json:"warnings,omitempty"`
+	Verified string `json:"verified"`
+	// FailoverEvents are the failover controller's events about the node
+	// or its pods (regarding or related to the Node), those it is known to
+	// have written (see trust), newest first.
+	FailoverEvents []AgentEvent `json:"failoverEvents"`
+	// FailoverVerified says how the failover events are known to be the
+	// controller's.
+	FailoverVerified string   `json:"failoverVerified"`
+	Warnings         []string `json:"warnings,omitempty"`
 }
 
 // AgentPod is the mountmedic agent pod on the node.
@@ -77,7 +85,7 @@ func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node s
 	if err != nil {
 		return nil, err
 	}
-	d := &NodeDetail{Node: v.Nodes[0], Pods: []PodVolumes{}, Events: []AgentEvent{}, Warnings: v.Warnings}
+	d := &NodeDetail{Node: v.Nodes[0], Pods: []PodVolumes{}, Events: []AgentEvent{}, FailoverEvents: []AgentEvent{}, Warnings: v.Warnings}
 	onNode := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("spec.nodeName", node).String()}
 	agents, err := cs.CoreV1().Pods(opts.Namespace).List(ctx, metav1.ListOptions{FieldSelector: onNode.FieldSelector, LabelSelector: "app.kubernetes.io/name=mountmedic,app.kubernetes.io/component=agent"})
 	if err != nil {
@@ -108,7 +116,7 @@ func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node s
 			return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
 		})
 	}
-	tr := readTrust(ctx, cs)
+	tr := readTrust(ctx, cs, EventsPolicy)
 	var untrusted int
 	err = listAgentEvents(ctx, cs, func(e *corev1.Event) {
 		if e.ReportingInstance != node {
@@ -140,7 +148,44 @@ func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node s
 		d.Verified = fmt.Sprintf("events with reportingController %s and reportingInstance %s created since %s, when the admission policy %s (which admits them only from node %s's own identity) was in force",
 			agent.ReportingController, node, tr.since.UTC().Format(time.RFC3339), EventsPolicy, node)
 	}
+	readFailoverEvents(ctx, cs, node, d)
 	return d, nil
+}
+
+// readFailoverEvents adds the failover controller's events about node (on
+// the Node, or on a pod with the Node related) that FailoverEventsPolicy
+// vouches for.
+func readFailoverEvents(ctx context.Context, cs kubernetes.Interface, node string, d *NodeDetail) {
+	tr := readTrust(ctx, cs, FailoverEventsPolicy)
+	isNode := func(o *corev1.ObjectReference) bool { return o != nil && o.Kind == "Node" && o.Name == node }
+	var untrusted int
+	err := listEvents(ctx, cs, failover.ReportingController, func(e *corev1.Event) {
+		if !isNode(&e.InvolvedObject) && !isNode(e.Related) {
+			return
+		}
+		if !tr.vouches(e) {
+			untrusted++
+			return
+		}
+		d.FailoverEvents = append(d.FailoverEvents, AgentEvent{At: eventTime(e), Type: e.Type, Reason: e.Reason,
+			Object: objectName(e.InvolvedObject), Note: e.Message, Count: eventCount(e)})
+	})
+	if err != nil {
+		d.Warnings = append(d.Warnings, fmt.Sprintf("failover controller events: %v%s", err, rbacHint(err)))
+	}
+	if untrusted > 0 {
+		d.Warnings = append(d.Warnings, tr.ignored(untrusted))
+	}
+	slices.SortFunc(d.FailoverEvents, func(a, b AgentEvent) int { return b.At.Compare(a.At) })
+	if len(d.FailoverEvents) > maxEvents {
+		d.FailoverEvents = d.FailoverEvents[:maxEvents]
+	}
+	if tr.since.IsZero() {
+		d.FailoverVerified = "no: " + tr.why
+	} else {
+		d.FailoverVerified = fmt.Sprintf("events with reportingController %s created since %s, when the admission policy %s (which admits them only from the controller's ServiceAccount) was in force",
+			failover.ReportingController, tr.since.UTC().Format(time.RFC3339), FailoverEventsPolicy)
+	}
 }
 
 // podVolumes lists pod's volumes that a claim or a CSI driver backs.
@@ -205,17 +250,14 @@ func (d *NodeDetail) Table(w io.Writer, now time.Time, wide bool) error {
 		return err
 	}
 	fmt.Fprintf(w, "\nWhat the agent reported (%d events; verified: %s):\n", len(d.Events), safe(d.Verified))
-	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "AGE\tTYPE\tREASON\tOBJECT\tCOUNT\tNOTE")
-	for _, e := range d.Events {
-		note := e.Note
-		if !wide && len(note) > 80 {
-			note = note[:77] + "..."
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\n", ago(now.Sub(e.At)), e.Type, safe(e.Reason), safe(e.Object), max(e.Count, 1), safe(strings.ReplaceAll(note, "\n", " ")))
-	}
-	if err := tw.Flush(); err != nil {
+	if err := eventTable(w, now, wide, d.Events); err != nil {
 		return err
+	}
+	if len(d.FailoverEvents) > 0 {
+		fmt.Fprintf(w, "\nWhat the failover controller reported (%d events; verified: %s):\n", len(d.FailoverEvents), safe(d.FailoverVerified))
+		if err := eventTable(w, now, wide, d.FailoverEvents); err != nil {
+			return err
+		}
 	}
 	for _, warn := range d.Warnings {
 		if _, err := fmt.Fprintf(w, "warning: %s\n", safe(warn)); err != nil {
@@ -223,4 +265,18 @@ func (d *NodeDetail) Table(w io.Writer, now time.Time, wide bool) error {
 		}
 	}
 	return nil
+}
+
+// eventTable writes events as a table; wide keeps whole notes.
+func eventTable(w io.Writer, now time.Time, wide bool, evs []AgentEvent) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "AGE\tTYPE\tREASON\tOBJECT\tCOUNT\tNOTE")
+	for _, e := range evs {
+		note := e.Note
+		if !wide && len(note) > 80 {
+			note = note[:77] + "..."
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\n", ago(now.Sub(e.At)), e.Type, safe(e.Reason), safe(e.Object), max(e.Count, 1), safe(strings.ReplaceAll(note, "\n", " ")))
+	}
+	return tw.Flush()
 }

@@ -136,7 +136,7 @@ func read(ctx context.Context, cs kubernetes.Interface, opts Options, repairs bo
 	}
 	readHeartbeats(ctx, cs, opts, rows, v)
 	if repairs {
-		readRepairs(ctx, cs, readTrust(ctx, cs), rows, v)
+		readRepairs(ctx, cs, readTrust(ctx, cs, EventsPolicy), rows, v)
 	}
 	for _, r := range rows {
 		v.Nodes = append(v.Nodes, *r)
@@ -294,7 +294,13 @@ func readRepairs(ctx context.Context, cs kubernetes.Interface, tr trust, rows ma
 // listAgentEvents calls each with every event whose reporting controller
 // is the agent's, in pages.
 func listAgentEvents(ctx context.Context, cs kubernetes.Interface, each func(*corev1.Event)) error {
-	lo := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("reportingComponent", agent.ReportingController).String(), Limit: pageSize}
+	return listEvents(ctx, cs, agent.ReportingController, each)
+}
+
+// listEvents calls each with every event whose reporting controller is
+// controller, in pages.
+func listEvents(ctx context.Context, cs kubernetes.Interface, controller string, each func(*corev1.Event)) error {
+	lo := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("reportingComponent", controller).String(), Limit: pageSize}
 	for {
 		l, err := cs.CoreV1().Events("").List(ctx, lo)
 		if err != nil {

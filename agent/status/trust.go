@@ -19,6 +19,18 @@ import (
 // (deploy/agent-events-policy.yaml).
 const EventsPolicy = "mountmedic-agent-events"
 
+// FailoverEventsPolicy is the ValidatingAdmissionPolicy (and its binding)
+// that admits an event of the failover controller's reporting controller
+// only from the controller's ServiceAccount
+// (deploy/failover-events-policy.yaml).
+const FailoverEventsPolicy = "mountmedic-failover-events"
+
+// policyFiles names the manifest of each policy, for the warnings.
+var policyFiles = map[string]string{
+	EventsPolicy:         "deploy/agent-events-policy.yaml",
+	FailoverEventsPolicy: "deploy/failover-events-policy.yaml",
+}
+
 // policySettle is how long after the policy and its binding were created
 // an event must be created to be trusted: the API server enforces a new
 // policy once its informers have loaded it, a moment after the create.
@@ -28,53 +40,58 @@ const policySettle = 10 * time.Second
 // drill-down (deploy/viewer-rbac.yaml).
 const ViewerRole = "mountmedic-viewer"
 
-// trust says which of the agent's events were written by the agent of
-// the node they name: those created once EventsPolicy was in force, with
-// Deny. Anyone who may create events can write one that claims to be the
-// agent's; the policy refuses such a write unless it comes from that
-// node's identity (its kubelet's credentials or its agent's node-bound
-// ServiceAccount token), so an event created after it is the node's own.
+// trust says which events claiming a reporting controller were written by
+// the identity its policy holds them to: those created once the policy was
+// in force, with Deny. Anyone who may create events can write one that
+// claims to be the agent's; EventsPolicy refuses such a write unless it
+// comes from that node's identity (its kubelet's credentials or its
+// agent's node-bound ServiceAccount token), so an event created after it
+// is the node's own. FailoverEventsPolicy likewise holds the failover
+// controller's events to its ServiceAccount.
 type trust struct {
+	// policy is the ValidatingAdmissionPolicy (and binding) vouching.
+	policy string
 	// since: events created at or after it are vouched for; zero: none.
 	since time.Time
 	// why no event is vouched for, when since is zero.
 	why string
 }
 
-// readTrust reads EventsPolicy and its binding.
-func readTrust(ctx context.Context, cs kubernetes.Interface) trust {
+// readTrust reads policy (EventsPolicy or FailoverEventsPolicy) and its
+// binding.
+func readTrust(ctx context.Context, cs kubernetes.Interface, policy string) trust {
 	ar := cs.AdmissionregistrationV1()
-	p, err := ar.ValidatingAdmissionPolicies().Get(ctx, EventsPolicy, metav1.GetOptions{})
+	p, err := ar.ValidatingAdmissionPolicies().Get(ctx, policy, metav1.GetOptions{})
 	if err != nil {
-		return trust{why: policyErr("ValidatingAdmissionPolicy", err)}
+		return trust{policy: policy, why: policyErr("ValidatingAdmissionPolicy", policy, err)}
 	}
-	b, err := ar.ValidatingAdmissionPolicyBindings().Get(ctx, EventsPolicy, metav1.GetOptions{})
+	b, err := ar.ValidatingAdmissionPolicyBindings().Get(ctx, policy, metav1.GetOptions{})
 	if err != nil {
-		return trust{why: policyErr("ValidatingAdmissionPolicyBinding", err)}
+		return trust{policy: policy, why: policyErr("ValidatingAdmissionPolicyBinding", policy, err)}
 	}
 	switch {
-	case b.Spec.PolicyName != EventsPolicy:
-		return trust{why: fmt.Sprintf("the binding %s binds policy %q, not %s", EventsPolicy, b.Spec.PolicyName, EventsPolicy)}
+	case b.Spec.PolicyName != policy:
+		return trust{policy: policy, why: fmt.Sprintf("the binding %s binds policy %q, not %s", policy, b.Spec.PolicyName, policy)}
 	case !slices.Contains(b.Spec.ValidationActions, admissionregistrationv1.Deny):
-		return trust{why: fmt.Sprintf("the binding %s does not deny (validationActions %v)", EventsPolicy, b.Spec.ValidationActions)}
+		return trust{policy: policy, why: fmt.Sprintf("the binding %s does not deny (validationActions %v)", policy, b.Spec.ValidationActions)}
 	case p.Spec.FailurePolicy != nil && *p.Spec.FailurePolicy != admissionregistrationv1.Fail:
-		return trust{why: fmt.Sprintf("the policy %s lets a write through when it cannot be evaluated (failurePolicy %s)", EventsPolicy, *p.Spec.FailurePolicy)}
+		return trust{policy: policy, why: fmt.Sprintf("the policy %s lets a write through when it cannot be evaluated (failurePolicy %s)", policy, *p.Spec.FailurePolicy)}
 	}
 	since := p.CreationTimestamp.Time
 	if b.CreationTimestamp.After(since) {
 		since = b.CreationTimestamp.Time
 	}
-	return trust{since: since.Add(policySettle)}
+	return trust{policy: policy, since: since.Add(policySettle)}
 }
 
-func policyErr(kind string, err error) string {
+func policyErr(kind, policy string, err error) string {
 	switch {
 	case apierrors.IsNotFound(err):
-		return fmt.Sprintf("the %s %s is not installed (deploy/agent-events-policy.yaml)", kind, EventsPolicy)
+		return fmt.Sprintf("the %s %s is not installed (%s)", kind, policy, policyFiles[policy])
 	case apierrors.IsForbidden(err):
-		return fmt.Sprintf("cannot read the %s %s (bind the ClusterRole %s): %v", kind, EventsPolicy, ViewerRole, err)
+		return fmt.Sprintf("cannot read the %s %s (bind the ClusterRole %s): %v", kind, policy, ViewerRole, err)
 	}
-	return fmt.Sprintf("cannot read the %s %s: %v", kind, EventsPolicy, err)
+	return fmt.Sprintf("cannot read the %s %s: %v", kind, policy, err)
 }
 
 // vouches reports whether e (which names a node as its reportingInstance)
@@ -85,11 +102,15 @@ func (t trust) vouches(e *corev1.Event) bool {
 
 // ignored is the warning for n events the trust does not vouch for.
 func (t trust) ignored(n int) string {
-	if t.since.IsZero() {
-		return fmt.Sprintf("%d events claim to come from a mountmedic agent and none can be verified: %s; they are not shown", n, t.why)
+	who := "a mountmedic agent"
+	if t.policy == FailoverEventsPolicy {
+		who = "the mountmedic failover controller"
 	}
-	return fmt.Sprintf("%d events claim to come from a mountmedic agent but were created before the admission policy %s was in force (%s): they are not shown",
-		n, EventsPolicy, t.since.UTC().Format(time.RFC3339))
+	if t.since.IsZero() {
+		return fmt.Sprintf("%d events claim to come from %s and none can be verified: %s; they are not shown", n, who, t.why)
+	}
+	return fmt.Sprintf("%d events claim to come from %s but were created before the admission policy %s was in force (%s): they are not shown",
+		n, who, t.policy, t.since.UTC().Format(time.RFC3339))
 }
 
 // rbacHint names the viewer role after a Forbidden error.

@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/agent/status"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
@@ -34,7 +35,10 @@ import (
 // user: one who may create events and writes some that claim to come from
 // node-a's agent. One written before the admission policy was installed
 // is admitted by the API server and must not be shown; one written after
-// is refused by the API server.
+// is refused by the API server. The same for an event that claims to come
+// from the failover controller, which only the controller's
+// ServiceAccount writes once the policy is in force (node-a's own identity
+// cannot either).
 func TestPluginAsViewer(t *testing.T) {
 	c := kubetest.Start(t, kubetest.Options{})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -62,8 +66,21 @@ func TestPluginAsViewer(t *testing.T) {
 		}, metav1.CreateOptions{DryRun: dry})
 		return err
 	}
+	// failoverEvent is the failover controller's event about node-a.
+	failoverEvent := func(cs kubernetes.Interface, name, note string, dry ...string) error {
+		_, err := cs.EventsV1().Events("default").Create(ctx, &eventsv1.Event{
+			ObjectMeta: metav1.ObjectMeta{Name: name}, EventTime: metav1.NowMicro(),
+			ReportingController: failover.ReportingController, ReportingInstance: "mountmedic-controller-0",
+			Action: "Taint", Reason: failover.ReasonFailedOver, Note: note, Type: corev1.EventTypeWarning,
+			Regarding: corev1.ObjectReference{Kind: "Node", Name: "node-a"},
+		}, metav1.CreateOptions{DryRun: dry})
+		return err
+	}
 	// Before the policy exists, anyone who may create events forges one.
 	if err := event(admin, "forged-early", string(agent.ReasonVolumeRepaired), "forged before the policy"); err != nil {
+		t.Fatal(err)
+	}
+	if err := failoverEvent(admin, "forged-failover-early", "forged before the policy"); err != nil {
 		t.Fatal(err)
 	}
 	out, err := exec.Command(lab.RequireTool(t, "kubectl"), "--kubeconfig="+c.Kubeconfig, "apply", "-k", "../../deploy").CombinedOutput()
@@ -78,6 +95,29 @@ func TestPluginAsViewer(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("a forged agent event is never refused: %v", last)
 	}
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
+		last = failoverEvent(admin, "forged-failover-late", "forged after the policy", metav1.DryRunAll)
+		return apierrors.IsForbidden(last), nil
+	}); err != nil {
+		t.Fatalf("a forged failover controller event is never refused: %v", last)
+	}
+	// The controller's ServiceAccount, allowed to create events.
+	if _, err := admin.CoreV1().ServiceAccounts("mountmedic").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "mountmedic-controller"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "event-writer"},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{"events.k8s.io"}, Resources: []string{"events"}, Verbs: []string{"create"}}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "event-writer"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "event-writer"},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "mountmedic", Name: "mountmedic-controller"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	controller, err := kubernetes.NewForConfig(c.ServiceAccountConfig(t, "mountmedic", "mountmedic-controller"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	// Node-a's agent writes its events once the policy has settled.
 	time.Sleep(11 * time.Second)
 	asNode, err := kubernetes.NewForConfig(c.NodeConfig(t, "node-a"))
@@ -86,6 +126,12 @@ func TestPluginAsViewer(t *testing.T) {
 	}
 	if err := event(asNode, "real", string(agent.ReasonVolumeRepaired), "re-staged \x1b[31mdata"); err != nil {
 		t.Fatalf("node-a's identity writes node-a's agent event: %v", err)
+	}
+	if err := failoverEvent(asNode, "node-claims-failover", "node-a poses as the controller"); !apierrors.IsForbidden(err) {
+		t.Errorf("node-a's identity writes a failover controller event: %v, want 403 Forbidden", err)
+	}
+	if err := failoverEvent(controller, "real-failover", "node confirmed dead"); err != nil {
+		t.Fatalf("the controller's ServiceAccount writes its event: %v", err)
 	}
 
 	// The viewer: a user bound only to mountmedic-viewer.
@@ -138,20 +184,24 @@ func TestPluginAsViewer(t *testing.T) {
 	}
 
 	detail := plugin("node", "node-a")
-	for _, want := range []string{"Node:", "node-a", "db-0", "data-db-0", "VolumeRepaired", "verified: events with reportingController", "1 events claim"} {
+	for _, want := range []string{"Node:", "node-a", "db-0", "data-db-0", "VolumeRepaired", "verified: events with reportingController", "1 events claim",
+		"What the failover controller reported (1 events", "node confirmed dead", "claim to come from the mountmedic failover controller"} {
 		if !strings.Contains(detail, want) {
 			t.Errorf("kubectl mountmedic node node-a lacks %q:\n%s", want, detail)
 		}
 	}
-	if strings.Contains(detail, "forged") || strings.Contains(detail, "\x1b") {
+	if strings.Contains(detail, "forged") || strings.Contains(detail, "poses") || strings.Contains(detail, "\x1b") {
 		t.Errorf("kubectl mountmedic node node-a shows a forged event or a raw escape:\n%s", detail)
 	}
 	var d status.NodeDetail
 	if err := yaml.Unmarshal([]byte(plugin("node", "node-a", "-o", "yaml")), &d); err != nil {
 		t.Fatal(err)
 	}
-	if len(d.Events) != 1 || d.Events[0].Note != "re-staged \x1b[31mdata" || len(d.Pods) != 1 || len(d.Warnings) != 1 {
-		t.Errorf("node node-a -o yaml: events %+v, pods %+v, warnings %q; want node-a's agent's one event, db-0, one warning", d.Events, d.Pods, d.Warnings)
+	if len(d.Events) != 1 || d.Events[0].Note != "re-staged \x1b[31mdata" || len(d.Pods) != 1 || len(d.Warnings) != 2 {
+		t.Errorf("node node-a -o yaml: events %+v, pods %+v, warnings %q; want node-a's agent's one event, db-0, two warnings (a forged agent and a forged controller event)", d.Events, d.Pods, d.Warnings)
+	}
+	if len(d.FailoverEvents) != 1 || d.FailoverEvents[0].Note != "node confirmed dead" {
+		t.Errorf("node node-a -o yaml: failover events %+v, want the controller's one", d.FailoverEvents)
 	}
 
 	// Without the viewer role: an error that names it.
