@@ -357,6 +357,73 @@ func TestPeerServerBounded(t *testing.T) {
 	}
 }
 
+// TestPeerServerSweep: the idle sweep of the source table, as
+// docs/failover.md states it. Below the bound no source is forgotten; once
+// the table is full, a new source sweeps it (at most once a second) and
+// forgets only the sources silent for over peerSourceIdle; one still
+// asking keeps its own bucket; while none is idle, new sources share the
+// overflow bucket.
+func TestPeerServerSweep(t *testing.T) {
+	addr := func(i int) string { return fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255) }
+	start := time.Now()
+	for _, tc := range []struct {
+		name string
+		// fill: how many sources ask at start; refresh: how many of them
+		// (the first) ask again at refreshAt; then a new source asks at
+		// newAt (and again at againAt, if set).
+		fill, refresh     int
+		refreshAt, newAt  time.Duration
+		againAt           time.Duration
+		wantTracked       int
+		wantOverflow      bool
+		wantAgainTracked  int
+		wantAgainOverflow bool
+		wantRefreshedKept bool
+	}{
+		{name: "below the bound idle sources stay", fill: 100, newAt: 10 * peerSourceIdle, wantTracked: 101},
+		{name: "full and all active: the new source shares the overflow", fill: peerMaxTracked, newAt: peerSourceIdle, wantTracked: peerMaxTracked, wantOverflow: true},
+		{name: "full, half idle: only the idle are forgotten", fill: peerMaxTracked, refresh: peerMaxTracked / 2, refreshAt: peerSourceIdle,
+			newAt: peerSourceIdle + 2*time.Second, wantTracked: peerMaxTracked/2 + 1, wantRefreshedKept: true},
+		{name: "at most one sweep a second", fill: peerMaxTracked, refresh: peerMaxTracked, refreshAt: time.Second,
+			// The sweep at newAt forgets none; at againAt (half a second
+			// later, all idle by then) no sweep runs yet.
+			newAt: peerSourceIdle + 600*time.Millisecond, againAt: peerSourceIdle + 1100*time.Millisecond,
+			wantTracked: peerMaxTracked, wantOverflow: true, wantAgainTracked: peerMaxTracked, wantAgainOverflow: true, wantRefreshedKept: true},
+		{name: "a second after that sweep, the idle are forgotten", fill: peerMaxTracked, refresh: peerMaxTracked, refreshAt: time.Second,
+			newAt: peerSourceIdle + 600*time.Millisecond, againAt: peerSourceIdle + 1700*time.Millisecond,
+			wantTracked: peerMaxTracked, wantOverflow: true, wantAgainTracked: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ps := newPeerServer("a", writeKey(t, testKey), func() bool { return true })
+			for i := range tc.fill {
+				ps.source(addr(i), start)
+			}
+			var kept flowcontrol.RateLimiter
+			if tc.refresh > 0 {
+				kept = ps.sources[addr(0)].limit
+				for i := range tc.refresh {
+					ps.source(addr(i), start.Add(tc.refreshAt))
+				}
+			}
+			got := ps.source("192.0.2.1", start.Add(tc.newAt))
+			if len(ps.sources) != tc.wantTracked || (got == ps.overflow) != tc.wantOverflow {
+				t.Errorf("new source at %s: %d tracked, shares the overflow %t; want %d, %t", tc.newAt, len(ps.sources), got == ps.overflow, tc.wantTracked, tc.wantOverflow)
+			}
+			if tc.againAt > 0 {
+				got = ps.source("192.0.2.2", start.Add(tc.againAt))
+				if len(ps.sources) != tc.wantAgainTracked || (got == ps.overflow) != tc.wantAgainOverflow {
+					t.Errorf("new source at %s: %d tracked, shares the overflow %t; want %d, %t", tc.againAt, len(ps.sources), got == ps.overflow, tc.wantAgainTracked, tc.wantAgainOverflow)
+				}
+			}
+			if tc.wantRefreshedKept {
+				if st := ps.sources[addr(0)]; st == nil || st.limit != kept {
+					t.Errorf("a source that kept asking lost its bucket to the sweep")
+				}
+			}
+		})
+	}
+}
+
 // countingLimiter accepts left times, then refuses.
 type countingLimiter struct {
 	flowcontrol.RateLimiter
