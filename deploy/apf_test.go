@@ -17,15 +17,21 @@ import (
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
 
-// flowSchemaHeader is the header in which kube-apiserver names the UID of
-// the FlowSchema a request was classified by.
-const flowSchemaHeader = "X-Kubernetes-PF-FlowSchema-UID"
+// flowSchemaHeader and priorityLevelHeader are the headers in which
+// kube-apiserver names the UIDs of the FlowSchema and the priority level a
+// request was classified by.
+const (
+	flowSchemaHeader    = "X-Kubernetes-PF-FlowSchema-UID"
+	priorityLevelHeader = "X-Kubernetes-PF-PriorityLevel-UID"
+)
 
-// headerRecorder keeps the FlowSchema UID of the last response.
+// headerRecorder keeps the FlowSchema and priority level UIDs of the last
+// response.
 type headerRecorder struct {
-	rt   http.RoundTripper
-	mu   sync.Mutex
-	last string
+	rt        http.RoundTripper
+	mu        sync.Mutex
+	last      string
+	lastLevel string
 }
 
 func (r *headerRecorder) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -33,9 +39,16 @@ func (r *headerRecorder) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err == nil {
 		r.mu.Lock()
 		r.last = resp.Header.Get(flowSchemaHeader)
+		r.lastLevel = resp.Header.Get(priorityLevelHeader)
 		r.mu.Unlock()
 	}
 	return resp, err
+}
+
+func (r *headerRecorder) priorityLevel() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.lastLevel
 }
 
 func (r *headerRecorder) flowSchema() string {
@@ -48,7 +61,11 @@ func (r *headerRecorder) flowSchema() string {
 // checks, from the API server's own classification of each request, that
 // the mountmedic ServiceAccount's heartbeat Lease writes go to the
 // mountmedic-heartbeat FlowSchema, and that its other requests (reading
-// the Lease, reading pods) do not.
+// the Lease, reading pods) do not. The failover peer check's readiness
+// probe (/readyz, agent/failover probeAPI) is in the exempt priority level
+// for the ServiceAccount and for a node's identity alike, where no flood
+// of a flow (with a stolen agent token) reaches it; a read of a Node by
+// the ServiceAccount is not.
 func TestHeartbeatFlowSchema(t *testing.T) {
 	kc := kubectl(t)
 	c := kubetest.Start(t, kubetest.Options{})
@@ -119,4 +136,33 @@ func TestHeartbeatFlowSchema(t *testing.T) {
 	// classified as a heartbeat: the level is the agents' alone.
 	_, _ = otherClient.CoordinationV1().Leases("mountmedic").Update(ctx, l, metav1.UpdateOptions{})
 	check("another ServiceAccount's lease update", otherRec, false)
+
+	exempt, err := c.Client.FlowcontrolV1().PriorityLevelConfigurations().Get(ctx, "exempt", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodeRec := &headerRecorder{}
+	nodeCfg := c.NodeConfig(t, "node-1")
+	nodeCfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { nodeRec.rt = rt; return nodeRec }
+	asNode, err := kubernetes.NewForConfig(nodeCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkExempt := func(what string, r *headerRecorder, want bool) {
+		t.Helper()
+		if got := r.priorityLevel(); got == "" {
+			t.Errorf("%s: no %s header in the response", what, priorityLevelHeader)
+		} else if (got == string(exempt.UID)) != want {
+			t.Errorf("%s: priority level %s, exempt is %s; want exempt = %v", what, got, exempt.UID, want)
+		}
+	}
+	for who, cs := range map[string]kubernetes.Interface{"the agent's ServiceAccount": sa, "a node": asNode} {
+		r := map[string]*headerRecorder{"the agent's ServiceAccount": rec, "a node": nodeRec}[who]
+		if err := cs.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error(); err != nil {
+			t.Errorf("/readyz as %s: %v", who, err)
+		}
+		checkExempt("/readyz as "+who, r, true)
+	}
+	_, _ = sa.CoreV1().Nodes().Get(ctx, "node-1", metav1.GetOptions{})
+	checkExempt("get a Node as the agent's ServiceAccount", rec, false)
 }

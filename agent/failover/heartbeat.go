@@ -339,7 +339,7 @@ func signal(ch chan struct{}) {
 // peerLoop does the peer check's API calls and probes beside the renewals,
 // never in their way: a slow list of the heartbeat Leases, or peers slow
 // to answer, must not delay the next renewal. After a failed renewal it
-// reads this node with the node's identity (canRenew); when peers are due
+// probes the API server's readiness (canRenew); when peers are due
 // it picks them again and probes them.
 func (h *Heartbeat) peerLoop(ctx context.Context) {
 	for {

@@ -84,8 +84,14 @@ type hbNode struct {
 	// throttled answers the heartbeat's Lease writes 429, as API Priority
 	// and Fairness does to a flooded flow; its other calls go through.
 	throttled atomic.Bool
-	cancel    context.CancelFunc
-	done      chan struct{}
+	// throttledAll answers every request of the agent's clients 429 but
+	// the readiness probes, which API Priority and Fairness exempts: the
+	// ServiceAccount's flows flooded with a stolen token, for an agent
+	// that makes all its calls with that ServiceAccount
+	// (--identity=serviceaccount).
+	throttledAll atomic.Bool
+	cancel       context.CancelFunc
+	done         chan struct{}
 }
 
 // node creates a Node and runs its heartbeat with cfg; the test's cleanup
@@ -108,11 +114,13 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 	cfg.PeerListen = fmt.Sprintf("127.0.1.%d:0", 1+l.agents.Add(1)%250)
 	sa := rest.CopyConfig(l.sa)
 	sa.Host = "https://" + n.proxy.Addr()
-	sa.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return n.requests.wrap(n.throttleLeases(rt)) }
+	sa.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return n.requests.wrap(n.throttleAll(n.throttleLeases(rt)))
+	}
 	// Everything but the Lease as the node, as the agent does.
 	nodeCfg := l.c.NodeConfig(t, name)
 	nodeCfg.Host = "https://" + n.proxy.Addr()
-	nodeCfg.WrapTransport = n.requests.wrap
+	nodeCfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return n.requests.wrap(n.throttleAll(rt)) }
 	client, err := kubernetes.NewForConfig(nodeCfg)
 	if err != nil {
 		t.Fatal(err)
@@ -231,7 +239,8 @@ func TestHeartbeat(t *testing.T) {
 	t.Run("lease owned by its node", func(t *testing.T) { testLeaseOwner(t, l) })
 	t.Run("partitioned alone fences", func(t *testing.T) { testPartitionedAlone(t, l) })
 	t.Run("hostile peers do not hold a fence", func(t *testing.T) { testHostilePeers(t, l) })
-	t.Run("peers' heartbeat flow throttled: the cut-off node fences", func(t *testing.T) { testThrottledFlow(t, l) })
+	t.Run("peers' heartbeat flow throttled: the cut-off node fences", func(t *testing.T) { testThrottledFlow(t, l, false) })
+	t.Run("peers' every flow throttled: the cut-off node fences", func(t *testing.T) { testThrottledFlow(t, l, true) })
 	t.Run("suspend fences", func(t *testing.T) { testSuspend(t, l) })
 	t.Run("steady state requests", func(t *testing.T) { testSteadyRequests(t, l) })
 	t.Run("api server stopped: no fence", func(t *testing.T) { testAPIServerStopped(t, l, 4, 0) })
@@ -478,6 +487,18 @@ func testAPIServerStopped(t *testing.T, l *hbLab, n, flood int) {
 	}
 }
 
+// throttleAll answers every request but the readiness probes 429 while
+// n.throttledAll is set.
+func (n *hbNode) throttleAll(rt http.RoundTripper) http.RoundTripper {
+	return roundTripperFunc(func(req *http.Request) (*http.Response, error) {
+		if n.throttledAll.Load() && !slices.Contains([]string{"/readyz", "/livez", "/healthz"}, req.URL.Path) {
+			return &http.Response{StatusCode: http.StatusTooManyRequests, Status: "429 Too Many Requests", Request: req,
+				Header: http.Header{"Content-Type": {"text/plain"}}, Body: http.NoBody}, nil
+		}
+		return rt.RoundTrip(req)
+	})
+}
+
 // throttleLeases answers Lease writes 429 while n.throttled is set.
 func (n *hbNode) throttleLeases(rt http.RoundTripper) http.RoundTripper {
 	return roundTripperFunc(func(req *http.Request) (*http.Response, error) {
@@ -494,16 +515,25 @@ func (n *hbNode) throttleLeases(rt http.RoundTripper) http.RoundTripper {
 // them otherwise, and one node is cut off. Its peers must not vouch for an
 // outage: the API server serves the controller, which fails the cut-off
 // node over. It fences.
-func testThrottledFlow(t *testing.T, l *hbLab) {
+//
+// With all (every request of the peers' agents throttled but the
+// APF-exempt readiness probe, as a flood of the agents' ServiceAccount
+// does to an agent running with --identity=serviceaccount), the same.
+func testThrottledFlow(t *testing.T, l *hbLab, all bool) {
 	cfg := l.hbConfig()
 	var nodes []*hbNode
+	prefix := "apf-"
+	if all {
+		prefix = "apf-all-"
+	}
 	for i := range 4 {
-		nodes = append(nodes, l.node(t, fmt.Sprintf("apf-%c", 'a'+i), cfg))
+		nodes = append(nodes, l.node(t, fmt.Sprintf("%s%c", prefix, 'a'+i), cfg))
 	}
 	waitPeers(t, nodes...)
 	victim := nodes[0]
 	for _, n := range nodes[1:] {
 		n.throttled.Store(true)
+		n.throttledAll.Store(all)
 	}
 	victim.proxy.Cut()
 	err := waitFor(context.Background(), 30*time.Second, func(context.Context) (bool, error) { return victim.fenced(), nil })
@@ -516,6 +546,7 @@ func testThrottledFlow(t *testing.T, l *hbLab) {
 	}
 	for _, n := range nodes[1:] {
 		n.throttled.Store(false)
+		n.throttledAll.Store(false)
 	}
 	victim.proxy.Restore()
 }

@@ -734,11 +734,10 @@ func (h *Heartbeat) refreshPeers(ctx context.Context) int {
 
 // canRenew is this agent's answer to a peer: the API server answers it,
 // recently: its last renewal attempt succeeded, or, when its heartbeat
-// writes fail, a read with the node's identity (another client, another
-// API Priority and Fairness flow) did. Only an API server that answers
-// neither is an outage: heartbeat writes throttled or refused for every
-// agent (a flooded flow) while the API server serves the controller must
-// not make a partitioned node hold its fence.
+// writes fail, its readiness probe did (probeAPI). Only an API server that
+// answers neither is an outage: heartbeat writes throttled or refused for
+// every agent (a flooded flow) while the API server serves the controller
+// must not make a partitioned node hold its fence.
 func (h *Heartbeat) canRenew() bool {
 	now := h.boot()
 	h.mu.Lock()
@@ -747,18 +746,36 @@ func (h *Heartbeat) canRenew() bool {
 		(h.apiOKSet && now-h.lastAPIOK < h.cfg.FenceAfter/2)
 }
 
-// probeAPI reads this node with the node's client after a failed renewal
-// and records when the API server answered.
+// probeAPI asks the API server's /readyz with the node's client after a
+// failed renewal and records when the API server answered. API Priority
+// and Fairness puts /readyz in the exempt priority level for every user
+// (the suggested FlowSchema "probes"): no flood of any flow, and no
+// stolen agent token, can throttle it, whereas every other request of the
+// agent's ServiceAccount (--identity=serviceaccount) shares that one
+// user's flows with whoever holds its token. Readiness includes etcd's
+// health: an API server that cannot write answers 500, not "can renew".
+// An answer that is an authentication or authorization refusal still
+// comes from a serving API server.
 func (h *Heartbeat) probeAPI(ctx context.Context) {
 	start := h.boot()
 	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.FenceAfter/4))
 	defer cancel()
-	if _, err := h.client.CoreV1().Nodes().Get(ctx, h.cfg.NodeName, metav1.GetOptions{}); err != nil {
+	var code int
+	h.client.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).StatusCode(&code)
+	if !apiServes(code) {
 		return
 	}
 	h.mu.Lock()
 	h.lastAPIOK, h.apiOKSet = start, true
 	h.mu.Unlock()
+}
+
+// apiServes tells a readiness answer (HTTP status, 0: none) of an API
+// server that serves requests: ready, or refusing this caller's
+// credentials. 429 (throttled) and 5xx (not ready, etcd down, shutting
+// down) are not.
+func apiServes(code int) bool {
+	return code == http.StatusOK || code == http.StatusUnauthorized || code == http.StatusForbidden
 }
 
 // askPeers runs one peer check and returns its verdict.

@@ -424,6 +424,17 @@ func TestPeerServerSweep(t *testing.T) {
 	}
 }
 
+// TestAPIServes: which readiness answers count as "the API server serves":
+// ready, or refusing the caller's credentials; never throttled, not
+// ready, or no answer.
+func TestAPIServes(t *testing.T) {
+	for code, want := range map[int]bool{0: false, 200: true, 401: true, 403: true, 404: false, 429: false, 500: false, 503: false} {
+		if got := apiServes(code); got != want {
+			t.Errorf("apiServes(%d) = %v, want %v", code, got, want)
+		}
+	}
+}
+
 // countingLimiter accepts left times, then refuses.
 type countingLimiter struct {
 	flowcontrol.RateLimiter
