@@ -9,6 +9,7 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -188,6 +189,23 @@ func TestControllerBlastRadius(t *testing.T) {
 		if _, err := leases.Create(ctx, l, metav1.CreateOptions{}); !apierrors.IsForbidden(err) {
 			t.Errorf("stolen controller token: create a Lease with a %s: err = %v, want forbidden", what, err)
 		}
+	}
+
+	// Events of the failover controller (failover-events-policy.yaml):
+	// from its ServiceAccount only; a node's identity, which may write
+	// any other event, is refused.
+	failoverEvent := &eventsv1.Event{ObjectMeta: metav1.ObjectMeta{GenerateName: "radius-"}, EventTime: metav1.NowMicro(),
+		ReportingController: failover.ReportingController, ReportingInstance: "mountmedic-controller-0",
+		Action: "Taint", Reason: failover.ReasonFailedOver, Type: corev1.EventTypeWarning,
+		Regarding: corev1.ObjectReference{Kind: "Node", Name: dead.Name}}
+	asNode := clientFor(t, c.NodeConfig(t, ready.Name))
+	refusal := waitRefused(ctx, t, "a node writes a failover controller event", func() error {
+		_, err := asNode.EventsV1().Events("default").Create(ctx, failoverEvent, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err
+	})
+	t.Logf("a node writing a failover controller event: %v", refusal)
+	if _, err := stolen.EventsV1().Events("default").Create(ctx, failoverEvent, metav1.CreateOptions{}); err != nil {
+		t.Errorf("controller token: create its own event: %v", err)
 	}
 }
 

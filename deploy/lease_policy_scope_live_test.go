@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 
 	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
@@ -175,6 +176,34 @@ func TestLeasePoliciesScope(t *testing.T) {
 		}
 		if err := admin.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(ctx, broken.Name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// TestLeasePoliciesFollowTheNamespace: installed in another namespace (a
+// kustomize overlay's namespace, a Helm release's), the Lease policies
+// match that namespace's Leases, where the heartbeats are: a selector
+// left on the base's namespace would leave them unguarded (fail open).
+func TestLeasePoliciesFollowTheNamespace(t *testing.T) {
+	for _, ns := range []string{baseNamespace, "ops"} {
+		renders := map[string][]object{
+			"kustomize": renderOverlay(t, "lease-ns-"+ns, "namespace: "+ns+"\nresources: [../../deploy]\n"),
+			"helm":      helmTemplate(t, ns, "failover.enabled=true", "controller.enabled=true"),
+		}
+		for how, objs := range renders {
+			names := leasePolicies
+			if how == "kustomize" {
+				names = names[:2] // the controller Component takes no namespace overlay
+			}
+			for _, name := range names {
+				var p admissionregistrationv1.ValidatingAdmissionPolicy
+				if err := yaml.Unmarshal(find(t, objs, "ValidatingAdmissionPolicy", name).raw, &p); err != nil {
+					t.Fatal(err)
+				}
+				if sel := p.Spec.MatchConstraints.NamespaceSelector; sel == nil || sel.MatchLabels["kubernetes.io/metadata.name"] != ns {
+					t.Errorf("%s (%s, namespace %s): namespaceSelector %v, want kubernetes.io/metadata.name=%s", name, how, ns, sel, ns)
+				}
+			}
 		}
 	}
 }

@@ -422,9 +422,12 @@ func blastRadius(t *testing.T, mode, ns string) {
 			_, err := ag.CoreV1().Events(appsNS).Create(ctx, coreAgentEvent(a.pod, nodeB), metav1.CreateOptions{})
 			return err
 		}},
-		// The failover controller's events only from its ServiceAccount
-		// (the heartbeat's events about its node are the agent's, above).
-		{"create a failover controller event", false, false, "", func() error {
+		// The failover controller's events: in the serviceaccount mode the
+		// agent writes only the agent's; a node's identity, as kubelet's,
+		// writes any event unless the controller Component's policy is
+		// installed (TestControllerBlastRadius). The heartbeat's events
+		// about its node are the agent's.
+		{"create a failover controller event", true, false, "", func() error {
 			_, err := ag.EventsV1().Events(appsNS).Create(ctx, event(failover.ReportingController, "mountmedic-controller-x"), metav1.CreateOptions{})
 			return err
 		}},

@@ -39,7 +39,7 @@ import (
 )
 
 // ReportingController names the controller in the events it writes;
-// deploy/failover-events-policy.yaml admits them only from its
+// deploy/controller/failover-events-policy.yaml admits them only from its
 // ServiceAccount.
 const ReportingController = "mountmedic.io/failover"
 

@@ -12,7 +12,7 @@ import (
 // so that deploy/agent-events-policy.yaml admits them only from that node's
 // identity and `mountmedic status` shows them as the node's own.
 // ReportingController (the controller's) is admitted only from the
-// controller's ServiceAccount (deploy/failover-events-policy.yaml).
+// controller's ServiceAccount (deploy/controller/failover-events-policy.yaml).
 const NodeReportingController = "mountmedic.io/agent"
 
 // nodeEventSink writes the heartbeat's events with ReportingInstance set to

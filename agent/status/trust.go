@@ -22,13 +22,13 @@ const EventsPolicy = "mountmedic-agent-events"
 // FailoverEventsPolicy is the ValidatingAdmissionPolicy (and its binding)
 // that admits an event of the failover controller's reporting controller
 // only from the controller's ServiceAccount
-// (deploy/failover-events-policy.yaml).
+// (deploy/controller/failover-events-policy.yaml).
 const FailoverEventsPolicy = "mountmedic-failover-events"
 
 // policyFiles names the manifest of each policy, for the warnings.
 var policyFiles = map[string]string{
 	EventsPolicy:         "deploy/agent-events-policy.yaml",
-	FailoverEventsPolicy: "deploy/failover-events-policy.yaml",
+	FailoverEventsPolicy: "deploy/controller/failover-events-policy.yaml, with the failover controller",
 }
 
 // policySettle is how long after the policy and its binding were created

@@ -87,19 +87,11 @@ func TestPluginAsViewer(t *testing.T) {
 	if err != nil {
 		t.Fatalf("kubectl apply -k deploy: %v\n%s", err, out)
 	}
-	// Once the policy is enforced, a forged event is refused.
-	var last error
-	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
-		last = event(admin, "forged-late", string(agent.ReasonVolumeRepaired), "forged after the policy", metav1.DryRunAll)
-		return apierrors.IsForbidden(last), nil
-	}); err != nil {
-		t.Fatalf("a forged agent event is never refused: %v", last)
-	}
-	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
-		last = failoverEvent(admin, "forged-failover-late", "forged after the policy", metav1.DryRunAll)
-		return apierrors.IsForbidden(last), nil
-	}); err != nil {
-		t.Fatalf("a forged failover controller event is never refused: %v", last)
+	// The controller Component's events policy, with its parameter, the
+	// controller's ServiceAccount, as the Component has them.
+	out, err = exec.Command(lab.RequireTool(t, "kubectl"), "--kubeconfig="+c.Kubeconfig, "apply", "-f", "../../deploy/controller/failover-events-policy.yaml").CombinedOutput()
+	if err != nil {
+		t.Fatalf("kubectl apply the failover events policy: %v\n%s", err, out)
 	}
 	// The controller's ServiceAccount, allowed to create events.
 	if _, err := admin.CoreV1().ServiceAccounts("mountmedic").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "mountmedic-controller"}}, metav1.CreateOptions{}); err != nil {
@@ -117,6 +109,20 @@ func TestPluginAsViewer(t *testing.T) {
 	controller, err := kubernetes.NewForConfig(c.ServiceAccountConfig(t, "mountmedic", "mountmedic-controller"))
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Once the policy is enforced, a forged event is refused.
+	var last error
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
+		last = event(admin, "forged-late", string(agent.ReasonVolumeRepaired), "forged after the policy", metav1.DryRunAll)
+		return apierrors.IsForbidden(last), nil
+	}); err != nil {
+		t.Fatalf("a forged agent event is never refused: %v", last)
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
+		last = failoverEvent(admin, "forged-failover-late", "forged after the policy", metav1.DryRunAll)
+		return apierrors.IsForbidden(last), nil
+	}); err != nil {
+		t.Fatalf("a forged failover controller event is never refused: %v", last)
 	}
 	// Node-a's agent writes its events once the policy has settled.
 	time.Sleep(11 * time.Second)
