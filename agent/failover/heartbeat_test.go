@@ -20,10 +20,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
@@ -121,7 +121,8 @@ func (l *hbLab) node(t *testing.T, name string, cfg Config) *hbNode {
 	nodeCfg := l.c.NodeConfig(t, name)
 	nodeCfg.Host = "https://" + n.proxy.Addr()
 	nodeCfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return n.requests.wrap(n.throttleAll(rt)) }
-	client, err := kubernetes.NewForConfig(nodeCfg)
+	// The agent's own clientset, with only the groups it calls.
+	client, err := kubeclient.New(nodeCfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -761,7 +761,9 @@ func (h *Heartbeat) probeAPI(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, min(h.cfg.APITimeout, h.cfg.FenceAfter/4))
 	defer cancel()
 	var code int
-	h.client.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).StatusCode(&code)
+	// The core group's REST client: the agent's clientset
+	// (agent/kubeclient) carries only the groups it calls.
+	h.client.CoreV1().RESTClient().Get().AbsPath("/readyz").Do(ctx).StatusCode(&code)
 	if !apiServes(code) {
 		return
 	}
