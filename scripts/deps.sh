@@ -3,10 +3,19 @@
 # fault lab drives, the real CSI driver's s3fs and rclone, sshfs with sftp-server (no
 # sshd) for the lab's layout drivers, Prometheus/promtool for the
 # metrics checks, containerd/runc and busybox-static for the e2e node, buildah
-# for the image.
+# for the image. With --ceph, also the Ceph daemons and ceph-fuse of
+# scripts/ceph-lab.sh and scripts/bench-ceph-fuse.sh (not used by CI).
 # Installs nothing that is already there.
 set -euo pipefail
 pkgs=(s3fs rclone sshfs openssh-sftp-server fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client)
+case ${1:-} in
+--ceph) pkgs+=(ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common bc) ;;
+"") ;;
+*)
+	echo "usage: $0 [--ceph]" >&2
+	exit 2
+	;;
+esac
 missing=()
 for p in "${pkgs[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
