@@ -31,18 +31,21 @@ const (
 	figCutToMoved = "partition -> replacement's first write"
 )
 
-// A partition pass: the controller's mode, and whether a hostile pod
-// floods the agent's peer endpoint during the partition.
+// A partition pass: the controller's mode, whether a hostile pod floods
+// the agent's peer endpoint during the partition, and whether a stolen
+// agent token floods the heartbeat FlowSchema's flow.
 type partitionPass struct {
-	name  string
-	mode  failover.Mode
-	flood bool
+	name     string
+	mode     failover.Mode
+	flood    bool
+	apfFlood bool
 }
 
 var partitionPasses = []partitionPass{
 	{name: "force-delete", mode: failover.ModeForceDelete},
 	{name: "taint", mode: failover.ModeTaint},
 	{name: "force-delete-flood", mode: failover.ModeForceDelete, flood: true},
+	{name: "force-delete-apf-flood", mode: failover.ModeForceDelete, apfFlood: true},
 }
 
 // partitionScenario: the real node, with a writing pod on a ReadWriteOnce
@@ -219,6 +222,11 @@ func (e *env) partitionPass(t *testing.T, ctx context.Context, base string, p pa
 		flood = startPeerFlood(addr)
 		defer flood.stop()
 	}
+	var hbFlood *apfFlood
+	if p.apfFlood {
+		hbFlood = startAPFFlood(t, e, e.n.Name)
+		defer hbFlood.stop()
+	}
 
 	cut := time.Now()
 	e.n.APIProxy.Cut()
@@ -335,6 +343,13 @@ func (e *env) partitionPass(t *testing.T, ctx context.Context, base string, p pa
 		t.Logf("peer endpoint flood: %d requests sent, %d answered 429", sent, busy)
 		if sent < 1000 {
 			t.Errorf("the peer endpoint flood sent only %d requests", sent)
+		}
+	}
+	if hbFlood != nil {
+		sent, throttled, refused := hbFlood.stop()
+		t.Logf("heartbeat flow flood: %d Lease writes sent, %d throttled (429), %d refused by admission", sent, throttled, refused)
+		if sent < 1000 {
+			t.Errorf("the heartbeat flow flood sent only %d Lease writes", sent)
 		}
 	}
 	restore()
