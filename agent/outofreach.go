@@ -42,11 +42,12 @@ func (a *Agent) recoveryPlan(driver, why string) (*kubelet.Recovery, string) {
 
 // escalationText says what the escalation of r does, and when.
 func (a *Agent) escalationText(r *kubelet.Recovery) string {
-	verb := "evict"
+	verb, budgets := "evict", "PodDisruptionBudgets respected"
 	if !a.cfg.Tiers.Has(remount.TierEvict) && a.cfg.Tiers.Has(remount.TierDelete) {
-		verb = "delete (UID precondition)"
+		// A deletion does not ask the PodDisruptionBudgets.
+		verb, budgets = "delete (UID precondition)", "PodDisruptionBudgets not asked"
 	}
-	what := verb + " the volume's pods that a controller owns (PodDisruptionBudgets respected; never a pod no controller owns)"
+	what := verb + " the volume's pods that a controller owns (" + budgets + "; never a pod no controller owns)"
 	if r.Grace > 0 {
 		what += fmt.Sprintf(" when the volume is still dead %s after it was found dead", r.Grace)
 	}
