@@ -62,9 +62,9 @@ func TestControllerComponent(t *testing.T) {
 			t.Errorf("the controller Component renders no %s", k)
 		}
 	}
-	// 9, and the admission policies (four policies, four bindings).
-	if want := len(base) + 17; len(objs) != want {
-		t.Errorf("base + controller render %d objects, want %d (the base's and the Component's 17)", len(objs), want)
+	// 9, and the admission policies (five policies, five bindings).
+	if want := len(base) + 19; len(objs) != want {
+		t.Errorf("base + controller render %d objects, want %d (the base's and the Component's 19)", len(objs), want)
 	}
 	// The Role that reads kubelet's Leases stays in kube-node-lease; every
 	// other namespaced object is in mountmedic.
