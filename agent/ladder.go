@@ -199,6 +199,13 @@ func (a *Agent) checkResolved(ctx context.Context, j *job, r *resolved, err erro
 		res.outcome = outcomeIgnored
 		return nil, true
 	case err != nil && isDriverDown(err):
+		// The run found the driver down before its first rung, as the
+		// rung would have: counted as that rung's attempt, so that
+		// repairs_total{result="driver_unavailable"} (and the alert on
+		// it) sees every DriverDown, whichever step noticed first.
+		if len(rungs) > 0 {
+			a.metrics.repairs.WithLabelValues(rungs[0].String(), resultDriverUnavailable).Inc()
+		}
 		*res = a.driverDown(ctx, j, r, *res, err)
 		return nil, true
 	case errors.Is(err, errAPIWait):

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	dto "github.com/prometheus/client_model/go"
 	"net/http"
 	"slices"
 	"strings"
@@ -265,6 +266,7 @@ func TestLadderWaitsForADriverThatIsDown(t *testing.T) {
 		c.rep.outcomes[remount.TierRestage] = remount.Outcome{Err: fmt.Errorf("dial: %w", remount.ErrDriverUnavailable)}
 		c.run(t, outcomeDriverDown, "restage")
 		c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonDriverDown}, "as soon as it registers again")
+		c.wantDriverUnavailable(t)
 	})
 	t.Run("its capabilities cannot be read", func(t *testing.T) {
 		c := newLadderCase(t, ladderOptions{caps: func(context.Context, string) (kubelet.NodeCapabilities, error) {
@@ -272,7 +274,22 @@ func TestLadderWaitsForADriverThatIsDown(t *testing.T) {
 		}})
 		c.run(t, outcomeDriverDown)
 		c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonDriverDown})
+		c.wantDriverUnavailable(t)
 	})
+}
+
+// wantDriverUnavailable: the run's DriverDown is counted as one attempt of
+// the first rung that found the driver unavailable, whichever step
+// noticed (the alert on failing repairs reads it).
+func (c *ladderCase) wantDriverUnavailable(t *testing.T) {
+	t.Helper()
+	var m dto.Metric
+	if err := c.a.metrics.repairs.WithLabelValues(remount.TierRestage.String(), resultDriverUnavailable).Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	if n := m.GetCounter().GetValue(); n != 1 {
+		t.Errorf("repairs_total{restage,driver_unavailable} = %v, want 1", n)
+	}
 }
 
 func TestLadderWaitsForTheAPIServer(t *testing.T) {
