@@ -45,7 +45,9 @@ func startAPFFlood(t *testing.T, e *env, node string) *apfFlood {
 	for range 16 {
 		f.wg.Go(func() {
 			for ctx.Err() == nil {
-				_, err := cs.CoordinationV1().Leases(e2e.AgentNamespace).Update(ctx, lease, metav1.UpdateOptions{})
+				// A copy per request: the client's encoder writes the
+				// object's TypeMeta.
+				_, err := cs.CoordinationV1().Leases(e2e.AgentNamespace).Update(ctx, lease.DeepCopy(), metav1.UpdateOptions{})
 				f.sent.Add(1)
 				switch {
 				case apierrors.IsTooManyRequests(err):
