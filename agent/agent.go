@@ -18,11 +18,12 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountmedic/mountmedic/agent/coldpages"
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/probe"
 )
 
 // ReportingController names the agent in the events it writes.
-const ReportingController = "mountmedic.io/agent"
+const ReportingController = kubeclient.AgentReportingController
 
 // Deps are what Run needs from outside, injected so that tests (and the
 // command) choose them.
@@ -246,7 +247,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if a.events == nil {
-		b := events.NewBroadcaster(nodeEventSink{&events.EventSinkImpl{Interface: a.client.EventsV1()}, a.cfg.NodeName})
+		b := events.NewBroadcaster(kubeclient.NodeEventSink{EventSink: &events.EventSinkImpl{Interface: a.client.EventsV1()}, Node: a.cfg.NodeName})
 		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
 			return fmt.Errorf("start event recording: %w", err)
 		}

@@ -7,6 +7,8 @@ import (
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	eventsv1 "k8s.io/api/events/v1"
+
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // recordingSink keeps the events written to it.
@@ -28,7 +30,7 @@ func (s *recordingSink) Patch(_ context.Context, ev *eventsv1.Event, _ []byte) (
 
 func TestNodeEventSinkNamesTheNode(t *testing.T) {
 	inner := &recordingSink{}
-	sink := nodeEventSink{inner, "node-a"}
+	sink := kubeclient.NodeEventSink{EventSink: inner, Node: "node-a"}
 	ev := &eventsv1.Event{ReportingController: ReportingController, ReportingInstance: ReportingController + "-mountmedic-x7k2p"}
 	if _, err := sink.Create(context.Background(), ev); err != nil {
 		t.Fatal(err)

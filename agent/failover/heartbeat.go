@@ -26,6 +26,8 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
+
+	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
 
 // fenceTarget is a pod the fence stops, as it was known before the fence
@@ -228,7 +230,7 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	ctx = klog.NewContext(ctx, logger)
 
 	if h.rec == nil {
-		b := events.NewBroadcaster(nodeEventSink{EventSink: &events.EventSinkImpl{Interface: h.client.EventsV1()}, node: h.cfg.NodeName})
+		b := events.NewBroadcaster(kubeclient.NodeEventSink{EventSink: &events.EventSinkImpl{Interface: h.client.EventsV1()}, Node: h.cfg.NodeName})
 		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
 			logger.Error(err, "Cannot record failover events; logging only")
 		} else {
