@@ -86,8 +86,11 @@ func TestHeartbeatFlowSchema(t *testing.T) {
 		t.Errorf("priority level %+v: want a limited level lending none of its seats", plc.Spec)
 	}
 
+	// The agent writes its Lease with a token bound to its pod, which names
+	// its node (the heartbeat Lease policy refuses any other token).
+	agentPod := createRadiusPod(ctx, t, c.Client, "mountmedic", "mountmedic-node-1", "node-1", "mountmedic", "")
 	rec := &headerRecorder{}
-	cfg := c.ServiceAccountConfig(t, "mountmedic", "mountmedic")
+	cfg := c.PodTokenConfig(t, agentPod)
 	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { rec.rt = rt; return rec }
 	sa, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
