@@ -15,7 +15,7 @@
 # stop: stops the daemons (SIGTERM, SIGKILL after 10 s) and removes
 # $CEPH_LAB_DIR. Needs root (the OSD and MDS want their own ports and the
 # packages' defaults); the packages are ceph-mon ceph-mgr ceph-osd
-# ceph-mds ceph-common (scripts/deps.sh --ceph).
+# ceph-mds ceph-common (scripts/deps.sh).
 #
 # CEPH_LAB_PORT (6789) is the mon's port and CEPH_LAB_PORTS (6800-6899)
 # the range the other daemons bind in: change both to run two labs at once.
@@ -68,7 +68,7 @@ stop() {
 start() {
 	local c
 	for c in ceph-mon ceph-mgr ceph-osd ceph-mds ceph monmaptool; do
-		command -v "$c" >/dev/null || die "$c not found: install ceph-mon ceph-mgr ceph-osd ceph-mds ceph-common (scripts/deps.sh --ceph)"
+		command -v "$c" >/dev/null || die "$c not found: install ceph-mon ceph-mgr ceph-osd ceph-mds ceph-common (scripts/deps.sh)"
 	done
 	if [ -e "$D" ] && [ -n "$(ls -A "$D")" ]; then
 		die "$D is not empty: stop the lab there first (CEPH_LAB_DIR=$D $0 stop) or name another directory"
@@ -119,13 +119,16 @@ osd memory target = 939524096
 osd crush update on start = false
 osd class update on start = false
 [client]
+# Per process, as the admin socket: two clients of one name (ceph-fuse
+# mounts of two volumes) must not fight over one pid file.
+pid file = $D/run/\$name.\$pid.pid
 admin socket = $D/run/\$name.\$pid.asok
 log file = $D/\$name.\$pid.log
 EOC
 	export CEPH_CONF=$D/ceph.conf
 	ok=0
 	trap '[ "$ok" = 1 ] || { stop_daemons; log "start failed: daemons stopped, logs kept in $D (remove it with $0 stop)"; }' EXIT
-	monmaptool --create --clobber --fsid "$fsid" --add a "127.0.0.1:$port" "$D/monmap" >/dev/null
+	monmaptool --create --clobber --fsid "$fsid" --addv a "[v1:127.0.0.1:$port]" "$D/monmap" >/dev/null
 	ceph-mon -c "$D/ceph.conf" --mkfs -i a --monmap "$D/monmap" >/dev/null
 	ceph-mon -c "$D/ceph.conf" -i a 2>>"$D/start.log"
 	ceph-mgr -c "$D/ceph.conf" -i x 2>>"$D/start.log"
