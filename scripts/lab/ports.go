@@ -104,3 +104,24 @@ func reservePort(port int) (bool, error) {
 	portLocks[port] = f
 	return true, nil
 }
+
+// FreePortRange is FreePorts for n consecutive ports: it returns the first
+// of n ports, each free and reserved as FreePorts reserves them, for a
+// server that takes a port range (Ceph's ms_bind_port_min/max).
+func FreePortRange(n int) (int, error) {
+	lo, hi := portRange()
+	for tries := 0; tries < 200; tries++ {
+		base := lo + rand.IntN(hi-lo-n)
+		ok := true
+		for p := base; p < base+n && ok; p++ {
+			var err error
+			if ok, err = reservePort(p); err != nil {
+				return 0, err
+			}
+		}
+		if ok {
+			return base, nil
+		}
+	}
+	return 0, fmt.Errorf("find %d consecutive free ports in %d-%d: none after 200 tries", n, lo, hi)
+}
