@@ -14,5 +14,10 @@
 // test, or fail it when MOUNTMEDIC_REQUIRE_ROOT=1 (lab.RequireTool,
 // lab.RequireBinary).
 //
+// It also serves the layouts of other catalogued drivers (LayoutDriver,
+// StartVolumeIDDirProxy) and ceph-csi's CephFS node plugin with Debian's
+// ceph-fuse against a throwaway Ceph that scripts/ceph-lab.sh starts once
+// per test binary (SharedCeph, CephFSDriver).
+//
 // This package is test support, imported from _test.go files only.
 package csilab
