@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -24,6 +25,7 @@ import (
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/agent/kubeclient"
 	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
@@ -32,7 +34,15 @@ import (
 // flags (-v=4 after -args) show the agent's decisions.
 func TestMain(m *testing.M) {
 	klog.InitFlags(nil)
-	lab.Main(m)
+	code := lab.Run(m)
+	// The Ceph some tests share (csilab.SharedCeph) ends with the binary.
+	if err := csilab.StopSharedCeph(); err != nil {
+		fmt.Fprintf(os.Stderr, "stop the Ceph lab: %v\n", err)
+		if code == 0 {
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 // Names of the fixtures.

@@ -44,6 +44,8 @@ type layoutVolume struct {
 // each catalogued layout, each with Running pods in the API:
 //
 //   - globalmount, daemon in the node plugin: the real k8s-csi-s3 with s3fs;
+//   - globalmount, daemon in the node plugin: the lab's ceph-csi CephFS
+//     plugin with a real ceph-fuse against a real Ceph;
 //   - globalmount/<volumeID> (ceph-csi RBD), a tmpfs standing in for the
 //     krbd device;
 //   - publish-only, daemon in a mount pod (JuiceFS CSI): rclone outside the
@@ -75,6 +77,9 @@ func TestHealthyLayoutsUnderRunningAgent(t *testing.T) {
 
 	s3v := d.newVolume("s3")
 	vols = append(vols, layoutVolume{layout: "globalmount (k8s-csi-s3, s3fs)", driver: csilab.DriverName, pod: s3v.pod, target: s3v.target})
+
+	cephfs := d.newCephFSVolume(d.startCephFS(), "cephfs")
+	vols = append(vols, layoutVolume{layout: "globalmount (ceph-csi CephFS, ceph-fuse)", driver: csilab.CephFSDriverName, pod: cephfs.pod, target: cephfs.target})
 
 	// ceph-csi RBD: staged at <globalmount>/<volumeID>, published by bind.
 	const rbd, rbdID = "rook-ceph.rbd.csi.ceph.com", "0001-0009-rook-ceph-0000000000000002-5c2e1a3d"
