@@ -3,14 +3,14 @@
 # fault lab drives, the real CSI driver's s3fs and rclone, sshfs with sftp-server (no
 # sshd) for the lab's layout drivers, Prometheus/promtool for the
 # metrics checks, containerd/runc and busybox-static for the e2e node, buildah
-# for the image. With --ceph, also the Ceph daemons and ceph-fuse of
-# scripts/ceph-lab.sh and scripts/bench-ceph-fuse.sh (not used by CI).
-# Installs nothing that is already there.
+# for the image, and the Ceph daemons, ceph-fuse and bc of scripts/ceph-lab.sh
+# (the agent's CephFS tests, scripts/bench-ceph-fuse.sh). --ceph is accepted
+# and changes nothing. Installs nothing that is already there.
 set -euo pipefail
-pkgs=(s3fs rclone sshfs openssh-sftp-server fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client)
+pkgs=(s3fs rclone sshfs openssh-sftp-server fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client
+	ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common bc)
 case ${1:-} in
---ceph) pkgs+=(ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common bc) ;;
-"") ;;
+--ceph | "") ;;
 *)
 	echo "usage: $0 [--ceph]" >&2
 	exit 2
