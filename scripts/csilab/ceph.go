@@ -23,6 +23,8 @@ import (
 // loopback ports, made by scripts/ceph-lab.sh: one mon, mgr, OSD and MDS,
 // cephx off.
 type Ceph struct {
+	// parent holds dir (the lab's state) and the start trace.
+	parent            string
 	dir, conf, script string
 	monAddr           string
 	env               []string
@@ -78,7 +80,8 @@ func SharedCeph(t testing.TB) *Ceph {
 }
 
 // StopSharedCeph stops the Ceph of SharedCeph, if one was started, and
-// removes its state.
+// removes its state. A start that failed leaves its trace and the
+// daemons' logs (the error names them) and no daemon.
 func StopSharedCeph() error {
 	shared.mu.Lock()
 	c := shared.ceph
@@ -94,7 +97,7 @@ func StopSharedCeph() error {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("%s stop: %w\n%s", c.script, err, out)
 	}
-	return nil
+	return os.RemoveAll(c.parent)
 }
 
 // repoRoot is the directory of go.mod above the working directory (a
@@ -131,7 +134,7 @@ func startCeph() (*Ceph, error) {
 	}
 	dir := filepath.Join(parent, "lab")
 	c := &Ceph{
-		dir: dir, conf: filepath.Join(dir, "ceph.conf"), script: filepath.Join(root, "scripts", "ceph-lab.sh"),
+		parent: parent, dir: dir, conf: filepath.Join(dir, "ceph.conf"), script: filepath.Join(root, "scripts", "ceph-lab.sh"),
 		monAddr: "127.0.0.1:" + strconv.Itoa(base),
 	}
 	c.env = append(os.Environ(), "CEPH_LAB_DIR="+dir, "CEPH_LAB_PORT="+strconv.Itoa(base),
