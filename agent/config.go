@@ -36,6 +36,10 @@ type Config struct {
 	// for the failover heartbeat Lease; empty means the pod's in-cluster
 	// token.
 	Kubeconfig string
+	// ServiceAccountName is the name of the ServiceAccount the admission
+	// policies the agent is installed with hold to its node
+	// (--service-account-name; CheckServiceAccountName).
+	ServiceAccountName string
 	// KubeletRoot is kubelet's --root-dir.
 	KubeletRoot string
 	// HostTable is the mount table to watch: /proc/self/mountinfo when the
@@ -140,6 +144,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		NodeKubeconfig:       DefaultNodeKubeconfig,
+		ServiceAccountName:   DefaultServiceAccountName,
 		KubeletRoot:          probe.DefaultKubeletRoot,
 		HostTable:            "/proc/self/mountinfo",
 		MaxTableSize:         probe.DefaultMaxTableSize,

@@ -98,6 +98,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.StringVar(&f.identity, "identity", f.identity, "whose credentials the agent acts with: node (the kubelet's, --node-kubeconfig) or serviceaccount (the pod's node-bound ServiceAccount token, --kubeconfig; needs deploy/identity/serviceaccount)")
 	fl.StringVar(&c.NodeKubeconfig, "node-kubeconfig", c.NodeKubeconfig, "with --identity=node: kubeconfig of this node's own identity (the kubelet's, system:node:<node>), with which the agent makes every API call but the heartbeat Lease")
 	fl.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's ServiceAccount (with --identity=node used only for the failover heartbeat Lease); empty uses the pod's in-cluster token")
+	fl.StringVar(&c.ServiceAccountName, "service-account-name", c.ServiceAccountName, "name of the agent's ServiceAccount as its admission policies match it (the chart's fullnameOverride); the agent refuses to start as another")
 	fl.StringVar(&c.KubeletRoot, "kubelet-root", c.KubeletRoot, "kubelet root directory (kubelet --root-dir)")
 	fl.StringVar(&c.HostTable, "host-table", c.HostTable, "mount table to watch and probe (/proc/1/mountinfo with hostPID)")
 	fl.Var((*sizeValue)(&c.MaxTableSize), "max-table-size", "read at most this much of a mount table (a quantity: 32Mi, 200M); raise it on a node that raised fs.mount-max")
@@ -240,6 +241,9 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 	if err := fcfg.Validate(); err != nil {
 		return err
 	}
+	if err := checkServiceAccountName(cfg); err != nil {
+		return err
+	}
 	client, err := agentClient(cmd.Context(), f.identity, cfg)
 	if err != nil {
 		return err
@@ -329,6 +333,18 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		return err
 	}
 	return dutyErr
+}
+
+// checkServiceAccountName refuses to start as a ServiceAccount other than
+// the one the admission policies match (agent.CheckServiceAccountName).
+// Without ServiceAccount credentials (outside a pod, no --kubeconfig) there
+// is nothing to check.
+func checkServiceAccountName(cfg agent.Config) error {
+	rc, err := restConfig(cfg.Kubeconfig)
+	if err != nil {
+		return nil
+	}
+	return agent.CheckServiceAccountName(rc, cfg.ServiceAccountName)
 }
 
 // restConfig loads the API server configuration of a ServiceAccount
