@@ -85,6 +85,11 @@ const baseNamespace = "mountmedic"
 // they are YAML again.
 const (
 	markNS = "@@NS@@"
+	// markFullname is the install's name (fullnameOverride), which every
+	// object's name starts with.
+	markFullname = "@@FN@@"
+	// markName is the app.kubernetes.io/name label's value (nameOverride).
+	markName = "@@NAME@@"
 )
 
 func markBlock(valuesPath string) string { return "@@B:" + valuesPath + "@@" }
@@ -118,6 +123,7 @@ func chartTemplate(t *testing.T, objs []object, cond string) []byte {
 			t.Fatalf("decode %s %s: %v", o.Kind, o.Metadata.Name, err)
 		}
 		m = markNamespace(m).(map[string]any)
+		m = markNames(m, "").(map[string]any)
 		meta := dig(t, m, "metadata")
 		labels, _ := meta["labels"].(map[string]any)
 		if labels == nil {
@@ -174,6 +180,8 @@ func chartTemplate(t *testing.T, objs []object, cond string) []byte {
 	s = reQuote.ReplaceAllString(s, "{{ $1 | quote }}")
 	s = reRaw.ReplaceAllString(s, "{{ $1 }}")
 	s = strings.ReplaceAll(s, markNS, "{{ .Release.Namespace }}")
+	s = strings.ReplaceAll(s, markFullname, `{{ include "mountmedic.fullname" . }}`)
+	s = strings.ReplaceAll(s, markName, `{{ include "mountmedic.name" . }}`)
 	if strings.Contains(s, "@@") {
 		t.Fatalf("a marker was left in the template (a field shape the generator does not know):\n%s", s)
 	}
@@ -221,6 +229,56 @@ func markNamespace(v any) any {
 		return x
 	case string:
 		return strings.ReplaceAll(x, "system:serviceaccount:"+baseNamespace+":", "system:serviceaccount:"+markNS+":")
+	}
+	return v
+}
+
+// baseName is the name every object of the kustomizations starts with:
+// in the chart, the install's (fullnameOverride).
+const baseName = "mountmedic"
+
+// nameFields are the fields whose value is an object's name or a
+// reference to one: metadata, RBAC subjects and roleRefs, a pod's
+// ServiceAccount and Secret, an admission binding's policy and parameter,
+// a FlowSchema's priority level and subject, a Role's resourceNames.
+var nameFields = map[string]bool{"name": true, "serviceAccountName": true, "secretName": true, "policyName": true, "resourceNames": true}
+
+// nameInCode are the places strings name an object by its name: the
+// admission policies' CEL (a ServiceAccount's user name) and the alerts'
+// PromQL (the scrape job is app.kubernetes.io/name, the DaemonSet's name).
+var nameInCode = strings.NewReplacer(
+	"':"+baseName+"'", "':"+markFullname+"'",
+	"':"+baseName+"-controller'", "':"+markFullname+"-controller'",
+	":"+baseName+"$'", ":"+markFullname+"$'",
+	`job="`+baseName+`"`, `job="`+markName+`"`,
+	`daemonset="`+baseName+`"`, `daemonset="`+markFullname+`"`,
+)
+
+// markNames replaces the base's name where a field names an object (the
+// object's own name, or a reference to it: nameFields), the
+// app.kubernetes.io/name label's value, and a name inside a policy's CEL
+// or a rule's PromQL (nameInCode). key is the field v is the value of.
+func markNames(v any, key string) any {
+	switch x := v.(type) {
+	case map[string]any:
+		for k, e := range x {
+			if k == "app.kubernetes.io/name" && e == baseName {
+				x[k] = markName
+				continue
+			}
+			x[k] = markNames(e, k)
+		}
+		return x
+	case []any:
+		for i := range x {
+			x[i] = markNames(x[i], key)
+		}
+		return x
+	case string:
+		if nameFields[key] && (x == baseName || strings.HasPrefix(x, baseName+"-")) {
+			return markFullname + strings.TrimPrefix(x, baseName)
+		}
+		return nameInCode.Replace(x)
 	}
 	return v
 }
@@ -775,5 +833,65 @@ func TestChartPackage(t *testing.T) {
 		if img := decodeDaemonSet(t, objs).Spec.Template.Spec.Containers[0].Image; img != "mountmedic:"+version {
 			t.Errorf("%s renders image %q, want mountmedic:%s", tgz, img, version)
 		}
+	}
+}
+
+// TestChartNames renders every part under fullnameOverride and
+// nameOverride: every object's name starts with the install's name, no
+// reference (RBAC subject and roleRef, ServiceAccount, Secret, policy
+// binding and parameter, FlowSchema subject, resourceNames) nor a
+// policy's CEL or an alert's PromQL names the base's objects, the
+// selectors and the scrape job follow nameOverride, and the agent and the
+// controller are told the names they need.
+func TestChartNames(t *testing.T) {
+	const full, name = "storage-medic", "smedic"
+	objs := helmTemplate(t, "ops", "fullnameOverride="+full, "nameOverride="+name, "namespace.create=true",
+		"identity=serviceaccount", "profile=openshift", "failover.enabled=true", "controller.enabled=true",
+		"prometheus.enabled=true", "prometheus.serviceMonitor.enabled=true", "grafana.enabled=true")
+	var check func(path string, v any, key string)
+	check = func(path string, v any, key string) {
+		switch x := v.(type) {
+		case map[string]any:
+			for k, e := range x {
+				if k == "app.kubernetes.io/name" && e != name {
+					t.Errorf("%s: app.kubernetes.io/name %v, want %s", path, e, name)
+				}
+				check(path+"."+k, e, k)
+			}
+		case []any:
+			for i, e := range x {
+				check(fmt.Sprintf("%s[%d]", path, i), e, key)
+			}
+		case string:
+			if nameFields[key] && (x == baseName || strings.HasPrefix(x, baseName+"-")) {
+				t.Errorf("%s = %q names the base's object, want %s...", path, x, full)
+			}
+			if nameInCode.Replace(x) != x {
+				t.Errorf("%s names the base's ServiceAccount, DaemonSet or job in code:\n%s", path, x)
+			}
+		}
+	}
+	for _, o := range objs {
+		if o.Kind != "Namespace" && o.Metadata.Name != full && !strings.HasPrefix(o.Metadata.Name, full+"-") {
+			t.Errorf("%s: want a name starting with %s", objKey(o), full)
+		}
+		check(objKey(o), normalize(t, o), "")
+	}
+	var ds appsv1.DaemonSet
+	if err := yaml.Unmarshal(find(t, objs, "DaemonSet", full).raw, &ds); err != nil {
+		t.Fatal(err)
+	}
+	args := ds.Spec.Template.Spec.Containers[0].Args
+	if !slices.Contains(args, "--service-account-name="+full) || ds.Spec.Template.Spec.ServiceAccountName != full {
+		t.Errorf("agent: ServiceAccount %q, args %q; want %s and --service-account-name=%s", ds.Spec.Template.Spec.ServiceAccountName, args, full, full)
+	}
+	checkAgentArgs(t, buildMountmedic(t), args)
+	var d appsv1.Deployment
+	if err := yaml.Unmarshal(find(t, objs, "Deployment", full+"-controller").raw, &d); err != nil {
+		t.Fatal(err)
+	}
+	ctl := d.Spec.Template.Spec.Containers[0].Args
+	if !slices.Contains(ctl, "--failover-leader-lease="+full+"-failover-leader") {
+		t.Errorf("controller args %q, want --failover-leader-lease=%s-failover-leader (its Role's resourceNames)", ctl, full)
 	}
 }

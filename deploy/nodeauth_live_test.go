@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -26,6 +27,7 @@ import (
 	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/scripts/kubetest"
+	"github.com/mountmedic/mountmedic/scripts/lab"
 
 	"github.com/mountmedic/mountmedic/probe/kubelet"
 )
@@ -47,7 +49,7 @@ const (
 // node-stage and a node-publish Secret, a VolumeAttachment, its Node. From
 // node A's credentials every object of node B is refused and node A's own
 // are allowed; the ServiceAccount writes only node A's heartbeat Lease.
-func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode, "") }
+func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode, "", "") }
 
 // TestServiceAccountBlastRadius is TestNodeBlastRadius for
 // --identity=serviceaccount (deploy/ with deploy/identity/serviceaccount):
@@ -55,7 +57,9 @@ func TestNodeBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityNode, "") 
 // node B is refused as with the node identity (the admission policies);
 // reads of node B's pods, claims, PVs and attachments are allowed (RBAC
 // cannot confine reads to a node), Secrets are refused.
-func TestServiceAccountBlastRadius(t *testing.T) { blastRadius(t, agent.IdentityServiceAccount, "") }
+func TestServiceAccountBlastRadius(t *testing.T) {
+	blastRadius(t, agent.IdentityServiceAccount, "", "")
+}
 
 // TestBlastRadiusOtherNamespace is the blast-radius test of both modes for
 // an install that a kustomize overlay moves to another namespace
@@ -64,7 +68,19 @@ func TestServiceAccountBlastRadius(t *testing.T) { blastRadius(t, agent.Identity
 // agent's own writes (its events, its heartbeat) must still pass.
 func TestBlastRadiusOtherNamespace(t *testing.T) {
 	for _, mode := range []string{agent.IdentityServiceAccount, agent.IdentityNode} {
-		t.Run(mode, func(t *testing.T) { blastRadius(t, mode, "ops") })
+		t.Run(mode, func(t *testing.T) { blastRadius(t, mode, "ops", "") })
+	}
+}
+
+// TestBlastRadiusRenamed is the blast-radius test of both modes for a Helm
+// install under fullnameOverride in another namespace: every object and
+// the agent's ServiceAccount are renamed, and the admission policies must
+// hold a stolen token of the renamed ServiceAccount to its node as they
+// hold mountmedic's (a policy left matching the name mountmedic would let
+// it write anywhere RBAC lets it), while the agent's own writes pass.
+func TestBlastRadiusRenamed(t *testing.T) {
+	for _, mode := range []string{agent.IdentityServiceAccount, agent.IdentityNode} {
+		t.Run(mode, func(t *testing.T) { blastRadius(t, mode, "ops", "storage-medic") })
 	}
 }
 
@@ -80,10 +96,12 @@ type radiusCase struct {
 
 // blastRadius runs the cases for mode on an install into namespace ns
 // (empty: the base's, mountmedic, unchanged; else an overlay setting it).
-func blastRadius(t *testing.T, mode, ns string) {
+// With fullname, the install is the Helm chart's, rendered with
+// fullnameOverride=fullname into ns.
+func blastRadius(t *testing.T, mode, ns, fullname string) {
 	kc := kubectl(t)
 	c := kubetest.Start(t, kubetest.Options{})
-	dir, agentNS := ".", baseNamespace
+	dir, agentNS, agentSA := ".", baseNamespace, baseName
 	overlay := ""
 	if mode == agent.IdentityServiceAccount {
 		overlay = componentOverlay("identity/serviceaccount")
@@ -98,7 +116,12 @@ func blastRadius(t *testing.T, mode, ns string) {
 	if overlay != "" {
 		dir = overlayDir(t, "radius-"+mode, overlay)
 	}
-	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", dir)
+	if fullname == "" {
+		run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", dir)
+	} else {
+		agentSA = fullname
+		applyChart(t, c, kc, agentNS, "fullnameOverride="+fullname, "namespace.create=true", "identity="+mode)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c.CreateNamespace(t, appsNS)
@@ -161,7 +184,7 @@ func blastRadius(t *testing.T, mode, ns string) {
 		}
 		o.pod = createRadiusPod(ctx, t, admin, appsNS, "app-"+node, node, "", o.pvc)
 		o.pod2 = createRadiusPod(ctx, t, admin, appsNS, "app2-"+node, node, "", o.pvc)
-		o.agentPod = createRadiusPod(ctx, t, admin, agentNS, "mountmedic-"+node, node, "mountmedic", "")
+		o.agentPod = createRadiusPod(ctx, t, admin, agentNS, agentSA+"-"+node, node, agentSA, "")
 	}
 	// A Secret no PV and no pod names.
 	if _, err := admin.CoreV1().Secrets(appsNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "unreferenced"}}, metav1.CreateOptions{}); err != nil {
@@ -173,7 +196,7 @@ func blastRadius(t *testing.T, mode, ns string) {
 	// identity as the DaemonSet finds it (a kubeconfig naming kubelet's
 	// certificate file). ag is the client the agent acts with.
 	asSA := clientFor(t, c.PodTokenConfig(t, a.agentPod))
-	unbound := clientFor(t, c.ServiceAccountConfig(t, agentNS, "mountmedic"))
+	unbound := clientFor(t, c.ServiceAccountConfig(t, agentNS, agentSA))
 	ag := asSA
 	if mode == agent.IdentityNode {
 		dir := t.TempDir()
@@ -448,7 +471,7 @@ func blastRadius(t *testing.T, mode, ns string) {
 			return err
 		}},
 		{"mint an unbound token of the agent's ServiceAccount", false, false, "", func() error {
-			_, err := ag.CoreV1().ServiceAccounts(agentNS).CreateToken(ctx, "mountmedic", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+			_, err := ag.CoreV1().ServiceAccounts(agentNS).CreateToken(ctx, agentSA, &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
 			return err
 		}},
 		// Leases: a node writes only its own in kube-node-lease, the
@@ -591,6 +614,21 @@ func evictDry(ctx context.Context, cs kubernetes.Interface, pod *corev1.Pod) err
 		DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &pod.UID},
 			DryRun: []string{metav1.DryRunAll}},
 	})
+}
+
+// applyChart renders the chart into ns with set and applies it with
+// kubectl, as `helm template | kubectl apply -f -` does.
+func applyChart(t *testing.T, c *kubetest.Cluster, kc, ns string, set ...string) {
+	t.Helper()
+	args := []string{"template", "mountmedic", chartDir, "--namespace", ns, "--kube-version", kubeVersion}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	file := filepath.Join(t.TempDir(), "chart.yaml")
+	if err := os.WriteFile(file, run(t, ".", lab.RequireTool(t, "helm"), args...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-f", file)
 }
 
 // createRadiusPod creates a pod bound to node (claim: a PVC volume, when

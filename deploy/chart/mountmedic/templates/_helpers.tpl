@@ -1,6 +1,21 @@
 {{/* Hand-written; the other files in templates/ but NOTES.txt and
 servicemonitor.yaml are generated from deploy/. */}}
 
+{{/* The app.kubernetes.io/name label's value (the agents' and the
+controller's selectors, the scrape job): nameOverride, else the chart's
+name. */}}
+{{- define "mountmedic.name" -}}
+{{- .Values.nameOverride | default .Chart.Name -}}
+{{- end }}
+
+{{/* The install's name, which every object's name starts with (the
+ServiceAccounts the admission policies match among them):
+fullnameOverride, else the name. The release's name is not part of it, so
+that installing under another release name renames nothing. */}}
+{{- define "mountmedic.fullname" -}}
+{{- .Values.fullnameOverride | default (include "mountmedic.name" .) -}}
+{{- end }}
+
 {{- define "mountmedic.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
@@ -192,7 +207,7 @@ annotations:
 {{- if and (eq (include "mountmedic.identity" .) "serviceaccount") (or .Values.kubelet.kubeconfig .Values.kubelet.credentialDirs) -}}
 {{- fail "identity=serviceaccount reads no kubelet credentials: unset kubelet.kubeconfig and kubelet.credentialDirs, or choose identity=node" -}}
 {{- end -}}
-{{- $owned := dict "identity" "identity" "node-kubeconfig" "kubelet.kubeconfig" "kubelet-root" "kubelet.root" "cri-socket" "criSocket" "tiers" "agent.tiers" "drivers" "agent.drivers" "include-namespaces" "agent.includeNamespaces" "exclude-namespaces" "agent.excludeNamespaces" "dry-run" "agent.dryRun" "failover" "failover.enabled" "host-table" "" "metrics-addr" "" "failover-peer-key-file" "" "node-name" "" -}}
+{{- $owned := dict "identity" "identity" "node-kubeconfig" "kubelet.kubeconfig" "kubelet-root" "kubelet.root" "cri-socket" "criSocket" "tiers" "agent.tiers" "drivers" "agent.drivers" "include-namespaces" "agent.includeNamespaces" "exclude-namespaces" "agent.excludeNamespaces" "dry-run" "agent.dryRun" "failover" "failover.enabled" "service-account-name" "fullnameOverride" "host-table" "" "metrics-addr" "" "failover-peer-key-file" "" "node-name" "" -}}
 {{- range .Values.agent.extraArgs -}}
 {{- $flag := regexReplaceAll "^--?([^=]+).*$" (toString .) "${1}" -}}
 {{- if hasKey $owned $flag -}}
@@ -233,6 +248,9 @@ args come first, so that the default render is the base).
 {{- if .Values.failover.enabled }}
 - --failover=true
 {{- end }}
+{{- if ne (include "mountmedic.fullname" .) .Chart.Name }}
+- --service-account-name={{ include "mountmedic.fullname" . }}
+{{- end }}
 {{- range .Values.agent.extraArgs }}
 - {{ . }}
 {{- end }}
@@ -240,6 +258,9 @@ args come first, so that the default render is the base).
 
 {{/* The controller's flags that the values add to the Deployment's own. */}}
 {{- define "mountmedic.controllerArgs" -}}
+{{- if ne (include "mountmedic.fullname" .) .Chart.Name }}
+- --failover-leader-lease={{ include "mountmedic.fullname" . }}-failover-leader
+{{- end }}
 {{- range .Values.controller.extraArgs }}
 - {{ . }}
 {{- end }}
