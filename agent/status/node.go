@@ -78,6 +78,11 @@ type AgentEvent struct {
 // maxEvents bounds the events a drill-down keeps (the newest).
 const maxEvents = 50
 
+// AgentSelector finds the agents' pods in their namespace by labels no
+// rename changes: app.kubernetes.io/name follows the chart's nameOverride,
+// app.kubernetes.io/part-of stays mountmedic (deploy/kustomization.yaml).
+const AgentSelector = "app.kubernetes.io/part-of=mountmedic,app.kubernetes.io/component=agent"
+
 // ReadNode builds the drill-down of node.
 func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node string) (*NodeDetail, error) {
 	opts.Nodes = []string{node}
@@ -87,7 +92,7 @@ func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node s
 	}
 	d := &NodeDetail{Node: v.Nodes[0], Pods: []PodVolumes{}, Events: []AgentEvent{}, FailoverEvents: []AgentEvent{}, Warnings: v.Warnings}
 	onNode := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("spec.nodeName", node).String()}
-	agents, err := cs.CoreV1().Pods(opts.Namespace).List(ctx, metav1.ListOptions{FieldSelector: onNode.FieldSelector, LabelSelector: "app.kubernetes.io/name=mountmedic,app.kubernetes.io/component=agent"})
+	agents, err := cs.CoreV1().Pods(opts.Namespace).List(ctx, metav1.ListOptions{FieldSelector: onNode.FieldSelector, LabelSelector: AgentSelector})
 	if err != nil {
 		d.Warnings = append(d.Warnings, fmt.Sprintf("agent pod in %s: %v%s", opts.Namespace, err, rbacHint(err)))
 	} else if len(agents.Items) > 0 {
@@ -116,7 +121,7 @@ func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node s
 			return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
 		})
 	}
-	tr := readTrust(ctx, cs, EventsPolicy)
+	tr := readTrust(ctx, cs, opts.Name, EventsPolicy)
 	var untrusted int
 	err = listAgentEvents(ctx, cs, func(e *corev1.Event) {
 		if e.ReportingInstance != node {
@@ -146,17 +151,17 @@ func ReadNode(ctx context.Context, cs kubernetes.Interface, opts Options, node s
 		d.Verified = "no: " + tr.why
 	} else {
 		d.Verified = fmt.Sprintf("events with reportingController %s and reportingInstance %s created since %s, when the admission policy %s (which admits them only from node %s's own identity) was in force",
-			agent.ReportingController, node, tr.since.UTC().Format(time.RFC3339), EventsPolicy, node)
+			agent.ReportingController, node, tr.since.UTC().Format(time.RFC3339), tr.policy, node)
 	}
-	readFailoverEvents(ctx, cs, node, d)
+	readFailoverEvents(ctx, cs, opts.Name, node, d)
 	return d, nil
 }
 
 // readFailoverEvents adds the failover controller's events about node (on
 // the Node, or on a pod with the Node related) that FailoverEventsPolicy
 // vouches for.
-func readFailoverEvents(ctx context.Context, cs kubernetes.Interface, node string, d *NodeDetail) {
-	tr := readTrust(ctx, cs, FailoverEventsPolicy)
+func readFailoverEvents(ctx context.Context, cs kubernetes.Interface, name, node string, d *NodeDetail) {
+	tr := readTrust(ctx, cs, name, FailoverEventsPolicy)
 	isNode := func(o *corev1.ObjectReference) bool { return o != nil && o.Kind == "Node" && o.Name == node }
 	var untrusted int
 	err := listEvents(ctx, cs, failover.ReportingController, func(e *corev1.Event) {
@@ -184,7 +189,7 @@ func readFailoverEvents(ctx context.Context, cs kubernetes.Interface, node strin
 		d.FailoverVerified = "no: " + tr.why
 	} else {
 		d.FailoverVerified = fmt.Sprintf("events with reportingController %s created since %s, when the admission policy %s (which admits them only from the controller's ServiceAccount) was in force",
-			failover.ReportingController, tr.since.UTC().Format(time.RFC3339), FailoverEventsPolicy)
+			failover.ReportingController, tr.since.UTC().Format(time.RFC3339), tr.policy)
 	}
 }
 

@@ -35,6 +35,9 @@ import (
 type Options struct {
 	// Namespace is mountmedic's (the agents' pods and heartbeat Leases).
 	Namespace string
+	// Name is the install's name, which its objects' names start with
+	// (the chart's fullnameOverride); empty: DefaultName.
+	Name string
 	// Nodes, when not empty, limits the view to these nodes.
 	Nodes []string
 	// FenceAfter is the heartbeat's fence window: a heartbeat silent for
@@ -136,7 +139,7 @@ func read(ctx context.Context, cs kubernetes.Interface, opts Options, repairs bo
 	}
 	readHeartbeats(ctx, cs, opts, rows, v)
 	if repairs {
-		readRepairs(ctx, cs, readTrust(ctx, cs, EventsPolicy), rows, v)
+		readRepairs(ctx, cs, readTrust(ctx, cs, opts.Name, EventsPolicy), rows, v)
 	}
 	for _, r := range rows {
 		v.Nodes = append(v.Nodes, *r)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -24,6 +25,21 @@ const EventsPolicy = "mountmedic-agent-events"
 // only from the controller's ServiceAccount
 // (deploy/controller/failover-events-policy.yaml).
 const FailoverEventsPolicy = "mountmedic-failover-events"
+
+// DefaultName is the install's name at the defaults of deploy/ and the
+// chart: every object's name starts with it. An install renamed with the
+// chart's fullnameOverride names its policies after that name instead
+// (Options.Name).
+const DefaultName = "mountmedic"
+
+// installed is the name of the object named def (a default name, which
+// starts with DefaultName) in the install named name.
+func installed(name, def string) string {
+	if name == "" {
+		return def
+	}
+	return name + strings.TrimPrefix(def, DefaultName)
+}
 
 // policyFiles names the manifest of each policy, for the warnings.
 var policyFiles = map[string]string{
@@ -49,25 +65,32 @@ const ViewerRole = "mountmedic-viewer"
 // is the node's own. FailoverEventsPolicy likewise holds the failover
 // controller's events to its ServiceAccount.
 type trust struct {
-	// policy is the ValidatingAdmissionPolicy (and binding) vouching.
-	policy string
+	// policy is the ValidatingAdmissionPolicy (and binding) vouching;
+	// kind its default name (EventsPolicy or FailoverEventsPolicy).
+	policy, kind string
 	// since: events created at or after it are vouched for; zero: none.
 	since time.Time
 	// why no event is vouched for, when since is zero.
 	why string
 }
 
-// readTrust reads policy (EventsPolicy or FailoverEventsPolicy) and its
-// binding.
-func readTrust(ctx context.Context, cs kubernetes.Interface, policy string) trust {
+// readTrust reads the policy kind (EventsPolicy or FailoverEventsPolicy)
+// of the install named name, and its binding.
+func readTrust(ctx context.Context, cs kubernetes.Interface, name, kind string) trust {
+	t := readPolicy(ctx, cs, installed(name, kind), kind)
+	t.kind = kind
+	return t
+}
+
+func readPolicy(ctx context.Context, cs kubernetes.Interface, policy, kind string) trust {
 	ar := cs.AdmissionregistrationV1()
 	p, err := ar.ValidatingAdmissionPolicies().Get(ctx, policy, metav1.GetOptions{})
 	if err != nil {
-		return trust{policy: policy, why: policyErr("ValidatingAdmissionPolicy", policy, err)}
+		return trust{policy: policy, why: policyErr("ValidatingAdmissionPolicy", policy, kind, err)}
 	}
 	b, err := ar.ValidatingAdmissionPolicyBindings().Get(ctx, policy, metav1.GetOptions{})
 	if err != nil {
-		return trust{policy: policy, why: policyErr("ValidatingAdmissionPolicyBinding", policy, err)}
+		return trust{policy: policy, why: policyErr("ValidatingAdmissionPolicyBinding", policy, kind, err)}
 	}
 	switch {
 	case b.Spec.PolicyName != policy:
@@ -84,12 +107,12 @@ func readTrust(ctx context.Context, cs kubernetes.Interface, policy string) trus
 	return trust{policy: policy, since: since.Add(policySettle)}
 }
 
-func policyErr(kind, policy string, err error) string {
+func policyErr(kind, policy, def string, err error) string {
 	switch {
 	case apierrors.IsNotFound(err):
-		return fmt.Sprintf("the %s %s is not installed (%s)", kind, policy, policyFiles[policy])
+		return fmt.Sprintf("the %s %s is not installed (%s; an install renamed with the chart's fullnameOverride: pass --name)", kind, policy, policyFiles[def])
 	case apierrors.IsForbidden(err):
-		return fmt.Sprintf("cannot read the %s %s (bind the ClusterRole %s): %v", kind, policy, ViewerRole, err)
+		return fmt.Sprintf("cannot read the %s %s (bind the ClusterRole %s; an install renamed with the chart's fullnameOverride: pass --name): %v", kind, policy, ViewerRole, err)
 	}
 	return fmt.Sprintf("cannot read the %s %s: %v", kind, policy, err)
 }
@@ -103,7 +126,7 @@ func (t trust) vouches(e *corev1.Event) bool {
 // ignored is the warning for n events the trust does not vouch for.
 func (t trust) ignored(n int) string {
 	who := "a mountmedic agent"
-	if t.policy == FailoverEventsPolicy {
+	if t.kind == FailoverEventsPolicy {
 		who = "the mountmedic failover controller"
 	}
 	if t.since.IsZero() {

@@ -52,6 +52,7 @@ func newViewFlags(fl *pflag.FlagSet, kube Kubeconfig, version string) *viewFlags
 		n.Usage = "namespace of the mountmedic agents and their heartbeat Leases (default " + DefaultNamespace + ")"
 	}
 	fl.StringVarP(&f.output, "output", "o", f.output, "table, wide, json or yaml")
+	fl.StringVar(&f.opts.Name, "name", status.DefaultName, "the install's name, which its objects' names start with (the Helm chart's fullnameOverride): the admission policies <name>-agent-events and <name>-failover-events vouch for the events shown")
 	fl.DurationVar(&f.opts.FenceAfter, "fence-after", f.opts.FenceAfter, "the agents' --failover-fence-after: a heartbeat silent longer reads fenced")
 	fl.DurationVar(&f.opts.HeartbeatInterval, "heartbeat-interval", f.opts.HeartbeatInterval, "the agents' --failover-heartbeat-interval: a heartbeat 1.5 intervals old reads silent")
 	return f
