@@ -808,6 +808,37 @@ func TestChartInstall(t *testing.T) {
 	if _, err := c.Client.AppsV1().DaemonSets("storage-ops").Get(ctx, "mountmedic", metav1.GetOptions{}); err == nil {
 		t.Errorf("DaemonSet still there after helm uninstall")
 	}
+	// Renamed: every object under the new name, the NOTES' commands too.
+	notes = string(h("install", "medic", chartDir, "--namespace", "storage-ops", "--wait=false",
+		"--set", "fullnameOverride=storage-medic,failover.enabled=true,controller.enabled=true"))
+	for _, want := range []string{"daemonset/storage-medic", "secret generic storage-medic-peer-key", "kubectl mountmedic --name storage-medic"} {
+		if !strings.Contains(notes, want) {
+			t.Errorf("helm install --set fullnameOverride=storage-medic: NOTES lack %q:\n%s", want, notes)
+		}
+	}
+	ds, err = c.Client.AppsV1().DaemonSets("storage-ops").Get(ctx, "storage-medic", metav1.GetOptions{})
+	if err != nil || ds.Spec.Template.Spec.ServiceAccountName != "storage-medic" {
+		t.Fatalf("DaemonSet storage-medic after helm install --set fullnameOverride=storage-medic: %v", err)
+	}
+	for _, get := range []func() error{
+		func() error {
+			_, err := c.Client.AppsV1().Deployments("storage-ops").Get(ctx, "storage-medic-controller", metav1.GetOptions{})
+			return err
+		},
+		func() error {
+			_, err := c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Get(ctx, "storage-medic-agent-events", metav1.GetOptions{})
+			return err
+		},
+		func() error {
+			_, err := c.Client.RbacV1().ClusterRoles().Get(ctx, "storage-medic-viewer", metav1.GetOptions{})
+			return err
+		},
+	} {
+		if err := get(); err != nil {
+			t.Errorf("renamed install: %v", err)
+		}
+	}
+	h("uninstall", "medic", "--namespace", "storage-ops", "--wait=false")
 }
 
 // TestChartPackage packages the chart as scripts/image.sh does for a
