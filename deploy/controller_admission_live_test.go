@@ -27,16 +27,33 @@ import (
 // any node and delete any pod; deploy/controller/admission-policy.yaml and
 // no-force-detach-policy.yaml hold it to the controller's job. Every
 // request the controller itself makes is allowed; every other is refused.
-func TestControllerBlastRadius(t *testing.T) {
+func TestControllerBlastRadius(t *testing.T) { controllerBlastRadius(t, baseNamespace, "") }
+
+// TestControllerBlastRadiusRenamed is TestControllerBlastRadius for a Helm
+// install under fullnameOverride in another namespace: the policies must
+// hold the renamed controller's ServiceAccount as they hold
+// mountmedic-controller, and let its own requests (its renamed leader
+// Lease) pass.
+func TestControllerBlastRadiusRenamed(t *testing.T) { controllerBlastRadius(t, "ops", "storage-medic") }
+
+// controllerBlastRadius runs the cases on the base with the controller
+// Component, or with fullname on the chart rendered into ns with
+// fullnameOverride=fullname.
+func controllerBlastRadius(t *testing.T, ns, fullname string) {
 	kc := kubectl(t)
 	c := kubetest.Start(t, kubetest.Options{})
-	dir := overlayDir(t, "controller", controllerOverlay)
-	run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", dir)
+	name := baseName
+	if fullname == "" {
+		run(t, ".", kc, "--kubeconfig="+c.Kubeconfig, "apply", "-k", overlayDir(t, "controller", controllerOverlay))
+	} else {
+		name = fullname
+		applyChart(t, c, kc, ns, "fullnameOverride="+fullname, "namespace.create=true", "failover.enabled=true", "controller.enabled=true")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c.CreateNamespace(t, appsNS)
 	admin := c.Client
-	stolen := clientFor(t, c.ServiceAccountConfig(t, "mountmedic", "mountmedic-controller"))
+	stolen := clientFor(t, c.ServiceAccountConfig(t, ns, name+"-controller"))
 
 	ready := radiusNode(ctx, t, admin, "live-node", corev1.ConditionTrue)
 	dead := radiusNode(ctx, t, admin, "dead-node", corev1.ConditionUnknown)
@@ -178,8 +195,8 @@ func TestControllerBlastRadius(t *testing.T) {
 	}
 
 	// Leases: its leader Lease yes; a heartbeat never.
-	leases := stolen.CoordinationV1().Leases("mountmedic")
-	if _, err := leases.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "mountmedic-failover-leader"}}, metav1.CreateOptions{}); err != nil {
+	leases := stolen.CoordinationV1().Leases(ns)
+	if _, err := leases.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name + "-failover-leader"}}, metav1.CreateOptions{}); err != nil {
 		t.Errorf("controller token: create the leader Lease: %v", err)
 	}
 	for what, l := range map[string]*coordinationv1.Lease{
