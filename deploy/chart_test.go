@@ -718,6 +718,8 @@ func TestChartGuards(t *testing.T) {
 		"second kubelet root":     {[]string{"agent.extraArgs={--kubelet-root=/data/kubelet}"}, []string{"--kubelet-root", "kubelet.root", "instead of a second flag"}},
 		"second cri socket":       {[]string{"agent.extraArgs={--cri-socket=unix:///x.sock}"}, []string{"--cri-socket", "criSocket"}},
 		"own metrics address":     {[]string{"agent.extraArgs={--metrics-addr=:9999}"}, []string{"--metrics-addr", "sets --metrics-addr itself"}},
+		"own service account":     {[]string{"agent.extraArgs={--service-account-name=x}"}, []string{"--service-account-name", "fullnameOverride"}},
+		"name not a DNS label":    {[]string{"fullnameOverride=Storage_Medic"}, []string{"fullnameOverride"}},
 		"service monitor alone":   {[]string{"prometheus.serviceMonitor.enabled=true"}, []string{"prometheus.enabled=true"}},
 	}
 	for name, tc := range tests {
