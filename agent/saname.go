@@ -16,9 +16,15 @@ import (
 // (deploy/heartbeat-lease-policy.yaml, deploy/identity/serviceaccount).
 const DefaultServiceAccountName = "mountmedic"
 
+// DefaultControllerServiceAccountName is the failover controller's
+// ServiceAccount as deploy/controller and the chart name it, which its
+// admission policies match.
+const DefaultControllerServiceAccountName = "mountmedic-controller"
+
 // ErrServiceAccountName is wrapped by CheckServiceAccountName's errors:
-// the agent runs as a ServiceAccount the admission policies do not match.
-var ErrServiceAccountName = errors.New("the agent's ServiceAccount is not the one its admission policies hold to its node")
+// the agent or the controller runs as a ServiceAccount the admission
+// policies do not match.
+var ErrServiceAccountName = errors.New("the ServiceAccount is not the one the admission policies match")
 
 // CheckServiceAccountName reads the ServiceAccount that rc's bearer token
 // names (its subject claim, read without verifying the token: the API
@@ -27,7 +33,7 @@ var ErrServiceAccountName = errors.New("the agent's ServiceAccount is not the on
 // The policies match the ServiceAccount by name in CEL, which kustomize's
 // namePrefix and nameSuffix do not rewrite: an install renamed that way
 // leaves a stolen token of the renamed account unconfined, so the agent
-// refuses to start in it. rc without a token, or a token that is no
+// and the controller refuse to start in it. rc without a token, or a token that is no
 // ServiceAccount's, is let be (the identity check judges it).
 func CheckServiceAccountName(rc *rest.Config, want string) error {
 	token := rc.BearerToken
@@ -42,8 +48,8 @@ func CheckServiceAccountName(rc *rest.Config, want string) error {
 	if !ok || name == want {
 		return nil
 	}
-	return fmt.Errorf("%w: it runs as the ServiceAccount %s/%s, but the admission policies it was installed with match the name %q (--service-account-name), so a stolen token of %s would not be confined to its node. "+
-		"A kustomize namePrefix or nameSuffix renames the ServiceAccount but not the policies' CEL: leave the agent's objects unrenamed, or install with the Helm chart's fullnameOverride, which renames the policies and sets --service-account-name (docs/install.md, \"Names\")",
+	return fmt.Errorf("%w: it runs as the ServiceAccount %s/%s, but the admission policies it was installed with match the name %q (--service-account-name), so a stolen token of %s would not be confined by them. "+
+		"A kustomize namePrefix or nameSuffix renames the ServiceAccount but not the policies' CEL: leave mountmedic's objects unrenamed, or install with the Helm chart's fullnameOverride, which renames the policies and sets --service-account-name (docs/install.md, \"Names\")",
 		ErrServiceAccountName, ns, name, want, name)
 }
 

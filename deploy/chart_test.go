@@ -924,7 +924,7 @@ func TestChartNames(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctl := d.Spec.Template.Spec.Containers[0].Args
-	if !slices.Contains(ctl, "--failover-leader-lease="+full+"-failover-leader") {
-		t.Errorf("controller args %q, want --failover-leader-lease=%s-failover-leader (its Role's resourceNames)", ctl, full)
+	if !slices.Contains(ctl, "--failover-leader-lease="+full+"-failover-leader") || !slices.Contains(ctl, "--service-account-name="+full+"-controller") {
+		t.Errorf("controller args %q, want --failover-leader-lease=%s-failover-leader (its Role's resourceNames) and --service-account-name=%s-controller", ctl, full, full)
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
+	"github.com/mountmedic/mountmedic/agent"
 	"github.com/mountmedic/mountmedic/agent/failover"
 	"github.com/mountmedic/mountmedic/agent/kubeclient"
 )
@@ -23,15 +24,18 @@ import (
 // controllerFlags are the controller command's flags: the failover
 // controller's configuration and how to reach the API server.
 type controllerFlags struct {
-	cfg         failover.ControllerConfig
-	kubeconfig  string
-	metricsAddr string
-	qps         float32
-	burst       int
+	cfg        failover.ControllerConfig
+	kubeconfig string
+	// serviceAccount is the name the controller's admission policies
+	// match (agent.CheckServiceAccountName).
+	serviceAccount string
+	metricsAddr    string
+	qps            float32
+	burst          int
 }
 
 func newControllerCommand() *cobra.Command {
-	f := &controllerFlags{cfg: failover.DefaultControllerConfig(), metricsAddr: ":9810", qps: failover.DefaultControllerQPS, burst: failover.DefaultControllerBurst}
+	f := &controllerFlags{cfg: failover.DefaultControllerConfig(), serviceAccount: agent.DefaultControllerServiceAccountName, metricsAddr: ":9810", qps: failover.DefaultControllerQPS, burst: failover.DefaultControllerBurst}
 	// $POD_NAME, else the host name read at run time (runController), so
 	// that --help and the docs made from it name no machine.
 	if os.Getenv("POD_NAME") == "" {
@@ -73,6 +77,7 @@ metrics, and changes nothing. See agent/failover and deploy/README.md.`,
 	f.cfg.AddFlags(fl)
 	fl.Lookup("failover-identity").Usage = "this replica's name in the leader Lease (default $POD_NAME, else the host name)"
 	fl.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; empty uses the in-cluster service account")
+	fl.StringVar(&f.serviceAccount, "service-account-name", f.serviceAccount, "name of the controller's ServiceAccount as its admission policies match it (the chart's fullnameOverride plus -controller); the controller refuses to start as another")
 	fl.StringVar(&f.metricsAddr, "metrics-addr", f.metricsAddr, "address of /metrics, /healthz and /readyz; empty disables them")
 	fl.Float32Var(&f.qps, "kube-api-qps", f.qps, "steady requests per second to the API server (events, fresh reads, taints and deletions; watches are not counted, and leader election has a rate of its own)")
 	fl.IntVar(&f.burst, "kube-api-burst", f.burst, "burst of requests to the API server above --kube-api-qps")
@@ -85,6 +90,9 @@ metrics, and changes nothing. See agent/failover and deploy/README.md.`,
 func controllerClients(f *controllerFlags) (client, leases kubernetes.Interface, err error) {
 	rc, err := restConfig(f.kubeconfig)
 	if err != nil {
+		return nil, nil, err
+	}
+	if err := agent.CheckServiceAccountName(rc, f.serviceAccount); err != nil {
 		return nil, nil, err
 	}
 	rc.UserAgent = "mountmedic-controller/" + version

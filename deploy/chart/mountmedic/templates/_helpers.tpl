@@ -260,6 +260,7 @@ args come first, so that the default render is the base).
 {{- define "mountmedic.controllerArgs" -}}
 {{- if ne (include "mountmedic.fullname" .) .Chart.Name }}
 - --failover-leader-lease={{ include "mountmedic.fullname" . }}-failover-leader
+- --service-account-name={{ include "mountmedic.fullname" . }}-controller
 {{- end }}
 {{- range .Values.controller.extraArgs }}
 - {{ . }}
