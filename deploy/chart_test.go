@@ -778,7 +778,7 @@ func TestChartInstall(t *testing.T) {
 	}
 	notes := string(h("install", "mountmedic", chartDir, "--namespace", "storage-ops",
 		"--set", "prometheus.enabled=true,grafana.enabled=true", "--wait=false"))
-	for _, want := range []string{"in namespace storage-ops, profile kubeadm", "kubelet root  /var/lib/kubelet", "rollout status daemonset/mountmedic"} {
+	for _, want := range []string{"in namespace storage-ops, profile kubeadm", "kubelet root  /var/lib/kubelet", "kubeconfig    /etc/kubernetes/kubelet.conf", "rollout status daemonset/mountmedic"} {
 		if !strings.Contains(notes, want) {
 			t.Errorf("helm install's NOTES lack %q:\n%s", want, notes)
 		}
@@ -812,8 +812,8 @@ func TestChartInstall(t *testing.T) {
 	}
 	// Renamed: every object under the new name, the NOTES' commands too.
 	notes = string(h("install", "medic", chartDir, "--namespace", "storage-ops", "--wait=false",
-		"--set", "fullnameOverride=storage-medic,failover.enabled=true,controller.enabled=true"))
-	for _, want := range []string{"daemonset/storage-medic", "secret generic storage-medic-peer-key", "kubectl mountmedic --name storage-medic"} {
+		"--set", "fullnameOverride=storage-medic,failover.enabled=true,controller.enabled=true,identity=serviceaccount"))
+	for _, want := range []string{"identity      ServiceAccount storage-medic, with the token", "daemonset/storage-medic", "secret generic storage-medic-peer-key", "kubectl mountmedic --name storage-medic"} {
 		if !strings.Contains(notes, want) {
 			t.Errorf("helm install --set fullnameOverride=storage-medic: NOTES lack %q:\n%s", want, notes)
 		}
