@@ -2,12 +2,14 @@
 # bench.sh measures mountmedic end to end on a real node built on this
 # machine, side by side with the naive way, and prints the figures that
 # BENCHMARKS.md reports: per scenario, fault -> detected and driver back ->
-# healed (p50, p99, min, max over RUNS runs), the steady-state CPU and RSS
-# of the agent's pod, and naive.sh (findmnt + stat with a timeout + delete
-# the pod) through the same plugin crash.
+# healed (p50, p99, min, max over RUNS runs); for a hung daemon also from
+# the workload's first blocked read (the read's own start, from its log)
+# to detected and to healed; the steady-state CPU and RSS of the agent's
+# pod, and naive.sh (findmnt + stat with a timeout + delete the pod)
+# through the same plugin crash.
 #
 #   sudo scripts/e2e/bench.sh                 # every scenario, 5 runs each
-#   sudo RUNS=10 RUN='TestE2E/(live|hung)$' scripts/e2e/bench.sh
+#   sudo RUNS=10 RUN='TestE2E/^(harness|live|hung)$' scripts/e2e/bench.sh
 #
 # RUNS: runs per scenario (default 5). RUN: go test -run pattern (default
 # every scenario). OUT: full log (default /tmp/mountmedic-bench.log).
@@ -16,7 +18,7 @@
 # what is missing.
 set -euo pipefail
 case ${1:-} in
--h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+-h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 "") ;;
 *) echo "bench.sh: no arguments (settings are RUNS, RUN, OUT; see --help)" >&2; exit 2 ;;
 esac

@@ -319,7 +319,7 @@ func hungScenario(t *testing.T, e *env, ns string) {
 		t.Fatalf("stop %s (pid %d): %v", e.mounterName(), pid, err)
 	}
 	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
-	e.detected(t, ctx, e.scenario, ns, o)
+	detected := e.detected(t, ctx, e.scenario, ns, o)
 	// Who found the hang: the stall watch (a probe it started on a
 	// request waiting in the connection) or a probe cycle of its own.
 	stalls = e.metric(t, ctx, "mountmedic_stall_probes_total") - stalls
@@ -331,13 +331,43 @@ func hungScenario(t *testing.T, e *env, ns string) {
 		t.Fatal(err)
 	}
 	e.figs.Duration(e.scenario, "hang -> aborted", o.bad.Sub(o.start))
-	e.healed(t, ctx, e.scenario, w, pod, o)
+	healed := e.healed(t, ctx, e.scenario, w, pod, o)
+	e.fromBlockedRead(t, w, pod, o, detected, healed)
 	if after := samePod(t, ctx, w, pod); restarts(after) != restarts(pod) {
 		t.Errorf("container restarts = %d, want %d (live tier)", restarts(after), restarts(pod))
 	}
 	if e.mounter == "rclone" {
 		e.wakeStaleDaemon(t, ctx, w, pod, pid)
 	}
+}
+
+// fromBlockedRead records the hang as the workload saw it: from the start
+// of its first read that blocked on the stopped daemon (a read the
+// container logged as slow after the stop) to the detection and to the
+// heal. A read that began before the stop waited on the hang only from
+// the stop: its start counts as the stop's.
+func (e *env) fromBlockedRead(t *testing.T, w *wl, pod *corev1.Pod, o outage, detected, healed time.Time) {
+	t.Helper()
+	slow, err := w.SlowReads(pod, o.start)
+	if err != nil || len(slow) == 0 {
+		e.figs.Miss(e.scenario, "first blocked read -> healed", "s")
+		t.Errorf("no read of the container blocked on the hung daemon (slow reads %v, %v): the hang was not the user's", slow, err)
+		return
+	}
+	blocked := slow[0]
+	for _, s := range slow[1:] {
+		if s.Before(blocked) {
+			blocked = s
+		}
+	}
+	if blocked.Before(o.start) {
+		blocked = o.start
+	}
+	e.figs.Duration(e.scenario, "fault -> first blocked read", blocked.Sub(o.start))
+	e.figs.Duration(e.scenario, "first blocked read -> detected", detected.Sub(blocked))
+	e.figs.Duration(e.scenario, "first blocked read -> healed", healed.Sub(blocked))
+	t.Logf("the first blocked read began %s after the fault; healed %s after it",
+		blocked.Sub(o.start).Round(time.Millisecond), healed.Sub(blocked).Round(time.Millisecond))
 }
 
 // wakeStaleDaemon lets the hung daemon of the aborted connection go on

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -45,17 +46,31 @@ const (
 // mount on first start, then checks both mounts ten times a second and
 // prints "ok" or "bad" each time the answer changes. The CRI log stamps each
 // line with the runtime's clock: the log is the record of when the container
-// lost and regained its volume.
-const appScript = `trap 'exit 0' TERM INT
+// lost and regained its volume. A check that took longer than SlowRead
+// also prints "slow <start>", the time it began (busybox ash's
+// $EPOCHREALTIME, seconds and microseconds), before its state line: a read
+// blocked on a hung daemon logs when it began only once it returns.
+var appScript = `trap 'exit 0' TERM INT
 [ -e ` + WholeFile + ` ] || echo "` + WholeText + `" > ` + WholeFile + `
 [ -e ` + SubFile + ` ] || echo "` + SubText + `" > ` + SubFile + `
 last=
 while :; do
+  t=$EPOCHREALTIME
   if cat ` + WholeFile + ` ` + SubFile + ` ` + WholeMount + `/sub/sub.txt >/dev/null 2>&1; then s=ok; else s=bad; fi
+  e=$EPOCHREALTIME
+  if [ $(( ${e%.*}${e#*.} - ${t%.*}${t#*.} )) -gt ` + slowReadMicros + ` ]; then echo "slow $t"; fi
   if [ "$s" != "$last" ]; then echo "$s"; last=$s; fi
   usleep 100000
 done
 `
+
+// SlowRead is how long a check of the workload's mounts may take before
+// the container logs it as slow ("slow <start>"): a read of a healthy
+// volume takes milliseconds.
+const SlowRead = 500 * time.Millisecond
+
+// slowReadMicros is SlowRead in microseconds, as the script compares.
+var slowReadMicros = strconv.FormatInt(SlowRead.Microseconds(), 10)
 
 // Workload is one scenario's application: a namespace with the S3 Secret,
 // a static PV (its own prefix of the lab bucket) bound to a claim, and a
@@ -501,6 +516,31 @@ func (w *Workload) WaitLogTime(ctx context.Context, p *corev1.Pod, text string, 
 		return at, fmt.Errorf("wait for %q in the log of pod %s since %s: %w (log: %v)", text, p.Name, since.Format(time.RFC3339Nano), err, lines)
 	}
 	return at, nil
+}
+
+// SlowReads returns when each check of the pod's container that took
+// longer than SlowRead began ("slow <start>" lines), of the lines logged at
+// or after since, in the order logged.
+func (w *Workload) SlowReads(p *corev1.Pod, since time.Time) ([]time.Time, error) {
+	lines, err := w.Log(p, true)
+	if err != nil {
+		return nil, err
+	}
+	var out []time.Time
+	for _, l := range lines {
+		rest, ok := strings.CutPrefix(l.Text, "slow ")
+		if !ok || l.Time.Before(since) {
+			continue
+		}
+		sec, usec, ok := strings.Cut(rest, ".")
+		s, errS := strconv.ParseInt(sec, 10, 64)
+		u, errU := strconv.ParseInt(usec, 10, 64)
+		if !ok || len(usec) != 6 || errS != nil || errU != nil {
+			return nil, fmt.Errorf("pod %s logged %q, want slow <seconds>.<microseconds>", p.Name, l.Text)
+		}
+		out = append(out, time.Unix(s, u*int64(time.Microsecond)))
+	}
+	return out, nil
 }
 
 // Delete deletes the workload's namespace and PV and waits until its pods
