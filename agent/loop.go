@@ -14,8 +14,10 @@ import (
 // the decider; repair runs report back on a.results.
 func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 	logger := klog.FromContext(ctx)
-	c := &cycle{dirty: true, reports: make(chan probed, 1), timer: time.NewTimer(0)}
+	c := &cycle{dirty: true, reports: make(chan probed, 1), timer: time.NewTimer(0), refresh: time.NewTimer(0)}
+	c.refresh.Stop()
 	defer c.timer.Stop()
+	defer c.refresh.Stop()
 	rel := newCodeRelease(a.cfg.ReleaseCode, a.release)
 	defer rel.stop()
 	resync := time.NewTicker(a.cfg.Resync)
@@ -28,7 +30,9 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 		case <-ctx.Done():
 			return
 		case <-tw.Changes():
-			c.dirty = true
+			a.tableChanged(c)
+		case <-c.refresh.C:
+			a.refreshInventory(ctx, c, pw)
 		case <-summary.C:
 			a.limiter.flush(a.cfg.DryRun)
 		case <-rel.C():
@@ -63,12 +67,17 @@ type cycle struct {
 	// probing: a cycle's probes are under way (reports brings them);
 	// again: something asked for a cycle meanwhile.
 	probing, again bool
-	// pvsTracked: the PV store has been given a table read with the
+	// tracked is the inventory the PV store was last given, with the
 	// informer synced.
-	pvsTracked bool
-	reports    chan probed
+	tracked *probe.Inventory
+	reports chan probed
 	// timer starts the next cycle.
 	timer *time.Timer
+	// refresh reads a changed table for the stall watch between cycles
+	// (stallinventory.go); refreshing: it is set; readAt: the last read.
+	refresh    *time.Timer
+	refreshing bool
+	readAt     time.Time
 }
 
 // soon starts a cycle now, or right after the one under way.
@@ -96,11 +105,14 @@ func (a *Agent) startCycle(ctx context.Context, c *cycle, pw *pluginWatcher) {
 		a.later(c)
 		return
 	}
+	if c.inv != prev {
+		c.readAt = start
+	}
 	// The PVs of the node's volumes, read ahead of a repair: at each new
 	// table once the informer has the node's pods.
-	if (c.inv != prev || !c.pvsTracked) && a.synced() {
+	if c.inv != c.tracked && a.synced() {
 		a.kube.pvs.track(publishedPVs(c.inv, a.pods))
-		c.pvsTracked = true
+		c.tracked = c.inv
 	}
 	c.probing = true
 	a.current.Store(c.inv)

@@ -54,11 +54,41 @@ func TestAgentFindsAHangBetweenCycles(t *testing.T) {
 		t.Fatalf("events after pauses under the deadline: %s %q, want none", evs[0].Reason, evs[0].Note)
 	}
 
+	hangAndHeal(t, d, a, s, "stall", pid)
+}
+
+// TestAgentFindsAHangOnANewMount: the agent probes once
+// an hour and has done its first cycle when a pod's volume is staged and
+// published; its real s3fs then stops answering while the container
+// reads. The stall watch knows only the backends of the inventory it was
+// given: the mount table's change must reach it before the next cycle,
+// or the container's read waits for that cycle (here an hour).
+func TestAgentFindsAHangOnANewMount(t *testing.T) {
+	d := newDriverEnv(t)
+	cfg := d.config()
+	cfg.ProbeInterval, cfg.Resync = time.Hour, time.Hour
+	a := d.startAgent(cfg, d.withRepairer(cfg, remount.Config{}, agent.Deps{}))
+	s := d.newVolume("late")
+	if err := s.reads("late"); err != nil {
+		t.Fatalf("volume not readable before the hang: %v", err)
+	}
+	pid := s3fsPid(t, "late")
+	t.Cleanup(func() { _ = unix.Kill(pid, unix.SIGKILL) })
+	hangAndHeal(t, d, a, s, "late", pid)
+}
+
+// hangAndHeal stops the s3fs (pid) of volume s, named name, while its
+// private container reads, and checks that the agent, which runs no probe
+// cycle for an hour, aborts the connection (the read returns), repairs
+// the volume through a probe the stall watch started, and the volume
+// reads again everywhere.
+func hangAndHeal(t *testing.T, d *driverEnv, a *runningAgent, s *s3Volume, name string, pid int) {
+	t.Helper()
 	if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
 	read := make(chan error, 1)
-	go func() { _, err := os.ReadFile(inContainer); read <- err }()
+	go func() { _, err := os.ReadFile(s.private.Path("/data/data.txt")); read <- err }()
 	select {
 	case err := <-read:
 		if err == nil || !(errors.Is(err, unix.ECONNABORTED) || errors.Is(err, unix.ENOTCONN)) {
@@ -69,7 +99,7 @@ func TestAgentFindsAHangBetweenCycles(t *testing.T) {
 	}
 	d.waitEvent(s.pod.UID, string(agent.ReasonVolumeRepaired), "repaired by")
 	d.waitFor("the volume to read again everywhere", func() (bool, error) {
-		err := s.reads("stall")
+		err := s.reads(name)
 		return err == nil, err
 	})
 	if n, _ := a.metric(`mountmedic_stall_probes_total`); n < 1 {
