@@ -14,6 +14,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -51,6 +52,34 @@ func BuildAgentImage(dir string) (string, error) {
 		return "", fmt.Errorf("remove the image build storage: %w", err)
 	}
 	return archive, nil
+}
+
+// agentImage is the image archive the package's tests share (AgentImage).
+var agentImage struct {
+	once    sync.Once
+	dir     string
+	archive string
+	err     error
+}
+
+// AgentImage builds the mountmedic image once for all the tests of this
+// test binary (BuildAgentImage, in a temporary directory that Main removes
+// when they are done) and returns its archive.
+func AgentImage() (string, error) {
+	agentImage.once.Do(func() {
+		agentImage.dir, agentImage.err = os.MkdirTemp("", "mountmedic-e2e-image-")
+		if agentImage.err == nil {
+			agentImage.archive, agentImage.err = BuildAgentImage(agentImage.dir)
+		}
+	})
+	return agentImage.archive, agentImage.err
+}
+
+// removeAgentImage removes what AgentImage built.
+func removeAgentImage() {
+	if agentImage.dir != "" {
+		_ = os.RemoveAll(agentImage.dir)
+	}
 }
 
 // Agent is the mountmedic DaemonSet running on the node.
