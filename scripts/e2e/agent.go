@@ -109,11 +109,12 @@ func (n *Node) NewAgent() (*Agent, error) {
 	return &Agent{node: n, MetricsPort: ports[0], dir: dir}, nil
 }
 
-// Deploy applies deploy/ through the e2e overlay (scripts/e2e/deploy) with
-// the agent's flags args added after deploy/'s own (which stay as shipped),
-// and waits until the DaemonSet's pod of this configuration is ready.
+// Deploy applies deploy/ through the e2e overlay of the node's layout
+// (scripts/e2e/deploy for kubeadm's, scripts/e2e/k3s for k3s') with the
+// agent's flags args added after deploy/'s own (which stay as shipped), and
+// waits until the DaemonSet's pod of this configuration is ready.
 func (a *Agent) Deploy(ctx context.Context, args ...string) error {
-	base, err := filepath.Abs("deploy")
+	base, err := filepath.Abs(a.node.Layout.Overlay)
 	if err != nil {
 		return err
 	}
