@@ -66,9 +66,10 @@ const K3sAgentDir = "/var/lib/rancher/k3s/agent"
 // and pkg/agent/config/config_linux.go puts its state and socket in
 // /run/k3s/containerd. pkg/daemons/agent/agent_linux.go gives kubelet
 // --kubeconfig and no --root-dir (but in rootless mode), so the root is
-// kubelet's default. The kubeconfig's server is k3s' node-local load
-// balancer on loopback (127.0.0.1:6444); here it is the node's proxy to the
-// API server, also on loopback (another port).
+// kubelet's default. The kubeconfig's server is on loopback: the agent's
+// local load balancer (pkg/agent/proxy/apiproxy.go, APIServerURL; port 6444
+// by default); here it is the node's proxy to the API server, also on
+// loopback, on a free port.
 var K3sLayout = Layout{
 	Name:              "k3s",
 	KubeletKubeconfig: filepath.Join(K3sAgentDir, "kubelet.kubeconfig"),
