@@ -53,10 +53,11 @@ go test -count=1 -timeout 20m ./scripts/scale 2>&1 | tee /tmp/mountmedic-scale.l
 # and mountmedic as its DaemonSet), alone: it measures heal times. It builds
 # the container image with scripts/image.sh (buildah, from the Dockerfile; no
 # daemon, no registry), which runs `mountmedic version` inside it, and runs
-# that image as the DaemonSet.
+# that image as the DaemonSet. After TestE2E (kubeadm's node layout),
+# TestK3s runs the agent from the k3s profile on a node laid out as k3s does.
 # The run's lines are filtered here; when it fails, what the failing
 # scenarios said (their messages carry the agent's log) is printed too.
-if ! go test -race -count=1 -timeout 20m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-e2e.log | grep -E '^(=== RUN|--- |\s+--- |\||ok|FAIL|PASS)|e2e figures'; then
+if ! go test -race -count=1 -timeout 25m -v ./scripts/e2e 2>&1 | tee /tmp/mountmedic-e2e.log | grep -E '^(=== RUN|--- |\s+--- |\||ok|FAIL|PASS)|e2e figures'; then
 	echo "--- the e2e run failed; its test messages (whole log: /tmp/mountmedic-e2e.log):"
 	grep -v -E '^(=== RUN|\||--- (PASS|SKIP)|\s+--- (PASS|SKIP))' /tmp/mountmedic-e2e.log | tail -n 400
 	exit 1

@@ -14,6 +14,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -53,6 +54,34 @@ func BuildAgentImage(dir string) (string, error) {
 	return archive, nil
 }
 
+// agentImage is the image archive the package's tests share (AgentImage).
+var agentImage struct {
+	once    sync.Once
+	dir     string
+	archive string
+	err     error
+}
+
+// AgentImage builds the mountmedic image once for all the tests of this
+// test binary (BuildAgentImage, in a temporary directory that Main removes
+// when they are done) and returns its archive.
+func AgentImage() (string, error) {
+	agentImage.once.Do(func() {
+		agentImage.dir, agentImage.err = os.MkdirTemp("", "mountmedic-e2e-image-")
+		if agentImage.err == nil {
+			agentImage.archive, agentImage.err = BuildAgentImage(agentImage.dir)
+		}
+	})
+	return agentImage.archive, agentImage.err
+}
+
+// removeAgentImage removes what AgentImage built.
+func removeAgentImage() {
+	if agentImage.dir != "" {
+		_ = os.RemoveAll(agentImage.dir)
+	}
+}
+
 // Agent is the mountmedic DaemonSet running on the node.
 type Agent struct {
 	node *Node
@@ -80,11 +109,12 @@ func (n *Node) NewAgent() (*Agent, error) {
 	return &Agent{node: n, MetricsPort: ports[0], dir: dir}, nil
 }
 
-// Deploy applies deploy/ through the e2e overlay (scripts/e2e/deploy) with
-// the agent's flags args added after deploy/'s own (which stay as shipped),
-// and waits until the DaemonSet's pod of this configuration is ready.
+// Deploy applies deploy/ through the e2e overlay of the node's layout
+// (scripts/e2e/deploy for kubeadm's, scripts/e2e/k3s for k3s') with the
+// agent's flags args added after deploy/'s own (which stay as shipped), and
+// waits until the DaemonSet's pod of this configuration is ready.
 func (a *Agent) Deploy(ctx context.Context, args ...string) error {
-	base, err := filepath.Abs("deploy")
+	base, err := filepath.Abs(a.node.Layout.Overlay)
 	if err != nil {
 		return err
 	}

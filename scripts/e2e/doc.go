@@ -17,13 +17,23 @@
 // deploy/, its image built by scripts/image.sh, through the overlay in
 // scripts/e2e/deploy.
 //
+// TestK3s brings up a second cluster and node after TestE2E, laid out as
+// k3s lays a node out (NodeOptions.Layout, layout.go: kubelet's kubeconfig
+// and the files it names in /var/lib/rancher/k3s/agent, containerd's root
+// there and its socket in /run/k3s/containerd), and runs the agent as a k3s
+// user deploys it: deploy/ with the profile deploy/profiles/k3s, through
+// scripts/e2e/k3s. Each overlay changes deploy/ only where the lab needs it
+// (scripts/e2e/deploy/lab), which TestLabOverlays checks.
+//
 // Isolation: containerd and kubelet run in a PID namespace of their own whose
 // init is a copy of the test binary (Main, init.go), in a mount namespace
 // copied from the fault lab's private one (scripts/lab), where every mount is
-// made shared as on a systemd host. /var/lib/kubelet, /var/lib/containerd,
-// /run/containerd, /var/log/pods and /var/log/containers are shared binds
-// of temporary directories (a missing mount point is created in an overlay
-// of its parent, never on the host), so the node's mounts and the CSI
+// made shared as on a systemd host. /var/lib/kubelet, containerd's root and
+// state directories (/var/lib/containerd and /run/containerd in kubeadm's
+// layout), the kubeconfig's directory, /var/log/pods and
+// /var/log/containers are shared binds of temporary directories (a missing
+// mount point is created in an overlay of its nearest existing ancestor,
+// never on the host), so the node's mounts and the CSI
 // driver's (which runs in the test's namespace) reach both namespaces and
 // nothing reaches the host's paths. Pods get cgroups under
 // /mountmedic-e2e-<pid> in every hierarchy. The teardown kills the node's
@@ -41,7 +51,8 @@
 // host's, to the DaemonSet), where the test checks what the fence
 // unmounted.
 //
-// One scenario runs with go test's -run, the harness skipped:
+// One scenario runs with go test's -run, the harness skipped (and
+// TestK3s, whose name 'TestE2E' does not match):
 //
 //	MOUNTMEDIC_REQUIRE_ROOT=1 go test -count=1 -v -run 'TestE2E/fence$' ./scripts/e2e
 //

@@ -25,13 +25,16 @@ import (
 const envNodeInit = "MOUNTMEDIC_E2E_NODE_INIT"
 
 // Main runs the package's tests inside the fault lab's private mount
-// namespace (lab.Main), or, in a copy of the test binary started by
-// StartNode, the node's init. Call it from TestMain.
+// namespace (lab.Run), or, in a copy of the test binary started by
+// StartNode, the node's init. It removes the image the tests shared
+// (AgentImage) before it exits. Call it from TestMain.
 func Main(m *testing.M) {
 	if spec := os.Getenv(envNodeInit); spec != "" {
 		os.Exit(runInit(spec))
 	}
-	lab.Main(m)
+	code := lab.Run(m)
+	removeAgentImage()
+	os.Exit(code)
 }
 
 // initSpec is what a node init runs: daemons started in order, each waited

@@ -63,6 +63,9 @@ type NodeOptions struct {
 	// Archives are image archives (docker or OCI) imported into containerd's
 	// k8s.io namespace besides the pause and busybox images.
 	Archives []string
+	// Layout is where the node keeps kubelet's credentials and containerd
+	// (default KubeadmLayout).
+	Layout Layout
 }
 
 // Node is a real Kubernetes node running on this machine: containerd, runc
@@ -84,6 +87,8 @@ type Node struct {
 	// (and so the agent's node identity) goes through it, so that a test
 	// can partition the node (Cut) and heal it (Restore).
 	APIProxy *lab.TCPProxy
+	// Layout is the node's layout (NodeOptions.Layout).
+	Layout Layout
 
 	t          testing.TB
 	reg        *registrar
@@ -121,11 +126,14 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	if opts.Name == "" {
 		opts.Name = "e2e-node"
 	}
+	if opts.Layout.Name == "" {
+		opts.Layout = KubeadmLayout
+	}
 	ip, err := hostIP()
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &Node{Name: opts.Name, IP: ip, Dir: t.TempDir(), Cluster: c, t: t}
+	n := &Node{Name: opts.Name, IP: ip, Dir: t.TempDir(), Cluster: c, Layout: opts.Layout, t: t}
 	n.cgroupRoot = fmt.Sprintf("/mountmedic-e2e-%d", os.Getpid())
 	for _, d := range []string{"logs", "images", "config", "opt", "cni/bin", "cni/conf"} {
 		if err := os.MkdirAll(filepath.Join(n.Dir, d), 0o755); err != nil {
@@ -140,15 +148,15 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 	if err := n.bindPaths(); err != nil {
 		t.Fatal(err)
 	}
-	// The node's own identity, system:node:<name>, laid out as kubeadm
-	// does: kubelet and the DaemonSet's agent both use it, through the
-	// node's link to the API server.
+	// The node's own identity, system:node:<name>, laid out as the
+	// layout's distribution does: kubelet and the DaemonSet's agent both
+	// use it, through the node's link to the API server.
 	api, err := url.Parse(c.Server)
 	if err != nil {
 		t.Fatal(err)
 	}
 	n.APIProxy = lab.StartTCPProxy(t, api.Host)
-	c.WriteNodeKubeconfig(t, KubeletKubeconfig, KubeletRoot, n.Name, "https://"+n.APIProxy.Addr())
+	n.Layout.writeCredentials(t, c, n.Layout, n.Name, "https://"+n.APIProxy.Addr())
 	// Images first: a failed build costs no daemon.
 	archives := []string{filepath.Join(n.Dir, "images", "pause.tar"), filepath.Join(n.Dir, "images", "busybox.tar")}
 	if err := buildPauseImage(filepath.Join(n.Dir, "images"), archives[0]); err != nil {
@@ -195,7 +203,7 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 			t.Fatal(n.withLogs(err))
 		}
 	}
-	conn, err := grpc.NewClient("unix://"+ContainerdSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+n.Layout.ContainerdSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatalf("connect to containerd: %v", err)
 	}
@@ -215,7 +223,7 @@ func StartNode(t testing.TB, c *kubetest.Cluster, opts NodeOptions) *Node {
 // makes the bind shared, so that mounts made under it by the node (in its
 // own mount namespace) and by the CSI driver (in the test's) reach both.
 func (n *Node) bindPaths() error {
-	for _, p := range []string{KubeletRoot, ContainerdRoot, ContainerdState, PodLogs, ContainerLogs, filepath.Dir(KubeletKubeconfig)} {
+	for _, p := range n.Layout.nodePaths() {
 		src := filepath.Join(n.Dir, "root", p)
 		if err := os.MkdirAll(src, 0o755); err != nil {
 			return err
@@ -235,36 +243,42 @@ func (n *Node) bindPaths() error {
 }
 
 // mountPoint makes sure directory p exists in the test's mount namespace
-// without creating anything on the host: when p is missing, its parent gets
-// an overlay (the host's directory below, an upper directory of the node's
-// above), in which p is created.
+// without creating anything on the host: when p is missing, its nearest
+// existing ancestor gets an overlay (the host's directory below, an upper
+// directory of the node's above), unless it is in one already, and p and
+// its missing parents are created in it.
 func (n *Node) mountPoint(p string) error {
 	if _, err := os.Stat(p); err == nil {
 		return nil
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	parent := filepath.Dir(p)
-	if _, err := os.Stat(parent); err != nil {
-		if err := n.mountPoint(parent); err != nil {
+	base := filepath.Dir(p)
+	for {
+		_, err := os.Stat(base)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
+		base = filepath.Dir(base)
 	}
-	if !slices.Contains(n.overlays, parent) {
-		base := filepath.Join(n.Dir, "overlay", strings.ReplaceAll(strings.Trim(parent, "/"), "/", "-"))
-		upper, work := filepath.Join(base, "upper"), filepath.Join(base, "work")
+	if !slices.ContainsFunc(n.overlays, func(o string) bool { return base == o || strings.HasPrefix(base, o+"/") }) {
+		dir := filepath.Join(n.Dir, "overlay", strings.ReplaceAll(strings.Trim(base, "/"), "/", "-"))
+		upper, work := filepath.Join(dir, "upper"), filepath.Join(dir, "work")
 		for _, d := range []string{upper, work} {
 			if err := os.MkdirAll(d, 0o755); err != nil {
 				return err
 			}
 		}
-		opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", parent, upper, work)
-		if err := unix.Mount("overlay", parent, "overlay", 0, opts); err != nil {
-			return fmt.Errorf("overlay %s to create %s in it: %w", parent, p, err)
+		opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", base, upper, work)
+		if err := unix.Mount("overlay", base, "overlay", 0, opts); err != nil {
+			return fmt.Errorf("overlay %s to create %s in it: %w", base, p, err)
 		}
-		n.overlays = append(n.overlays, parent)
+		n.overlays = append(n.overlays, base)
 	}
-	if err := os.Mkdir(p, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+	if err := os.MkdirAll(p, 0o755); err != nil {
 		return fmt.Errorf("create mount point %s: %w", p, err)
 	}
 	return nil
@@ -292,21 +306,18 @@ func (n *Node) initSpec(kubelet string) (initSpec, error) {
 			Argv:   []string{"containerd", "--config", containerdConfig, "--log-level", "info"},
 			Env:    env,
 			Log:    filepath.Join(logs, "containerd.log"),
-			Socket: ContainerdSocket,
+			Socket: n.Layout.ContainerdSocket(),
 		},
 		{
 			Name: "kubelet",
-			Argv: []string{kubelet,
-				"--config=" + kubeletConfig,
-				// The node's own identity: the Node authorizer and
-				// NodeRestriction confine kubelet (and the agent, which
-				// reads the same file) to this node's objects.
-				"--kubeconfig=" + KubeletKubeconfig,
-				"--hostname-override=" + n.Name,
-				"--node-ip=" + n.IP,
-				"--root-dir=" + KubeletRoot,
+			// The layout's --kubeconfig is the node's own identity: the
+			// Node authorizer and NodeRestriction confine kubelet (and the
+			// agent, which reads the same file) to this node's objects.
+			Argv: append(append([]string{kubelet, "--config=" + kubeletConfig}, n.Layout.kubeletFlags...),
+				"--hostname-override="+n.Name,
+				"--node-ip="+n.IP,
 				"--v=2",
-			},
+			),
 			Env: env,
 			Log: filepath.Join(logs, "kubelet.log"),
 		},
@@ -348,7 +359,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = %[7]q
     conf_dir = %[8]q
-`, ContainerdRoot, ContainerdState, ContainerdSocket, ContainerdSocket+".ttrpc",
+`, n.Layout.ContainerdRoot, n.Layout.ContainerdState, n.Layout.ContainerdSocket(), n.Layout.ContainerdSocket()+".ttrpc",
 		filepath.Join(n.Dir, "opt"), PauseImage, filepath.Join(n.Dir, "cni", "bin"), filepath.Join(n.Dir, "cni", "conf"))
 }
 
@@ -385,7 +396,7 @@ imageGCLowThresholdPercent: 99
 volumeStatsAggPeriod: 0s
 serializeImagePulls: false
 staticPodPath: ""
-`, port, ContainerdSocket, n.cgroupRoot, PodLogs)
+`, port, n.Layout.ContainerdSocket(), n.cgroupRoot, PodLogs)
 }
 
 // nodeEnv is the environment of the node's daemons: the test's, with the
@@ -569,7 +580,7 @@ func (n *Node) waitContainerd(ctx context.Context) error {
 		if n.init.Exited() {
 			return false, n.init.ExitError()
 		}
-		c, err := net.Dial("unix", ContainerdSocket)
+		c, err := net.Dial("unix", n.Layout.ContainerdSocket())
 		if err != nil {
 			return false, nil
 		}
@@ -579,7 +590,7 @@ func (n *Node) waitContainerd(ctx context.Context) error {
 }
 
 func (n *Node) importImage(ctx context.Context, archive string) error {
-	cmd := exec.CommandContext(ctx, "ctr", "--address", ContainerdSocket, "--namespace", "k8s.io", "images", "import", archive)
+	cmd := exec.CommandContext(ctx, "ctr", "--address", n.Layout.ContainerdSocket(), "--namespace", "k8s.io", "images", "import", archive)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("import %s into containerd: %w: %s", archive, err, strings.TrimSpace(string(out)))
