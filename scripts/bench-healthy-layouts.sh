@@ -6,7 +6,8 @@
 #
 # It runs agent's TestHealthyLayoutsUnderRunningAgent (a real kube-apiserver,
 # the real k8s-csi-s3 node plugin with s3fs, rclone daemons in a mount pod, an
-# app sidecar and a publish-only node plugin, a ceph-csi RBD layout) with the
+# app sidecar and a publish-only node plugin, a ceph-csi RBD layout, ceph-csi
+# CephFS with a real ceph-fuse) with the
 # agent's shipped configuration and an acting repairer, and prints what it
 # counted from the agent's metrics, the API server's events and the mount
 # table: repairs of any tier, guards and evictions; events; kubelet mounts
