@@ -47,10 +47,10 @@ var policyFiles = map[string]string{
 	FailoverEventsPolicy: "deploy/controller/failover-events-policy.yaml, with the failover controller",
 }
 
-// policySettle is how long after the policy and its binding were created
+// PolicySettle is how long after the policy and its binding were created
 // an event must be created to be trusted: the API server enforces a new
 // policy once its informers have loaded it, a moment after the create.
-const policySettle = 10 * time.Second
+const PolicySettle = 10 * time.Second
 
 // ViewerRole is the ClusterRole that is enough for status and the node
 // drill-down (deploy/viewer-rbac.yaml).
@@ -104,7 +104,7 @@ func readPolicy(ctx context.Context, cs kubernetes.Interface, policy, kind strin
 	if b.CreationTimestamp.After(since) {
 		since = b.CreationTimestamp.Time
 	}
-	return trust{policy: policy, since: since.Add(policySettle)}
+	return trust{policy: policy, since: since.Add(PolicySettle)}
 }
 
 func policyErr(kind, policy, def string, err error) string {

@@ -22,7 +22,9 @@ import (
 	eventsv1 "k8s.io/api/events/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
 
+	"github.com/mountmedic/mountmedic/agent/status"
 	"github.com/mountmedic/mountmedic/scripts/lab"
 )
 
@@ -174,6 +176,25 @@ patches:
 		return err
 	}
 	a.Pod = pod
+	return waitEventsPolicy(ctx, a.node.Cluster.Client)
+}
+
+// waitEventsPolicy waits until the agent's events policy binding is
+// status.PolicySettle old: events the agent writes from then on are
+// vouched for, as on a cluster where the agent was installed before the
+// fault (mountmedic status shows no repair whose event came earlier).
+func waitEventsPolicy(ctx context.Context, c kubernetes.Interface) error {
+	b, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Get(ctx, status.EventsPolicy, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("read the agent's events policy binding: %w", err)
+	}
+	if d := time.Until(b.CreationTimestamp.Add(status.PolicySettle)); d > 0 {
+		select {
+		case <-time.After(d):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 	return nil
 }
 
