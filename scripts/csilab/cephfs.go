@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,7 +19,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -80,17 +78,7 @@ func StartCephFSDriver(t testing.TB, name, socketPath string, ceph *Ceph) *CephF
 	t.Helper()
 	d := &CephFSDriver{name: name, socket: socketPath, ceph: ceph, fuse: lab.RequireBinary(t, "ceph-fuse"),
 		daemons: map[string]int{}, staged: map[string]*csi.NodeStageVolumeRequest{}, paths: map[string]bool{}}
-	if err := os.MkdirAll(filepath.Dir(socketPath), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("unix", socketPath)
-	if err != nil {
-		t.Fatalf("listen on %s: %v", socketPath, err)
-	}
-	srv := grpc.NewServer()
-	csi.RegisterIdentityServer(srv, &layoutIdentity{name: name})
-	csi.RegisterNodeServer(srv, &cephFSNode{d: d})
-	go srv.Serve(l)
+	srv := serveNode(t, socketPath, name, &cephFSNode{d: d})
 	t.Cleanup(func() {
 		srv.Stop()
 		d.mu.Lock()

@@ -88,17 +88,7 @@ func StartLayoutDriver(t testing.TB, name, socketPath, dir string, home kubelet.
 	} else {
 		d.rclone = lab.RequireBinary(t, "rclone")
 	}
-	if err := os.MkdirAll(filepath.Dir(socketPath), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("unix", socketPath)
-	if err != nil {
-		t.Fatalf("listen on %s: %v", socketPath, err)
-	}
-	srv := grpc.NewServer()
-	csi.RegisterIdentityServer(srv, &layoutIdentity{name: name})
-	csi.RegisterNodeServer(srv, &layoutNode{d: d})
-	go srv.Serve(l)
+	srv := serveNode(t, socketPath, name, &layoutNode{d: d})
 	t.Cleanup(func() {
 		srv.Stop()
 		d.mu.Lock()
@@ -353,4 +343,22 @@ func (n *layoutNode) NodeUnpublishVolume(_ context.Context, r *csi.NodeUnpublish
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+// serveNode serves a node plugin named name on socketPath (its directory
+// made if missing) with node as its Node service, until srv.Stop.
+func serveNode(t testing.TB, socketPath, name string, node csi.NodeServer) *grpc.Server {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(socketPath), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", socketPath)
+	if err != nil {
+		t.Fatalf("listen on %s: %v", socketPath, err)
+	}
+	srv := grpc.NewServer()
+	csi.RegisterIdentityServer(srv, &layoutIdentity{name: name})
+	csi.RegisterNodeServer(srv, node)
+	go srv.Serve(l)
+	return srv
 }
