@@ -751,7 +751,7 @@ func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 			continue
 		}
 		start := time.Now()
-		err := h.r.bindSubPath(p.target, sub, b.path)
+		err := h.r.bindSubPath(ctx, p.target, sub, b.path)
 		a.Took = time.Since(start)
 		if err != nil {
 			if errors.Is(err, fs.ErrNotExist) {
@@ -771,7 +771,11 @@ func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 	}
 }
 
-func (r *Repairer) bindSubPath(publish, sub, target string) error {
+// bindSubPath binds sub, below the fresh publish target, onto target. The
+// lookup of sub asks the fresh volume's filesystem: it is bounded by the
+// probe timeout (lookupFlights), so a fresh daemon that hangs fails the
+// bind instead of holding the repair worker.
+func (r *Repairer) bindSubPath(ctx context.Context, publish, sub, target string) error {
 	src, err := openSafe(r.root, publish)
 	if err != nil {
 		return err
@@ -780,8 +784,11 @@ func (r *Repairer) bindSubPath(publish, sub, target string) error {
 	if !src.IsMountPoint() {
 		return fmt.Errorf("publish target %s is not a mount point", publish)
 	}
-	fd, err := openat2(src.FD(), sub, unix.O_PATH, resolveSafe)
+	fd, err := r.lookups.open(ctx, filepath.Join(publish, sub), src.FD(), sub, r.cfg.Probe.Timeout)
 	if err != nil {
+		if errors.Is(err, probe.ErrHung) || ctx.Err() != nil {
+			return err
+		}
 		return resolveErr(publish, filepath.Join(publish, sub), filepath.Join(publish, sub), err)
 	}
 	defer unix.Close(fd)

@@ -122,6 +122,7 @@ type Repairer struct {
 	built   builtTable
 	lookup  lookups
 	checks  checkFlights
+	lookups lookupFlights
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
