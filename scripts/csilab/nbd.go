@@ -71,6 +71,9 @@ type NBDDaemon struct {
 	Socket string
 	cmd    *exec.Cmd
 	exited chan struct{}
+	// pid is a daemon that is not our child (rbd-nbd daemonizes): cmd
+	// and exited are nil.
+	pid int
 }
 
 // StartNBDDaemon starts nbdkit's file plugin on image, listening on socket
@@ -123,11 +126,21 @@ func startNBDDaemon(bin, image, socket string) (*NBDDaemon, error) {
 }
 
 // Pid is the daemon's process ID.
-func (d *NBDDaemon) Pid() int { return d.cmd.Process.Pid }
+func (d *NBDDaemon) Pid() int {
+	if d.cmd == nil {
+		return d.pid
+	}
+	return d.cmd.Process.Pid
+}
 
 // Kill kills the daemon with SIGKILL, as a node-plugin crash does, and waits
 // for it to be gone.
 func (d *NBDDaemon) Kill() {
+	if d.cmd == nil {
+		_ = unix.Kill(d.pid, unix.SIGKILL)
+		waitGone(d.pid, time.Minute)
+		return
+	}
 	select {
 	case <-d.exited:
 		return
@@ -138,10 +151,10 @@ func (d *NBDDaemon) Kill() {
 }
 
 // Stop stops the daemon with SIGSTOP (a hung daemon); Cont resumes it.
-func (d *NBDDaemon) Stop() { _ = d.cmd.Process.Signal(syscall.SIGSTOP) }
+func (d *NBDDaemon) Stop() { _ = unix.Kill(d.Pid(), unix.SIGSTOP) }
 
 // Cont resumes a stopped daemon.
-func (d *NBDDaemon) Cont() { _ = d.cmd.Process.Signal(syscall.SIGCONT) }
+func (d *NBDDaemon) Cont() { _ = unix.Kill(d.Pid(), unix.SIGCONT) }
 
 // NBDOptions are the device settings Map gives the kernel.
 type NBDOptions struct {

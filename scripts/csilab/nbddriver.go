@@ -62,12 +62,16 @@ type NBDDriver struct {
 	// healAtStart: Restart re-attaches every recorded volume, as ceph-csi's
 	// healer does at plugin start (internal/rbd/rbd_healer.go).
 	healAtStart bool
+	// rbd is the rbd mode's cluster (rbd.go): rbd-nbd on a real Ceph
+	// image in nbdkit's place.
+	rbd *RBDConfig
 
 	mu      sync.Mutex
 	srv     *grpc.Server
 	daemons map[string]*NBDDaemon // volume ID -> its daemon
 	staged  map[string]string     // volume ID -> staging path, for the healer
 	mapped  map[int]bool          // the devices it mapped
+	busy    map[string]bool       // volume IDs with a call in flight (rbd mode)
 	// Stages and Reattaches count the NodeStageVolume calls that staged
 	// and that re-attached.
 	Stages, Reattaches int
@@ -92,11 +96,18 @@ func WithHealAtStart() NBDDriverOption { return func(d *NBDDriver) { d.healAtSta
 // scripts/guest) and nbdkit and mkfs.ext4.
 func StartNBDDriver(t testing.TB, socketPath string, opts ...NBDDriverOption) *NBDDriver {
 	t.Helper()
-	d := &NBDDriver{t: t, socket: socketPath, bin: lab.RequireBinary(t, "nbdkit"),
-		ImageDir: t.TempDir(), daemons: map[string]*NBDDaemon{}, staged: map[string]string{}, mapped: map[int]bool{}}
+	d := &NBDDriver{t: t, socket: socketPath,
+		ImageDir: t.TempDir(), daemons: map[string]*NBDDaemon{}, staged: map[string]string{}, mapped: map[int]bool{}, busy: map[string]bool{}}
 	lab.RequireBinary(t, "mkfs.ext4")
 	for _, o := range opts {
 		o(d)
+	}
+	if d.rbd != nil {
+		for _, b := range []string{"rbd", "rbd-nbd", "blkid"} {
+			lab.RequireBinary(t, b)
+		}
+	} else {
+		d.bin = lab.RequireBinary(t, "nbdkit")
 	}
 	if err := os.MkdirAll(filepath.Dir(socketPath), 0o750); err != nil {
 		t.Fatal(err)
@@ -148,6 +159,10 @@ func (d *NBDDriver) stop() {
 }
 
 func (d *NBDDriver) killDaemons() {
+	if d.rbd != nil {
+		d.killRBDDaemons()
+		return
+	}
 	d.mu.Lock()
 	ds := make([]*NBDDaemon, 0, len(d.daemons))
 	for id, dm := range d.daemons {
@@ -197,6 +212,9 @@ func (d *NBDDriver) Restart() error {
 
 // Daemon is the volume's daemon, nil when none runs.
 func (d *NBDDriver) Daemon(volumeID string) *NBDDaemon {
+	if d.rbd != nil {
+		return rbdDaemon(volumeID)
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.daemons[volumeID]
@@ -241,6 +259,9 @@ func (d *NBDDriver) daemonSocketPath(volumeID string) string {
 
 // reattach gives the device the volume's record names a fresh daemon.
 func (d *NBDDriver) reattach(volumeID, staging string) error {
+	if d.rbd != nil {
+		return d.rbdReattach(volumeID, staging, d.rbd.Secrets)
+	}
 	raw, err := os.ReadFile(filepath.Join(staging, nbdStashName))
 	if err != nil {
 		return fmt.Errorf("find the volume's record in %s: %w", staging, err)
@@ -454,6 +475,9 @@ func (n *nbdNode) NodeStageVolume(_ context.Context, req *csi.NodeStageVolumeReq
 	}
 	if req.GetStagingTargetPath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "no staging target path")
+	}
+	if n.d.rbd != nil {
+		return n.d.rbdNodeStage(req)
 	}
 	var err error
 	if req.GetVolumeContext()["volumeHealerContext"] == "true" {

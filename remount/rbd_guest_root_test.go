@@ -1,0 +1,170 @@
+//go:build guest
+
+package remount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/mountmedic/mountmedic/probe"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
+)
+
+// The NBD faults with the real rbd-nbd on a real Ceph: the lab NBD
+// driver's rbd mode (ceph-csi RBD's node contract and rbd-nbd options) in
+// the guest of scripts/guest, mapping images of the host's Ceph lab
+// through scripts/guest/fwd (go test ./scripts/guest -run TestRBDInGuest
+// starts the Ceph lab and the guest). The lab, the container-side reader
+// and the checks are the nbdkit matrix's (nbd_guest_root_test.go): the
+// reader reads the data fsync'd before the fault, uncached, and writes;
+// the device and the mounts are the ones from before.
+
+// startRBDLab is startNBDLab with the driver in rbd mode on the host's
+// Ceph, with ceph-csi's map options (reattach-timeout 300 s, no I/O
+// timeout).
+func startRBDLab(t testing.TB, opts ...csilab.NBDDriverOption) (*nbdLab, csilab.RBDConfig) {
+	t.Helper()
+	cfg := csilab.GuestCeph(t)
+	l := startNBDLab(t, append([]csilab.NBDDriverOption{csilab.WithRBD(cfg)}, opts...)...)
+	return l, cfg
+}
+
+// newRBDVolume makes the volume's image (ceph-csi's controller does at
+// CreateVolume) and stages and publishes it as newVolume does.
+func (l *nbdLab) newRBDVolume(t testing.TB, cfg csilab.RBDConfig, id string) *nbdVol {
+	t.Helper()
+	cfg.CreateImage(t, csilab.RBDPool, id, 64)
+	return l.newVolume(t, id)
+}
+
+// healUntil runs the re-attach tier as the agent does until it heals the
+// volume: a driver out of time (ErrDriverUnavailable: ceph-csi's re-attach
+// waits for the dead daemon's watch on the image to expire) or busy with
+// the volume (Aborted) is asked again a second later.
+func healUntil(t testing.TB, r *Repairer, v *nbdVol, d time.Duration) Outcome {
+	t.Helper()
+	for deadline := time.Now().Add(d); ; time.Sleep(time.Second) {
+		o := r.Reattach(context.Background(), v.vol)
+		logOutcome(t, "reattach "+v.id, o)
+		if o.Healed || !(errors.Is(o.Err, ErrDriverUnavailable) || Transient(o.Err)) || time.Now().After(deadline) {
+			return o
+		}
+	}
+}
+
+// agentRepairer is a Repairer at the agent's defaults (a 30 s stage
+// deadline).
+func agentRepairer(t testing.TB, l *nbdLab) *Repairer {
+	t.Helper()
+	r, err := New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// TestRBDDaemonKilled kills a volume's rbd-nbd with the plugin up (ceph-csi
+// heals this never: its healer runs at plugin start only). The re-attach
+// tier asks the driver, whose `rbd-nbd attach --device` gives the same
+// /dev/nbdN a fresh daemon; nothing is staged, mapped or unmounted.
+func TestRBDDaemonKilled(t *testing.T) {
+	l, cfg := startRBDLab(t)
+	v := l.newRBDVolume(t, cfg, "0001-rbd-killed")
+	devices, stages := connectedNBD(t), l.drv.Stages
+	dm := l.drv.Daemon(v.id)
+	if dm == nil {
+		t.Fatal("no rbd-nbd daemon serves the volume")
+	}
+	r := agentRepairer(t, l)
+	killed := time.Now()
+	dm.Kill()
+	l.markBroken(t, v)
+	detected := time.Since(killed)
+	o := healUntil(t, r, v, 3*time.Minute)
+	if !o.Healed {
+		t.Fatalf("reattach: healed %v, err %v; want healed by the re-attach alone", o.Healed, o.Err)
+	}
+	if err := v.readerOK(); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(killed)
+	l.wantKept(t, v)
+	if n := connectedNBD(t); n != devices {
+		t.Errorf("%d nbd devices mapped after the heal, want %d as before", n, devices)
+	}
+	if l.drv.Stages != stages {
+		t.Errorf("the driver staged %d times during the heal, want 0 (a re-attach only)", l.drv.Stages-stages)
+	}
+	if d := l.drv.Daemon(v.id); d == nil || d.Pid() == dm.Pid() {
+		t.Errorf("after the heal the volume's rbd-nbd is %v, want a fresh daemon", d)
+	}
+	t.Logf("rbd figures: rbd-nbd killed: detected %v, reader reads and writes %v after the kill",
+		detected.Round(time.Millisecond), took.Round(time.Millisecond))
+}
+
+// TestRBDPluginRestart restarts the node plugin with several volumes
+// staged (every rbd-nbd dies with it) and heals each by re-attaching;
+// with MOUNTMEDIC_RBD_VOLUMES set (the benchmark) it also measures
+// ceph-csi's own healer at plugin start alone, on the same images.
+func TestRBDPluginRestart(t *testing.T) {
+	n := 3
+	if s := os.Getenv("MOUNTMEDIC_RBD_VOLUMES"); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
+	for _, mode := range []string{"mountmedic", "healer-at-start"} {
+		if mode == "healer-at-start" && os.Getenv("MOUNTMEDIC_RBD_VOLUMES") == "" {
+			continue // the comparison is the benchmark's
+		}
+		t.Run(mode, func(t *testing.T) {
+			var opts []csilab.NBDDriverOption
+			if mode == "healer-at-start" {
+				opts = append(opts, csilab.WithHealAtStart())
+			}
+			l, cfg := startRBDLab(t, opts...)
+			var vs []*nbdVol
+			for i := range n {
+				vs = append(vs, l.newRBDVolume(t, cfg, fmt.Sprintf("0001-rbd-%s-%02d", mode, i)))
+			}
+			devices := connectedNBD(t)
+			restarted := time.Now()
+			if err := l.drv.Restart(); err != nil {
+				t.Fatal(err)
+			}
+			if mode == "mountmedic" {
+				r := agentRepairer(t, l)
+				l.markBroken(t, vs...)
+				var wg sync.WaitGroup
+				for _, v := range vs {
+					wg.Go(func() {
+						if o := healUntil(t, r, v, 4*time.Minute); !o.Healed {
+							t.Errorf("%s: reattach healed %v, err %v", v.id, o.Healed, o.Err)
+						}
+					})
+				}
+				wg.Wait()
+			}
+			var times []time.Duration
+			for _, v := range vs {
+				if err := v.readerOK(); err != nil {
+					t.Errorf("%s: %v", v.id, err)
+				}
+				times = append(times, time.Since(restarted))
+				l.wantKept(t, v)
+			}
+			if got := connectedNBD(t); got != devices {
+				t.Errorf("%d nbd devices mapped after the heal, want %d", got, devices)
+			}
+			slices.Sort(times)
+			t.Logf("rbd figures: plugin restart, %d volumes, %s: all readers read and write %v after the restart",
+				n, mode, times[len(times)-1].Round(time.Millisecond))
+		})
+	}
+}

@@ -1,0 +1,90 @@
+package guest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mountmedic/mountmedic/scripts/csilab"
+)
+
+// rbdTests are the remount tests of rbd-nbd on a real Ceph
+// (remount/rbd_guest_root_test.go): they need the host's Ceph lab, which
+// TestRBDInGuest starts.
+const rbdTests = "^TestRBD"
+
+// TestMain stops the Ceph lab of TestRBDInGuest when the binary ends.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if err := csilab.StopSharedCeph(); err != nil {
+		fmt.Fprintf(os.Stderr, "stop the Ceph lab: %v\n", err)
+		if code == 0 {
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// TestRBDInGuest runs remount's rbd-nbd tests in the guest against a real
+// Ceph on the host: the Ceph lab (scripts/ceph-lab.sh: mon, mgr, OSD on
+// 127.0.0.1) with a pool for RBD, the guest on qemu's user-mode network,
+// and scripts/guest/fwd in the guest forwarding each of the lab's ports to
+// the host. MOUNTMEDIC_GUEST_RUN narrows the tests; MOUNTMEDIC_RBD_* pass
+// to the guest (MOUNTMEDIC_RBD_VOLUMES: the plugin-restart benchmark's
+// volume count).
+func TestRBDInGuest(t *testing.T) {
+	k := requireKernel(t)
+	root := moduleRoot(t)
+	start := time.Now()
+	ceph := csilab.SharedCeph(t)
+	ceph.RBDPool(t)
+	ready := time.Since(start)
+	run := t.TempDir()
+	bin := filepath.Join(run, "remount.test")
+	fwd := filepath.Join(run, "fwd")
+	for _, b := range [][]string{
+		{"test", "-c", "-tags", "guest", "-o", bin, "./remount"},
+		{"build", "-o", fwd, "./scripts/guest/fwd"},
+	} {
+		build := exec.Command("go", b...)
+		build.Dir = root
+		if out, err := build.CombinedOutput(); err != nil {
+			t.Fatalf("go %s: %v\n%s", strings.Join(b, " "), err, out)
+		}
+	}
+	pattern := rbdTests
+	if p := os.Getenv("MOUNTMEDIC_GUEST_RUN"); p != "" {
+		pattern = p
+	}
+	lo, hi := ceph.Ports()
+	env := []string{"MOUNTMEDIC_REQUIRE_ROOT=1", "GOTRACEBACK=all",
+		fmt.Sprintf("%s=%d-%d", csilab.EnvRBDPorts, lo, hi), csilab.EnvRBDFwd + "=" + fwd}
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "MOUNTMEDIC_RBD_") && !strings.HasPrefix(kv, csilab.EnvRBDPorts+"=") && !strings.HasPrefix(kv, csilab.EnvRBDFwd+"=") {
+			env = append(env, kv)
+		}
+	}
+	res, err := k.Run(context.Background(), Config{RunDir: run, Timeout: 25 * time.Minute, MemoryMiB: 1536, Network: true},
+		Command{Args: []string{bin, "-test.v", "-test.count=1", "-test.timeout=20m", "-test.run", pattern},
+			Dir: filepath.Join(root, "remount"), Modules: guestModules, Env: env})
+	if res != nil {
+		t.Logf("guest figures: rbd: Ceph ready on the host %.2fs; guest boot %.2fs; whole guest run %.2fs, exit %d",
+			ready.Seconds(), res.Boot.Seconds(), res.Took.Seconds(), res.Exit)
+		t.Logf("summary of ./remount's rbd tests in the guest:\n%s", summary(res.Output))
+		if dir := os.Getenv("MOUNTMEDIC_GUEST_KEEP"); dir != "" {
+			// The whole output, for a look at each tier's actions.
+			_ = os.WriteFile(filepath.Join(dir, "remount-rbd.out"), res.Output, 0o644)
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Exit != 0 {
+		t.Errorf("./remount's rbd tests in the guest exited %d; its output:\n%s\nconsole tail:\n%s", res.Exit, res.Output, tail(res.Console, 4000))
+	}
+}
