@@ -75,39 +75,52 @@ func agentRepairer(t testing.TB, l *nbdLab) *Repairer {
 // heals this never: its healer runs at plugin start only). The re-attach
 // tier asks the driver, whose `rbd-nbd attach --device` gives the same
 // /dev/nbdN a fresh daemon; nothing is staged, mapped or unmounted.
+// MOUNTMEDIC_RBD_KILLS kills it that many times (1 by default; the
+// benchmark's p50 and max).
 func TestRBDDaemonKilled(t *testing.T) {
+	kills := 1
+	if s := os.Getenv("MOUNTMEDIC_RBD_KILLS"); s != "" {
+		kills, _ = strconv.Atoi(s)
+	}
 	l, cfg := startRBDLab(t)
 	v := l.newRBDVolume(t, cfg, "0001-rbd-killed")
 	devices, stages := connectedNBD(t), l.drv.Stages
-	dm := l.drv.Daemon(v.id)
-	if dm == nil {
-		t.Fatal("no rbd-nbd daemon serves the volume")
-	}
 	r := agentRepairer(t, l)
-	killed := time.Now()
-	dm.Kill()
-	l.markBroken(t, v)
-	detected := time.Since(killed)
-	o := healUntil(t, r, v, 3*time.Minute)
-	if !o.Healed {
-		t.Fatalf("reattach: healed %v, err %v; want healed by the re-attach alone", o.Healed, o.Err)
+	var times []time.Duration
+	for i := range kills {
+		dm := l.drv.Daemon(v.id)
+		if dm == nil {
+			t.Fatal("no rbd-nbd daemon serves the volume")
+		}
+		killed := time.Now()
+		dm.Kill()
+		l.markBroken(t, v)
+		detected := time.Since(killed)
+		o := healUntil(t, r, v, 3*time.Minute)
+		if !o.Healed {
+			t.Fatalf("kill %d: reattach healed %v, err %v; want healed by the re-attach alone", i, o.Healed, o.Err)
+		}
+		if err := v.readerOK(); err != nil {
+			t.Fatalf("kill %d: %v", i, err)
+		}
+		took := time.Since(killed)
+		times = append(times, took)
+		l.wantKept(t, v)
+		if n := connectedNBD(t); n != devices {
+			t.Errorf("%d nbd devices mapped after the heal, want %d as before", n, devices)
+		}
+		if l.drv.Stages != stages {
+			t.Errorf("the driver staged %d times during the heal, want 0 (a re-attach only)", l.drv.Stages-stages)
+		}
+		if d := l.drv.Daemon(v.id); d == nil || d.Pid() == dm.Pid() {
+			t.Errorf("after the heal the volume's rbd-nbd is %v, want a fresh daemon", d)
+		}
+		t.Logf("kill %d: detected %v, reader reads and writes %v after the kill", i,
+			detected.Round(time.Millisecond), took.Round(time.Millisecond))
 	}
-	if err := v.readerOK(); err != nil {
-		t.Fatal(err)
-	}
-	took := time.Since(killed)
-	l.wantKept(t, v)
-	if n := connectedNBD(t); n != devices {
-		t.Errorf("%d nbd devices mapped after the heal, want %d as before", n, devices)
-	}
-	if l.drv.Stages != stages {
-		t.Errorf("the driver staged %d times during the heal, want 0 (a re-attach only)", l.drv.Stages-stages)
-	}
-	if d := l.drv.Daemon(v.id); d == nil || d.Pid() == dm.Pid() {
-		t.Errorf("after the heal the volume's rbd-nbd is %v, want a fresh daemon", d)
-	}
-	t.Logf("rbd figures: rbd-nbd killed: detected %v, reader reads and writes %v after the kill",
-		detected.Round(time.Millisecond), took.Round(time.Millisecond))
+	slices.Sort(times)
+	t.Logf("rbd figures: rbd-nbd killed %d times, plugin up: kill -> reader reads and writes p50 %v, max %v; device, mount and container kept",
+		kills, times[len(times)/2].Round(time.Millisecond), times[len(times)-1].Round(time.Millisecond))
 }
 
 // TestRBDPluginRestart restarts the node plugin with several volumes
