@@ -132,6 +132,15 @@ EOC
 	ceph-mon -c "$D/ceph.conf" --mkfs -i a --monmap "$D/monmap" >/dev/null
 	ceph-mon -c "$D/ceph.conf" -i a 2>>"$D/start.log"
 	ceph-mgr -c "$D/ceph.conf" -i x 2>>"$D/start.log"
+	# A mon just started can refuse its first commands (EPERM "problem
+	# getting command descriptions", or a failed crush update) on a loaded
+	# host: wait until it answers one.
+	local i
+	for i in $(seq 150); do
+		ceph osd ls >/dev/null 2>&1 && break
+		((i < 150)) || die "the mon answered no command in 30 s: see $D/mon.a.log"
+		sleep 0.2
+	done
 	local uuid id
 	uuid=$(cat /proc/sys/kernel/random/uuid)
 	id=$(ceph osd new "$uuid")
@@ -143,7 +152,6 @@ EOC
 	ceph osd pool create cephfs_metadata 8 8 >/dev/null 2>&1
 	ceph osd pool create cephfs_data 8 8 >/dev/null 2>&1
 	ceph fs new cephfs cephfs_metadata cephfs_data >/dev/null 2>&1
-	local i
 	for i in $(seq 300); do
 		# Ready: the MDS serves the file system and every placement group
 		# is active, so the first client write does not wait for peering.
