@@ -181,3 +181,48 @@ func TestRBDPluginRestart(t *testing.T) {
 		})
 	}
 }
+
+// TestRBDBackendDown stops the OSD serving clients (`ceph osd pause`, as
+// an OSD down is for its clients): rbd-nbd lives, the device does not
+// answer. The re-attach tier asks the driver, which finds the image still
+// mapped by its live rbd-nbd and answers OK (ceph-csi's attachRBDImage),
+// while the device still does not answer: the tier must say wait
+// (ErrDriverUnavailable), never escalate, and nothing is staged, mapped or
+// unmounted. Once the OSD serves again, the volume answers by itself.
+func TestRBDBackendDown(t *testing.T) {
+	l, cfg := startRBDLab(t)
+	v := l.newRBDVolume(t, cfg, "0001-rbd-backend")
+	devices, stages := connectedNBD(t), l.drv.Stages
+	cfg.Ceph(t, "osd", "pause")
+	paused := true
+	t.Cleanup(func() {
+		if paused {
+			cfg.Ceph(t, "osd", "unpause")
+		}
+	})
+	down := time.Now()
+	go func() { _, _ = readUncached(v.ctr.Path("/data/acked")) }()
+	l.markBroken(t, v)
+	o := l.r.Reattach(context.Background(), v.vol)
+	logOutcome(t, "reattach while the OSD is paused", o)
+	if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
+		t.Errorf("reattach with the OSD paused: healed %v, err %v; want ErrDriverUnavailable (wait)", o.Healed, o.Err)
+	}
+	if l.drv.Stages != stages || connectedNBD(t) != devices {
+		t.Errorf("with the OSD paused: %d stages, %d devices; want none new", l.drv.Stages-stages, connectedNBD(t)-devices)
+	}
+	cfg.Ceph(t, "osd", "unpause")
+	paused = false
+	up := time.Now()
+	for deadline := time.Now().Add(2 * time.Minute); l.brokenNow(t, v); time.Sleep(2 * time.Second) {
+		if time.Now().After(deadline) {
+			t.Fatal("the volume never answered after the OSD served again")
+		}
+	}
+	if err := v.readerOK(); err != nil {
+		t.Fatal(err)
+	}
+	l.wantKept(t, v)
+	t.Logf("rbd figures: OSD paused %v: reader reads and writes %v after it served again, nothing re-staged",
+		up.Sub(down).Round(time.Millisecond), time.Since(up).Round(time.Millisecond))
+}

@@ -61,8 +61,9 @@ const reattachWait = 10 * time.Second
 // staging mount and publish targets answer a probe, each the same mount
 // as before. A filesystem gone to errors is mounted afresh on the kept
 // device (freshFilesystem); when that cannot be done the tier ends with
-// ErrFilesystemFailed. A driver that does not answer, or whose re-attach
-// runs out of time (its backend down), ends it with ErrDriverUnavailable:
+// ErrFilesystemFailed. A driver that does not answer, whose re-attach
+// runs out of time, or whose device still does not answer after the
+// driver answered (its backend down) ends it with ErrDriverUnavailable:
 // wait, never escalate.
 //
 // Nothing is ever re-attached, unmounted or read that is not the volume's
@@ -106,6 +107,14 @@ func (r *Repairer) Reattach(ctx context.Context, v *Volume) Outcome {
 			a := Action{Op: opVerify, Path: dev, Took: time.Since(start), Detail: "device answers after the re-attach"}
 			if rerr != nil {
 				a.Detail, a.Err = "device still does not answer", fmt.Errorf("%s after the re-attach: %w", dev, rerr)
+				if errors.Is(rerr, probe.ErrHung) {
+					// The driver answered (ceph-csi answers OK while the
+					// volume's rbd-nbd lives) and the device still does
+					// not: its backend (the Ceph OSDs) does not. Wait for
+					// it as for a driver that is down; never escalate.
+					a.Detail = "device still does not answer: its backend is down"
+					a.Err = fmt.Errorf("%w: the driver answered, the backend does not: %w", a.Err, ErrDriverUnavailable)
+				}
 				add(a)
 				o.Err = a.Err
 				return

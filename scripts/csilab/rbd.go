@@ -519,3 +519,15 @@ func (cfg RBDConfig) CreateImage(t testing.TB, pool, name string, sizeMiB int) {
 		t.Fatalf("rbd create %s/%s: %v", pool, name, err)
 	}
 }
+
+// Ceph runs the ceph CLI against the cluster (`ceph osd pause` stops the
+// OSDs serving clients: a backend that is down for its clients).
+func (cfg RBDConfig) Ceph(t testing.TB, args ...string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	d := &NBDDriver{rbd: &cfg}
+	if _, err := runQuiet(ctx, "ceph", d.rbdArgs(args...)...); err != nil {
+		t.Fatalf("ceph %s: %v", strings.Join(args, " "), err)
+	}
+}
