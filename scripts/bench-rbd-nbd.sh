@@ -34,7 +34,7 @@ for i in $(seq "$runs"); do
 	echo "rbd-nbd-bench: run $i ($kind), load: $(cut -d' ' -f1-3 /proc/loadavg)"
 	log=$(mktemp /tmp/mountmedic-rbd-bench.XXXXXX)
 	start=$(date +%s.%N)
-	if ! MOUNTMEDIC_RBD_VOLUMES=${VOLUMES:-5} MOUNTMEDIC_RBD_KILLS=${KILLS:-5} \
+	if ! MOUNTMEDIC_RBD_RUN='^TestRBD(DaemonKilled|PluginRestart)$' MOUNTMEDIC_RBD_VOLUMES=${VOLUMES:-5} MOUNTMEDIC_RBD_KILLS=${KILLS:-5} \
 		go test -count=1 -timeout 40m -run '^TestRBDInGuest$' -v ./scripts/guest >"$log" 2>&1; then
 		tail -n 100 "$log"
 		echo "rbd-nbd-bench: run $i failed (whole log: $log)"
