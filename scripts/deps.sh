@@ -3,12 +3,13 @@
 # fault lab drives, the real CSI driver's s3fs and rclone, sshfs with sftp-server (no
 # sshd) for the lab's layout drivers, Prometheus/promtool for the
 # metrics checks, containerd/runc and busybox-static for the e2e node, buildah
-# for the image, and the Ceph daemons, ceph-fuse and bc of scripts/ceph-lab.sh
-# (the agent's CephFS tests, scripts/bench-ceph-fuse.sh). --ceph is accepted
+# for the image, the Ceph daemons, ceph-fuse and bc of scripts/ceph-lab.sh
+# (the agent's CephFS tests, scripts/bench-ceph-fuse.sh), and rbd-nbd for the
+# guest's rbd tests (scripts/guest's TestRBDInGuest, scripts/bench-rbd-nbd.sh). --ceph is accepted
 # and changes nothing. Installs nothing that is already there.
 set -euo pipefail
 pkgs=(s3fs rclone sshfs openssh-sftp-server fuse3 e2fsprogs util-linux prometheus buildah containerd runc busybox-static qemu-system-x86 nbdkit nbd-client
-	ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common bc)
+	ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common rbd-nbd bc)
 case ${1:-} in
 --ceph | "") ;;
 *)
