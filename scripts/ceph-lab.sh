@@ -17,6 +17,10 @@
 # packages' defaults); the packages are ceph-mon ceph-mgr ceph-osd
 # ceph-mds ceph-common (scripts/deps.sh).
 #
+# RBD: scripts/csilab's Ceph.RBDPool adds a pool "lab" (`rbd pool init`)
+# for rbd-nbd in the guest of scripts/guest, which reaches every daemon
+# through scripts/guest/fwd (the maps name 127.0.0.1 addresses).
+#
 # CEPH_LAB_PORT (6789) is the mon's port and CEPH_LAB_PORTS (6800-6899)
 # the range the other daemons bind in: change both to run two labs at once.
 set -euo pipefail
