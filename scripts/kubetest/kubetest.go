@@ -90,22 +90,23 @@ type Cluster struct {
 	apiBin   string
 	apiArgs  []string
 	restarts int
+	// detach, for a cluster a broker runs (Attach), hands it back.
+	detach func()
 }
 
 // Start starts etcd and kube-apiserver (and kube-controller-manager when
 // opts.Controllers is set), waits until the apiserver is ready and returns the
 // cluster. Everything is stopped when the test ends.
+//
+// With $MOUNTMEDIC_KUBETEST_BROKER set (EnvBroker) it starts nothing here:
+// it asks that broker for a cluster of its own and attaches to it (Attach).
 func Start(t testing.TB, opts Options) *Cluster {
 	t.Helper()
-	names := []string{"etcd", "kube-apiserver"}
-	if len(opts.Controllers) > 0 {
-		names = append(names, "kube-controller-manager")
+	if addr := os.Getenv(EnvBroker); addr != "" {
+		return Attach(t, addr, opts)
 	}
-	if opts.Scheduler {
-		names = append(names, "kube-scheduler")
-	}
-	bins := make(map[string]string, len(names))
-	for _, name := range names {
+	bins := make(map[string]string)
+	for _, name := range components(opts) {
 		bins[name] = lab.RequireTool(t, name)
 	}
 
@@ -116,6 +117,18 @@ func Start(t testing.TB, opts Options) *Cluster {
 		t.Fatalf("start control plane: %v", err)
 	}
 	return c
+}
+
+// components are the programs a cluster of opts runs.
+func components(opts Options) []string {
+	names := []string{"etcd", "kube-apiserver"}
+	if len(opts.Controllers) > 0 {
+		names = append(names, "kube-controller-manager")
+	}
+	if opts.Scheduler {
+		names = append(names, "kube-scheduler")
+	}
+	return names
 }
 
 func (c *Cluster) start(bins map[string]string, opts Options) error {
@@ -317,6 +330,10 @@ func (c *Cluster) writeKubeconfig() (string, error) {
 
 // stop ends the components in reverse start order; on failure it logs their tails.
 func (c *Cluster) stop() {
+	if c.detach != nil {
+		c.detach()
+		return
+	}
 	if c.t.Failed() {
 		for _, p := range c.procs {
 			c.t.Logf("last lines of %s (%s):\n%s", p.Name, p.Log, p.Tail(15))
@@ -331,6 +348,9 @@ func (c *Cluster) stop() {
 // outage or an upgrade does: every client's requests and watches fail until
 // StartAPIServer. etcd and the other components keep running.
 func (c *Cluster) StopAPIServer() {
+	if c.detach != nil {
+		c.t.Fatal("StopAPIServer on a cluster a broker runs: run the test where it starts its own (unset " + EnvBroker + ")")
+	}
 	c.procs[c.api].Stop(10 * time.Second)
 }
 
@@ -338,6 +358,9 @@ func (c *Cluster) StopAPIServer() {
 // same port, and waits until it is ready. Its log is
 // logs/kube-apiserver-<n>.log for the n-th restart.
 func (c *Cluster) StartAPIServer() error {
+	if c.detach != nil {
+		return errors.New("StartAPIServer on a cluster a broker runs: run the test where it starts its own (unset " + EnvBroker + ")")
+	}
 	c.restarts++
 	name := fmt.Sprintf("kube-apiserver-%d", c.restarts)
 	// At niceness 10: a starting kube-apiserver takes both cores of a

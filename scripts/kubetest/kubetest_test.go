@@ -186,3 +186,23 @@ func waitBudget(ctx context.Context, t *testing.T, client kubernetes.Interface, 
 		t.Fatalf("wait for pdb %s/%s to allow %d disruptions: %v (last status %+v)", ns, name, allowed, err, last)
 	}
 }
+
+// TestBrokerAttach starts a cluster through a broker, as a test binary in
+// the guest of scripts/guest does, and uses it as the admin and as a node.
+func TestBrokerAttach(t *testing.T) {
+	b := kubetest.Serve(t, t.TempDir())
+	c := kubetest.Attach(t, b.Addr, kubetest.Options{})
+	ctx := context.Background()
+	c.CreateNamespace(t, "attached")
+	if _, err := c.Kubectl("get", "namespace", "attached"); err != nil {
+		t.Errorf("kubectl on the attached cluster: %v", err)
+	}
+	node, err := kubernetes.NewForConfig(c.NodeConfig(t, "node-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := node.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}}, metav1.CreateOptions{}); err != nil {
+		t.Errorf("the node's own identity creates its Node: %v", err)
+	}
+	t.Logf("cluster started by the broker in %v", b.Started)
+}

@@ -88,6 +88,18 @@ func newPKI(dir string) (*pki, error) {
 	if p.adminCert, p.adminKey, err = issue(admin, ca, caKey); err != nil {
 		return nil, fmt.Errorf("issue admin certificate: %w", err)
 	}
+	// The CA key and the admin's credentials on file too: a test binary
+	// that attaches to this cluster (Attach) mints its clients from them.
+	caKeyDER, err := x509.MarshalECPrivateKey(caKey)
+	if err != nil {
+		return nil, fmt.Errorf("marshal ca key: %w", err)
+	}
+	if err := writeFiles(map[string][]byte{
+		filepath.Join(dir, caKeyName):     pemBlock("EC PRIVATE KEY", caKeyDER),
+		filepath.Join(dir, adminCertName): p.adminCert, filepath.Join(dir, adminKeyName): p.adminKey,
+	}); err != nil {
+		return nil, err
+	}
 
 	saKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -107,6 +119,52 @@ func newPKI(dir string) (*pki, error) {
 		p.saKeyFile: pemBlock("EC PRIVATE KEY", saPriv),
 		p.saPubFile: pemBlock("PUBLIC KEY", saPub),
 	}); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Files of the key material beside ca.crt, for loadPKI.
+const (
+	caKeyName     = "ca.key"
+	adminCertName = "admin.crt"
+	adminKeyName  = "admin.key"
+)
+
+// loadPKI reads what newPKI wrote in dir: the CA (with its key) and the
+// admin's credentials.
+func loadPKI(dir string) (*pki, error) {
+	p := &pki{caFile: filepath.Join(dir, "ca.crt"), saKeyFile: filepath.Join(dir, "sa.key"), saPubFile: filepath.Join(dir, "sa.pub"),
+		servingCertFile: filepath.Join(dir, "apiserver.crt"), servingKeyFile: filepath.Join(dir, "apiserver.key")}
+	read := func(name string) ([]byte, *pem.Block, error) {
+		raw, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			return nil, nil, err
+		}
+		b, _ := pem.Decode(raw)
+		if b == nil {
+			return nil, nil, fmt.Errorf("%s in %s holds no PEM block", name, dir)
+		}
+		return raw, b, nil
+	}
+	raw, b, err := read("ca.crt")
+	if err != nil {
+		return nil, err
+	}
+	if p.ca, err = x509.ParseCertificate(b.Bytes); err != nil {
+		return nil, fmt.Errorf("parse ca.crt in %s: %w", dir, err)
+	}
+	p.caCert = raw
+	if _, b, err = read(caKeyName); err != nil {
+		return nil, err
+	}
+	if p.caKey, err = x509.ParseECPrivateKey(b.Bytes); err != nil {
+		return nil, fmt.Errorf("parse %s in %s: %w", caKeyName, dir, err)
+	}
+	if p.adminCert, _, err = read(adminCertName); err != nil {
+		return nil, err
+	}
+	if p.adminKey, _, err = read(adminKeyName); err != nil {
 		return nil, err
 	}
 	return p, nil
