@@ -1,0 +1,389 @@
+//go:build guest
+
+package agent_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mountmedic/mountmedic/agent"
+	"github.com/mountmedic/mountmedic/probe/kubelet"
+	"github.com/mountmedic/mountmedic/remount"
+	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/scripts/lab"
+)
+
+// The agent over NBD volumes on a real nbd driver (the guest of
+// scripts/guest: go test ./scripts/guest -run TestInGuest/agent): the lab
+// NBD driver (ceph-csi RBD's rbd-nbd contract, nbdkit as the daemon) on
+// the lab kubelet root's socket, the pods, claims and volumes in a real API
+// server (the host's, through kubetest's broker), and a lab container per
+// pod holding a private bind of its publish target. The agent runs its
+// whole loop: informers, probes, strikes, the ladder (re-attach first for
+// ceph-csi's rbd-nbd volumes), events.
+
+// nbdAgentMapOptions are the lab's device settings: rbd-nbd's
+// dead-connection hold (--reattach-timeout), within which a re-attach
+// finds the kernel device, its filesystem and the pods' binds as they
+// were, and an I/O timeout.
+var nbdAgentMapOptions = csilab.NBDOptions{IOTimeout: 15 * time.Second, DeadConnTimeout: 90 * time.Second}
+
+// nbdEnv is env with the lab NBD driver and its CSIDriver object.
+type nbdEnv struct {
+	*env
+	drv *csilab.NBDDriver
+}
+
+func newNBDEnv(t testing.TB, opts ...csilab.NBDDriverOption) *nbdEnv {
+	t.Helper()
+	lab.RequireRoot(t)
+	if _, err := os.Stat("/sys/module/nbd"); err != nil {
+		lab.SkipOrFail(t, "no nbd driver (%v): these tests run in the guest of scripts/guest", err)
+	}
+	e := newEnv(t, nil)
+	sock := filepath.Join(e.kubelet.Root(), "plugins", csilab.NBDDriverName, "csi.sock")
+	drv := csilab.StartNBDDriver(t, sock, append([]csilab.NBDDriverOption{csilab.WithNBDOptions(nbdAgentMapOptions)}, opts...)...)
+	attach := false
+	if _, err := e.admin.StorageV1().CSIDrivers().Create(context.Background(), &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: csilab.NBDDriverName},
+		Spec:       storagev1.CSIDriverSpec{AttachRequired: &attach},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create CSIDriver: %v", err)
+	}
+	return &nbdEnv{env: e, drv: drv}
+}
+
+// nbdVolume is an rbd-nbd volume of the lab driver, the pod that uses it
+// and its container.
+type nbdVolume struct {
+	id      string
+	pod     *corev1.Pod
+	pvc     *corev1.PersistentVolumeClaim
+	mount   string // the driver's mount, <staging>/<volumeID>
+	target  string
+	app     *lab.Container
+	ack     []byte // written and fsync'd before any fault
+	dev     string // major:minor of the device under mount
+	mountID int
+}
+
+// newVolume creates the Secret, a static PV with ceph-csi RBD's rbd-nbd
+// attributes, its bound PVC and a Running pod owned by a ReplicaSet; stages
+// and publishes it through the driver with the request kubelet would build
+// from those objects; writes and fsyncs the acknowledged file and starts
+// the pod's container.
+func (e *nbdEnv) newVolume(name string) *nbdVolume {
+	t := e.t
+	t.Helper()
+	ctx := context.Background()
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: "rbd-" + name},
+		StringData: map[string]string{"userID": "lab", "userKey": "secret"}}
+	if _, err := e.admin.CoreV1().Secrets(testNamespace).Create(ctx, secret, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create Secret: %v", err)
+	}
+	id := "0001-lab-" + name
+	v := e.createVolume(name, func(pv *corev1.PersistentVolume) {
+		pv.Spec.CSI = &corev1.CSIPersistentVolumeSource{Driver: csilab.NBDDriverName, VolumeHandle: id, FSType: "ext4",
+			VolumeAttributes:   map[string]string{"mounter": "rbd-nbd", "pool": "lab", "imageName": "csi-vol-" + name},
+			NodeStageSecretRef: &corev1.SecretReference{Namespace: testNamespace, Name: secret.Name}}
+	})
+	labels := map[string]string{"app": name}
+	pod := e.createPod(name, v, podOptions{owner: e.replicaSet("rs-"+name, labels), labels: labels})
+
+	c, err := remount.DialCSI(ctx, e.drv.Socket(), remount.CSIOptions{StageTimeout: 3 * time.Minute, PublishTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	caps, err := c.NodeGetCapabilities(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvObj, err := e.admin.CoreV1().PersistentVolumes().Get(ctx, v.pv.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	secretObj, err := e.admin.CoreV1().Secrets(testNamespace).Get(ctx, secret.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	driverObj, err := e.admin.StorageV1().CSIDrivers().Get(ctx, csilab.NBDDriverName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vr, err := kubelet.BuildVolumeRequest(kubelet.VolumeObjects{Pod: pod, VolumeName: "data", PVC: v.pvc, PV: pvObj,
+		CSIDriver: driverObj, StageSecret: secretObj, Capabilities: caps, KubeletRoot: e.kubelet.Root()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if staging := e.kubelet.StagingPath(csilab.NBDDriverName, id); vr.StagingPath != staging {
+		t.Fatalf("request staging path %s, kubelet's %s", vr.StagingPath, staging)
+	}
+	if err := c.NodeStageVolume(ctx, kubelet.StageRequest(vr)); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	target := e.kubelet.PreparePublish(string(pod.UID), pvObj.Name, csilab.NBDDriverName, id)
+	if err := c.NodePublishVolume(ctx, kubelet.PublishRequest(vr)); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+	s := &nbdVolume{id: id, pod: pod, pvc: v.pvc, mount: filepath.Join(vr.StagingPath, id), target: target}
+	s.ack = make([]byte, 128<<10)
+	_, _ = rand.Read(s.ack)
+	if err := writeSynced(filepath.Join(target, "acked"), s.ack); err != nil {
+		t.Fatalf("acknowledged write: %v", err)
+	}
+	s.app = lab.StartContainer(t, "app-"+name, lab.PropagationPrivate, map[string]string{"/data": target},
+		lab.WithChroot(), lab.WithPodCgroup(string(pod.UID), strings.Repeat("ab", 32)))
+	s.dev, s.mountID = mountAt(t, s.mount)
+	return s
+}
+
+// readerOK is the container-side reader: the acknowledged data read back
+// uncached through the container's own bind, and a new write acknowledged.
+func (s *nbdVolume) readerOK() error {
+	got, err := readUncached(s.app.Path("/data/acked"))
+	if err != nil {
+		return fmt.Errorf("%s: the container reads its volume: %w", s.id, err)
+	}
+	if !bytes.Equal(got, s.ack) {
+		return fmt.Errorf("%s: the container reads %d bytes of the acknowledged file, not the %d written before the fault", s.id, len(got), len(s.ack))
+	}
+	if err := writeSynced(s.app.Path("/data/after-heal"), []byte("ok")); err != nil {
+		return fmt.Errorf("%s: the container writes its volume: %w", s.id, err)
+	}
+	return nil
+}
+
+// readerBack runs readerOK until it passes, each try on its own goroutine
+// (a read of a device whose daemon died waits for the re-attach), and
+// returns when it passed, or the last error after limit.
+func (s *nbdVolume) readerBack(start time.Time, limit time.Duration) (time.Duration, error) {
+	var last error
+	for time.Since(start) < limit {
+		done := make(chan error, 1)
+		go func() { done <- s.readerOK() }()
+		select {
+		case err := <-done:
+			if err == nil {
+				return time.Since(start), nil
+			}
+			last = err
+			time.Sleep(50 * time.Millisecond)
+		case <-time.After(time.Until(start.Add(limit))):
+			return 0, fmt.Errorf("%s: the container's read still blocked %v after the fault", s.id, limit)
+		}
+	}
+	return 0, last
+}
+
+// wantKept checks the heal kept what the container had: the same pod and
+// container process, the same device under the same mount, one mount at
+// the driver's path and at the publish target.
+func (e *nbdEnv) wantKept(s *nbdVolume, appPid int) {
+	t := e.t
+	t.Helper()
+	if s.app.Pid() != appPid {
+		t.Errorf("%s: the container was restarted (pid %d, was %d); a re-attach heals in place", s.id, s.app.Pid(), appPid)
+	}
+	pod, err := e.admin.CoreV1().Pods(testNamespace).Get(context.Background(), s.pod.Name, metav1.GetOptions{})
+	if err != nil || pod.UID != s.pod.UID || pod.DeletionTimestamp != nil {
+		t.Errorf("%s: pod after the heal: %v (err %v); want the same pod, not deleted", s.id, pod.GetUID(), err)
+	}
+	if dev, id := mountAt(t, s.mount); dev != s.dev || id != s.mountID {
+		t.Errorf("%s: mount %d on %s after the heal, want the same mount %d on %s", s.id, id, dev, s.mountID, s.dev)
+	}
+	for _, p := range []string{s.mount, s.target} {
+		if n := len(mountsAt(t, p)); n != 1 {
+			t.Errorf("%s: %d mounts at %s after the heal, want 1", s.id, n, p)
+		}
+	}
+}
+
+// mountAt is the device and the ID of the top mount at path.
+func mountAt(t testing.TB, path string) (dev string, id int) {
+	t.Helper()
+	ms := mountsAt(t, path)
+	if len(ms) == 0 {
+		t.Fatalf("nothing mounted at %s", path)
+	}
+	top := ms[len(ms)-1]
+	return fmt.Sprintf("%d:%d", top.Major, top.Minor), top.ID
+}
+
+func mountsAt(t testing.TB, path string) []*mountinfo.Info {
+	t.Helper()
+	ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ms
+}
+
+// connectedNBD counts the nbd devices with a size (mapped).
+func connectedNBD() int {
+	ms, _ := filepath.Glob("/sys/block/nbd*/size")
+	n := 0
+	for _, m := range ms {
+		if raw, err := os.ReadFile(m); err == nil && strings.TrimSpace(string(raw)) != "0" {
+			n++
+		}
+	}
+	return n
+}
+
+func writeSynced(path string, data []byte) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// readUncached reads a file after dropping its clean pages, so the read
+// reaches the device.
+func readUncached(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	_ = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
+	var buf bytes.Buffer
+	_, err = buf.ReadFrom(f)
+	return buf.Bytes(), err
+}
+
+// nbdConfig is the agent configuration of these tests: the tests' own
+// (fast probes, fast backoff) unless MOUNTMEDIC_NBD_AGENT_DEFAULTS=1, the
+// figures' setting, which keeps the agent's defaults for everything that
+// times a heal (probe interval and deadline, strikes, resync, backoff,
+// concurrency).
+func (e *nbdEnv) nbdConfig() agent.Config {
+	if os.Getenv("MOUNTMEDIC_NBD_AGENT_DEFAULTS") != "1" {
+		cfg := e.config()
+		// Under emulation a cycle every 100 ms would take the guest's CPU
+		// from the daemons it probes.
+		cfg.ProbeInterval = 500 * time.Millisecond
+		return cfg
+	}
+	cfg := agent.DefaultConfig()
+	cfg.NodeName, cfg.KubeletRoot, cfg.MetricsAddr, cfg.Version = e.node, e.kubelet.Root(), "", "test"
+	return cfg
+}
+
+// TestAgentHealsNBD runs the agent over rbd-nbd volumes of the lab NBD
+// driver: one volume's daemon is killed with the plugin up (which
+// ceph-csi's own healer never sees), then the node plugin restarts with
+// every daemon (MOUNTMEDIC_NBD_VOLUMES volumes, 3 by default). Each is
+// healed by the re-attach alone: the same pod and container process, the
+// data fsync'd before the fault read back uncached through the container's
+// bind, a new write acknowledged, the same kernel device under the same
+// mount, no second device or mount, nothing staged again; a VolumeRepaired
+// event on the pod.
+func TestAgentHealsNBD(t *testing.T) {
+	n := 3
+	if s := os.Getenv("MOUNTMEDIC_NBD_VOLUMES"); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
+	e := newNBDEnv(t)
+	var vs []*nbdVolume
+	for i := range n {
+		vs = append(vs, e.newVolume(fmt.Sprintf("v%02d", i)))
+	}
+	pids := map[string]int{}
+	for _, s := range vs {
+		if err := s.readerOK(); err != nil {
+			t.Fatalf("before the fault: %v", err)
+		}
+		pids[s.id] = s.app.Pid()
+	}
+	cfg := e.nbdConfig()
+	a := e.startAgent(cfg, e.withRepairer(cfg, remount.Config{}, agent.Deps{}))
+	devices, stages := connectedNBD(), e.drv.Stages
+
+	killed := vs[0]
+	old := e.drv.Daemon(killed.id)
+	start := time.Now()
+	old.Kill()
+	took, err := killed.readerBack(start, 3*time.Minute)
+	if err != nil {
+		t.Fatalf("daemon killed: %v", err)
+	}
+	asked := e.drv.Daemon(killed.id) != old
+	e.wantKept(killed, pids[killed.id])
+	ev := e.waitEvent(killed.pod.UID, string(agent.ReasonVolumeRepaired), "reattach")
+	t.Logf("nbd figures: agent, daemon killed: the container reads and writes again %v after the kill; %s %q",
+		took.Round(time.Millisecond), ev.Reason, ev.Note)
+	if !asked {
+		t.Errorf("%s: the driver's daemon is the killed one; want a fresh one from the re-attach", killed.id)
+	}
+
+	start = time.Now()
+	if err := e.drv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu    sync.Mutex
+		wg    sync.WaitGroup
+		times []time.Duration
+	)
+	for _, s := range vs {
+		wg.Go(func() {
+			took, err := s.readerBack(start, 3*time.Minute)
+			if err != nil {
+				t.Errorf("plugin restarted: %v", err)
+				return
+			}
+			mu.Lock()
+			times = append(times, took)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	for _, s := range vs {
+		e.wantKept(s, pids[s.id])
+	}
+	if got := connectedNBD(); got != devices {
+		t.Errorf("%d nbd devices mapped after the heals, want %d as before", got, devices)
+	}
+	if e.drv.Stages != stages {
+		t.Errorf("the driver staged %d times during the heals, want 0 (re-attaches only)", e.drv.Stages-stages)
+	}
+	if got, _ := a.metric(`mountmedic_repairs_total{result="success",tier="reattach"}`); got < float64(n+1) {
+		t.Errorf("repairs_total{reattach,success} = %v, want at least %d", got, n+1)
+	}
+	for _, tier := range []string{"restage", "liveswap", "restart", "evict"} {
+		if got, _ := a.metric(`mountmedic_repairs_total{result="success",tier="` + tier + `"}`); got != 0 {
+			t.Errorf("repairs_total{%s,success} = %v, want 0: the re-attach heals in place", tier, got)
+		}
+	}
+	slices.Sort(times)
+	if len(times) > 0 {
+		t.Logf("nbd figures: agent, plugin restarted with %d volumes: all containers read and write again %v after the restart (first %v)",
+			n, times[len(times)-1].Round(time.Millisecond), times[0].Round(time.Millisecond))
+	}
+}
