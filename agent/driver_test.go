@@ -458,8 +458,10 @@ func TestAgentHealsRepeatedCrashes(t *testing.T) {
 func TestAgentRollsForwardAfterCrashMidRepair(t *testing.T) {
 	d := newDriverEnv(t)
 	s := d.newVolume("midway")
-	d.drv.Kill()
+	// The path before the kill: StagingPath makes its directory, and on
+	// 6.1 a stat of the dead mount there fails (ENOTCONN).
 	staging := d.kubelet.StagingPath(csilab.DriverName, d.s3.Volume(csilab.Bucket, "midway").Handle)
+	d.drv.Kill()
 	if err := unix.Unmount(staging, unix.MNT_DETACH); err != nil {
 		t.Fatalf("detach the dead staging mount as the interrupted repair did: %v", err)
 	}
