@@ -28,7 +28,7 @@ if [ -n "$unformatted" ]; then
 	exit 1
 fi
 go vet ./...
-go vet -tags guest ./probe ./remount
+go vet -tags guest ./probe ./remount ./agent
 # The failover availability tests (an API server outage with every peer
 # endpoint flooded: no node may fence) judge peers by their answers within
 # the shipped 2 s peer timeout; beside the other test binaries under -race,
@@ -64,9 +64,10 @@ if ! go test -race -count=1 -timeout 25m -v ./scripts/e2e 2>&1 | tee /tmp/mountm
 fi
 # The guest lab (scripts/guest), alone and without the race detector: it
 # boots Debian's 6.1 kernel under qemu (software emulation) and runs the
-# probe and remount root tests there, NBD included, which the host kernel
-# cannot run, and the real rbd-nbd on a Ceph lab on the host (TestRBDInGuest,
-# about 4 min). About 11 min.
+# probe, remount and agent root tests there, NBD included, which the host
+# kernel cannot run (the agent's API servers run on the host, about 3 min),
+# and the real rbd-nbd on a Ceph lab on the host (TestRBDInGuest, about
+# 4 min). About 14 min.
 if ! go test -count=1 -timeout 30m -v ./scripts/guest 2>&1 | tee /tmp/mountmedic-guest.log | grep -E '^(=== RUN|--- |\s+--- |ok|FAIL|PASS)|guest figures|(nbd|rbd) (facts|figures)|left out'; then
 	echo "--- the guest run failed (whole log: /tmp/mountmedic-guest.log):"
 	tail -n 200 /tmp/mountmedic-guest.log
