@@ -123,7 +123,9 @@ type Agent struct {
 	nodePods *nodePods
 
 	results chan jobResult
-	running int
+	// running counts the repair runs under way, reattaching those of them
+	// that began with the re-attach rung (startRuns).
+	running, reattaching int
 	// broken and queue are the last probe cycle's broken volumes and the
 	// keys it found due that no run has taken yet (owned by the loop).
 	broken  map[string]*brokenVolume
@@ -179,7 +181,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		driverUp:    make(chan string, 16),
 		stalled:     make(chan struct{}, 1),
 		fenced:      deps.Fenced,
-		results:     make(chan jobResult, cfg.MaxConcurrentRepairs),
+		results:     make(chan jobResult, cfg.RepairSlots()),
 		release:     deps.ReleaseCode,
 	}
 	// The loop's reads say a bare globalmount is a lost staging only for

@@ -158,6 +158,9 @@ func (e *env) withRepairer(cfg agent.Config, rc remount.Config, deps agent.Deps)
 		deps.Table = agent.NewTableReader(cfg)
 	}
 	rc.KubeletRoot, rc.Prober, rc.Table = e.kubelet.Root(), deps.Prober, deps.Table
+	if rc.Parallel == 0 {
+		rc.Parallel = cfg.RepairSlots() // as the command wires it
+	}
 	rep, err := remount.New(rc)
 	if err != nil {
 		e.t.Fatal(err)

@@ -49,6 +49,8 @@ type jobResult struct {
 	// residual is set when the host was healed and running containers
 	// were not.
 	residual *residual
+	// reattach: the run began with the re-attach rung (reattachFirst).
+	reattach bool
 }
 
 // prepare sorts the pods of a broken volume into those to repair, those

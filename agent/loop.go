@@ -160,6 +160,9 @@ func (a *Agent) driverBack(c *cycle, driver string) {
 // runEnded records how a repair run ended and starts the next ones.
 func (a *Agent) runEnded(ctx context.Context, r jobResult, rel *codeRelease) {
 	a.running--
+	if r.reattach {
+		a.reattaching--
+	}
 	if a.running == 0 {
 		rel.runsEnded()
 	}
@@ -171,15 +174,25 @@ func (a *Agent) runEnded(ctx context.Context, r jobResult, rel *codeRelease) {
 }
 
 // startRuns starts the repair runs of the queued due volumes, as many as
-// MaxConcurrentRepairs allows. The loop calls it after each probe cycle and
-// each time a run ends, so that a thousand volumes broken at once are
-// repaired back to back, not a handful per probe cycle.
+// MaxConcurrentRepairs allows (runs that begin with the re-attach rung as
+// many as maxReattachRuns allows: reattachFirst). The loop calls it after
+// each probe cycle and each time a run ends, so that a thousand volumes
+// broken at once are repaired back to back, not a handful per probe
+// cycle. A volume whose run has no slot stays queued, in order.
 func (a *Agent) startRuns(ctx context.Context) {
-	for len(a.queue) > 0 && a.running < a.cfg.MaxConcurrentRepairs {
-		key := a.queue[0]
-		a.queue = a.queue[1:]
+	var held []string
+	for i, key := range a.queue {
+		if a.running-a.reattaching >= a.cfg.MaxConcurrentRepairs && a.reattaching >= maxReattachRuns {
+			held = append(held, a.queue[i:]...)
+			break
+		}
 		if st := a.decider.vols[key]; st == nil || st.inflight {
 			continue // healed, or already under way since it was queued
+		}
+		reattach := a.reattachFirst(key)
+		if reattach && a.reattaching >= maxReattachRuns || !reattach && a.running-a.reattaching >= a.cfg.MaxConcurrentRepairs {
+			held = append(held, key)
+			continue
 		}
 		var j *job
 		if bv := a.broken[key]; bv != nil {
@@ -193,10 +206,19 @@ func (a *Agent) startRuns(ctx context.Context) {
 		st := a.decider.start(key)
 		j.floor, j.since, j.attempt = st.floor, st.since, st.attempts
 		a.running++
+		if reattach {
+			a.reattaching++
+		}
 		a.workers.Add(1)
 		go func() {
 			defer a.workers.Done()
-			a.results <- a.run(ctx, j)
+			res := a.run(ctx, j)
+			res.reattach = reattach
+			select {
+			case a.results <- res:
+			case <-ctx.Done(): // the loop has ended
+			}
 		}()
 	}
+	a.queue = held
 }

@@ -32,3 +32,36 @@ func (a *Agent) nbdRungs(v *brokenVolume) (nbd, reattach, restage bool) {
 	_, can := a.repairer.(reattacher)
 	return true, can && a.cfg.Tiers.Has(remount.TierReattach), d.Restage
 }
+
+// maxReattachRuns bounds the repair runs under way that began with the
+// re-attach rung. They are not held to MaxConcurrentRepairs: a re-attach is
+// one NodeStageVolume, the request ceph-csi's own healer sends for every
+// attached volume at once when its node plugin starts
+// (internal/rbd/rbd_healer.go, RunVolumeHealer: a goroutine per
+// VolumeAttachment), and it changes nothing the pods hold. A node plugin
+// restart kills every rbd-nbd daemon of the node: held to four at a time,
+// twenty volumes waited five rounds of re-attaches. The rung after a
+// failed re-attach of ceph-csi's volumes is eviction, which the eviction
+// budget bounds (MaxEvictions).
+const maxReattachRuns = 32
+
+// RepairSlots is how many volumes the agent's repair runs act on at once
+// at most: the mount side's bound (remount.Config.Parallel) must let
+// every run the loop starts go, re-attaches (maxReattachRuns) included.
+func (c Config) RepairSlots() int { return c.MaxConcurrentRepairs + maxReattachRuns }
+
+// reattachFirst reports whether the run of the queued volume key begins
+// with the re-attach rung: an NBD volume of a driver that re-attaches,
+// whose earlier runs did not raise its floor past that rung.
+func (a *Agent) reattachFirst(key string) bool {
+	bv := a.broken[key]
+	if bv == nil || !a.cfg.Tiers.Has(remount.TierReattach) {
+		return false
+	}
+	st := a.decider.vols[key]
+	if st == nil || st.floor > remount.TierReattach {
+		return false
+	}
+	_, reattach, _ := a.nbdRungs(bv)
+	return reattach
+}

@@ -65,3 +65,40 @@ func TestNBDRungs(t *testing.T) {
 		})
 	}
 }
+
+// TestReattachFirst: a queued NBD volume of ceph-csi whose floor is still
+// the re-attach takes a re-attach slot (maxReattachRuns), not one of
+// MaxConcurrentRepairs; once a run raised its floor, or for any other
+// volume, or with the tier off, it takes a repair slot.
+func TestReattachFirst(t *testing.T) {
+	nbd := &probe.Backend{Kind: probe.BackendBlock, Dev: probe.Dev{Major: 43, Minor: 3}, Device: "nbd3"}
+	fuse := &probe.Backend{Kind: probe.BackendFUSE, Dev: probe.Dev{Major: 0, Minor: 55}}
+	for name, tc := range map[string]struct {
+		driver  string
+		backend *probe.Backend
+		floor   remount.Tier
+		tiers   remount.TierSet
+		want    bool
+	}{
+		"ceph-csi rbd-nbd":            {driver: "rbd.csi.ceph.com", backend: nbd, want: true},
+		"past its re-attach":          {driver: "rbd.csi.ceph.com", backend: nbd, floor: remount.TierEvict},
+		"a FUSE volume":               {driver: "cephfs.csi.ceph.com", backend: fuse},
+		"re-attach tier switched off": {driver: "rbd.csi.ceph.com", backend: nbd, tiers: DefaultTiers.With(remount.TierReattach, false)},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := DefaultConfig()
+			if tc.tiers != 0 {
+				cfg.Tiers = tc.tiers
+			}
+			a := &Agent{cfg: cfg, repairer: &reattachingRepairer{}, decider: newDecider(&cfg),
+				broken: map[string]*brokenVolume{"v": {key: "v", csi: true, driver: tc.driver, backend: tc.backend}}}
+			a.decider.vols["v"] = &volState{floor: tc.floor}
+			if got := a.reattachFirst("v"); got != tc.want {
+				t.Errorf("reattachFirst = %v, want %v", got, tc.want)
+			}
+			if got := a.reattachFirst("gone"); got {
+				t.Error("reattachFirst of a volume no longer broken = true, want false")
+			}
+		})
+	}
+}

@@ -272,7 +272,7 @@ func runAgent(cmd *cobra.Command, f *agentFlags) error {
 		KubeletRoot:  cfg.KubeletRoot,
 		DryRun:       cfg.DryRun,
 		CRIEndpoint:  cfg.CRISocket,
-		Parallel:     cfg.MaxConcurrentRepairs,
+		Parallel:     cfg.RepairSlots(),
 		Prober:       prober,
 		Table:        table,
 		MaxTableSize: cfg.MaxTableSize,
