@@ -113,7 +113,7 @@ func bindAgentFlags(fl *pflag.FlagSet, f *agentFlags) {
 	fl.DurationVar(&c.BackoffBase, "backoff-base", c.BackoffBase, "first wait after a failed repair of a volume (doubles per failure)")
 	fl.DurationVar(&c.BackoffMax, "backoff-max", c.BackoffMax, "longest wait between repairs of a volume")
 	fl.StringSliceVar(&f.tiers, "tiers", f.tiers, "repair tiers to enable, comma-separated: "+strings.Join(remount.NewTierSet(remount.AllTiers()...).Names(), ", "))
-	fl.IntVar(&c.MaxConcurrentRepairs, "max-concurrent-repairs", c.MaxConcurrentRepairs, "repairs running at once on this node")
+	fl.IntVar(&c.MaxConcurrentRepairs, "max-concurrent-repairs", c.MaxConcurrentRepairs, "repairs running at once on this node (NBD re-attaches run beside them, up to 32 at once)")
 	fl.IntVar(&c.MaxEvictions, "max-evictions", c.MaxEvictions, "evictions and deletions allowed per --eviction-window on this node (0 disables them)")
 	fl.DurationVar(&c.EvictionWindow, "eviction-window", c.EvictionWindow, "sliding window of --max-evictions")
 	fl.StringSliceVar(&c.EvictOwnerKinds, "evict-owner-kinds", c.EvictOwnerKinds, "controller kinds whose pods may be evicted or deleted")
