@@ -52,8 +52,9 @@ var guestRun = map[string]string{
 var guestLeftOut = map[string]string{
 	"agent": "TestAgentSwapsContainersReportedLate, TestAgentRestagesStagingGoneUnderLiveBinds," +
 		" TestAgentEvictsWhenOnlyTheHostHealed, TestAgentSaysWhenNoTierReachesTheContainers," +
-		" TestAgentRollsForwardAfterCrashMidRepair, TestAgentGuardsALostPublishTarget" +
-		" (k8s-csi-s3: pass on 6.1, 30-65 s each under emulation: CI's time);" +
+		" TestAgentGuardsALostPublishTarget (k8s-csi-s3: pass on 6.1, 30-65 s each under" +
+		" emulation: CI's time); TestAgentRollsForwardAfterCrashMidRepair (k8s-csi-s3, CI's" +
+		" time; its set-up's stat of a dead FUSE mount fails on 6.1, fixed since, not re-run there);" +
 		" TestAgentHealsRepeatedCrashes (fails on 6.1: the second crash's live swap of the subPath" +
 		" into the container fails with ENOENT; docs/kernel-facts.md);" +
 		" TestAgentHealsCephFSFuse, TestHealthyLayoutsUnderRunningAgent (the Ceph lab's daemons" +
