@@ -279,3 +279,8 @@ func (p *Prober) NBDDaemonGone(dev string) bool {
 	dead, _ := p.nbd.gone(dev, time.Now())
 	return dead
 }
+
+// NBDAnswered records that a read of device dev ("nbd0") begun at start
+// answered, as a probe's own read does: a verdict older than the read is
+// over (for a repair that read the device after re-attaching it).
+func (p *Prober) NBDAnswered(dev string, start time.Time) { p.nbd.answered(dev, start) }
