@@ -13,11 +13,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mountmedic/mountmedic/scripts/csilab"
 	"github.com/mountmedic/mountmedic/scripts/lab"
@@ -255,4 +258,67 @@ func TestNBDLinkDeadWakesWatcher(t *testing.T) {
 	}
 	v.checkAcked(t)
 	t.Logf("nbd figures: link-dead event: killed -> woken %v, killed -> broken %v", at.Sub(killed).Round(time.Millisecond), found.Round(time.Millisecond))
+}
+
+// TestNBDWatchFromAnotherNetNamespace: in a network namespace of its own
+// (a pod without hostNetwork) the nbd family is not there (it is not
+// network-namespaced); openNBDWatch then opens its socket in /proc/1's
+// namespace, and that socket hears a daemon's death.
+func TestNBDWatchFromAnotherNetNamespace(t *testing.T) {
+	lab.RequireRoot(t)
+	type opened struct {
+		w        *nbdWatch
+		own, err error
+	}
+	ch := make(chan opened, 1)
+	go func() {
+		// Never unlocked: the thread, in a namespace of its own, ends
+		// with this goroutine.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			ch <- opened{err: fmt.Errorf("unshare the network namespace: %w", err)}
+			return
+		}
+		var own error
+		if fd, err := genlSocket(); err != nil {
+			own = err
+		} else {
+			_, own = joinNBD(fd)
+			unix.Close(fd)
+		}
+		w, err := openNBDWatch(initialNetNamespace)
+		ch <- opened{w, own, err}
+	}()
+	o := <-ch
+	t.Logf("nbd facts: nbd family from a new network namespace: %v", o.own)
+	if !errors.Is(o.own, errNoNBDFamily) {
+		t.Errorf("nbd family in a new network namespace: %v, want errNoNBDFamily", o.own)
+	}
+	if o.err != nil {
+		t.Fatalf("open the watch through %s: %v", initialNetNamespace, o.err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	dead := make(chan uint32, 16)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = o.w.run(ctx, func(i uint32) { dead <- i }, func() {})
+	}()
+	t.Cleanup(func() { cancel(); <-done; o.w.close() })
+
+	k := lab.NewKubelet(t, t.TempDir())
+	v := stageNBD(t, k, "0001-0009-rook-ceph-0000000000000001-y", "pod-y", csilab.NBDOptions{DeadConnTimeout: 90 * time.Second})
+	v.daemon.Kill()
+	select {
+	case i := <-dead:
+		if int(i) != v.index {
+			t.Errorf("link dead for nbd%d, want nbd%d", i, v.index)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watch opened through /proc/1 heard no link-dead within 30 s")
+	}
+	csilab.StartNBDDaemon(t, v.image, v.socket)
+	if err := csilab.NBDReattach(v.index, v.socket); err != nil {
+		t.Fatal(err)
+	}
 }
