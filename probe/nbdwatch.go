@@ -32,7 +32,7 @@ const (
 	nbdCmdLinkDead        = 4
 	nbdAttrIndex          = 1
 	nbdWatchRetry         = 30 * time.Second
-	nbdWatchIdlePoll      = 2 * time.Second
+	nbdWatchIdlePoll      = 10 * time.Second
 	solNetlink            = 270
 	netlinkAddMembership  = 1
 	netlinkNoENOBUFS      = 5
@@ -53,11 +53,12 @@ var errNoNBDFamily = errors.New("no nbd generic netlink family (nbd module not l
 // device) and calls wake. The family is not network-namespaced: only a
 // socket of the initial network namespace hears it, so where the process
 // runs in another one (a pod without hostNetwork) the socket is opened in
-// the namespace of /proc/1 (hostPID; needs CAP_SYS_ADMIN). Where neither
-// works (no nbd module yet, no privilege) it says so once at V(2), tries
-// again at most every 30 s while the inventory has an nbd device, and the
-// probe's check of the devices' daemons (sysfs pid) is all there is. It
-// sleeps in poll(2) between events: no wakeups while nothing dies.
+// the namespace of /proc/1 (hostPID; needs CAP_SYS_ADMIN). Until the nbd
+// module is loaded it only looks for it every 10 s; where the watch
+// cannot open (no privilege, a kernel without the group) it says so once
+// at V(2), tries again every 30 s, and the probe's check of the devices'
+// daemons (sysfs pid) is all there is. It sleeps in poll(2) between
+// events: no wakeups while nothing dies.
 func (p *Prober) WatchNBD(ctx context.Context, wake func()) {
 	logger := klog.FromContext(ctx)
 	module := filepath.Join(p.cfg.SysfsDir, "module", "nbd")
