@@ -659,10 +659,13 @@ func TestNBDKillRepeat(t *testing.T) {
 		l.drv.Daemon(v.id).Kill()
 		strikes := 0
 		tick := time.NewTicker(2 * time.Second)
+		var how string
 		for strikes < 2 {
 			select {
 			case <-tick.C:
+				how += "tick "
 			case <-wake:
+				how += "wake "
 			}
 			inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: l.root, Live: true})
 			if err != nil {
@@ -673,6 +676,7 @@ func TestNBDKillRepeat(t *testing.T) {
 				if r.Mount.Path == v.mount && !r.Mount.Covered && r.State.Broken() {
 					broken = true
 					v.vol.Backend, v.vol.Hung = r.Mount.Backend, r.State == probe.Hung
+					how += r.State.String() + " "
 					if errors.Is(r.Err, probe.ErrNBDDaemonGone) {
 						strikes = 1 // certain: the agent waits no strikes
 					}
@@ -698,7 +702,7 @@ func TestNBDKillRepeat(t *testing.T) {
 			t.Fatalf("kill %d: %v", i, err)
 		}
 		times = append(times, time.Since(killed))
-		t.Logf("kill %d: broken %v, reader reads and writes %v after the kill", i, founds[i].Round(time.Millisecond), times[i].Round(time.Millisecond))
+		t.Logf("nbd figures: kill %d: broken %v (%s), reader reads and writes %v after the kill", i, founds[i].Round(time.Millisecond), how, times[i].Round(time.Millisecond))
 		l.wantKept(t, v)
 		time.Sleep(3 * time.Second) // let the prober's parked read return
 		// Drain a wake of the re-attach's own events, if any.
