@@ -628,10 +628,10 @@ func TestNBDKillRepeat(t *testing.T) {
 		return
 	}
 	watch := os.Getenv("MOUNTMEDIC_NBD_WATCH") != "0"
-	l := startNBDLab(t)
-	v := l.newVolume(t, "0001-lab-repeat")
 	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true})
 	wake := make(chan struct{}, 1)
+	// The watch starts before the volume, as the agent's starts with the
+	// agent: it has joined the group by the first kill.
 	if watch {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
@@ -645,6 +645,12 @@ func TestNBDKillRepeat(t *testing.T) {
 				}
 			})
 		}()
+	}
+	l := startNBDLab(t)
+	v := l.newVolume(t, "0001-lab-repeat")
+	select {
+	case <-wake: // nothing died yet; a wake now would be the lab's
+	default:
 	}
 	// The agent's stage deadline (30 s), and its retry of a driver out
 	// of time; the agent's prober, as agent.NewProber gives it.
