@@ -289,6 +289,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.kube.pvs.run(ctx)
 	}()
 	a.watchStalls(ctx)
+	a.watchNBD(ctx)
 	a.loop(ctx, tw, pw)
 
 	cancel()

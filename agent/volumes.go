@@ -100,6 +100,9 @@ func (v *brokenVolume) certain() bool {
 		// would get the node's disk.
 		return true
 	}
+	if v.nbdDaemonGone() {
+		return true
+	}
 	if v.backend == nil || v.backend.Kind != probe.BackendFUSE {
 		return false
 	}

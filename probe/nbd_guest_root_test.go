@@ -48,6 +48,13 @@ func (v *nbdVolume) device() string { return fmt.Sprintf("/dev/nbd%d", v.index) 
 
 func stageNBD(t *testing.T, k *lab.Kubelet, id, podUID string, opts csilab.NBDOptions) *nbdVolume {
 	t.Helper()
+	return stageNBDVia(t, k, id, podUID, func(v *nbdVolume) (int, error) { return csilab.NBDMap(v.socket, opts) })
+}
+
+// stageNBDVia is stageNBD with the device mapped by mapDevice, given the
+// volume with its daemon listening.
+func stageNBDVia(t *testing.T, k *lab.Kubelet, id, podUID string, mapDevice func(v *nbdVolume) (int, error)) *nbdVolume {
+	t.Helper()
 	mkfs := lab.RequireBinary(t, "mkfs.ext4")
 	dir := t.TempDir()
 	v := &nbdVolume{t: t, id: id, image: filepath.Join(dir, "image"), socket: filepath.Join(dir, "nbd.sock")}
@@ -63,7 +70,7 @@ func stageNBD(t *testing.T, k *lab.Kubelet, id, podUID string, opts csilab.NBDOp
 		t.Fatalf("mkfs.ext4 %s: %v: %s", v.image, err, out)
 	}
 	v.daemon = csilab.StartNBDDaemon(t, v.image, v.socket)
-	idx, err := csilab.NBDMap(v.socket, opts)
+	idx, err := mapDevice(v)
 	if err != nil {
 		t.Fatal(err)
 	}

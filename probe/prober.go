@@ -76,6 +76,10 @@ type Config struct {
 	SysfsDir string
 	// DevDir is where device nodes are; "/dev" when empty.
 	DevDir string
+	// ProcDir is where the host's procfs is mounted; "/proc" when empty.
+	// The dead NBD daemon check reads it (needs ReadDevice, and the
+	// initial PID namespace: hostPID).
+	ProcDir string
 	// WriteCheck runs WriteCheck on read-write block filesystems whose
 	// mount table shows no fault: the only signal of a shut-down or
 	// journal-aborted ext4 on kernels whose mount table does not show the
@@ -130,6 +134,8 @@ type Prober struct {
 	errCount map[string]uint64
 	// stallProbes counts the probes WatchStalls started.
 	stallProbes atomic.Uint64
+	// nbd knows which nbd devices' daemons are gone (nbdGone).
+	nbd *nbdDaemons
 }
 
 type flight struct {
@@ -185,9 +191,13 @@ func NewProberWith(cfg Config, sys Syscalls) *Prober {
 	if cfg.DevDir == "" {
 		cfg.DevDir = "/dev"
 	}
+	if cfg.ProcDir == "" {
+		cfg.ProcDir = "/proc"
+	}
 	return &Prober{cfg: cfg, sys: sys, lane: make(chan struct{}, cfg.Parallel),
 		slowAfter: min(slowAfter, cfg.Timeout/4),
-		inflight:  make(map[any]*flight), errCount: make(map[string]uint64)}
+		inflight:  make(map[any]*flight), errCount: make(map[string]uint64),
+		nbd: newNBDDaemons(cfg.SysfsDir, cfg.ProcDir)}
 }
 
 // slowAfter is how long a probe keeps its fast-lane slot: a statfs of a
@@ -246,6 +256,9 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 	rep := &Report{Backends: make([]Result, len(inv.Backends))}
 	flights := make([]*flight, len(inv.Backends))
 	fresh := make([]bool, len(inv.Backends))
+	// gone: the backend's nbd daemon is known dead (nbdGone); its probe
+	// is waited for only nbdGrace, to hear a re-attached device answer.
+	gone := make([]string, len(inv.Backends))
 	p.mu.Lock()
 	for _, f := range p.inflight {
 		f.seen = false
@@ -258,6 +271,7 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 			rep.Backends[i] = Result{Backend: b, State: st, Err: err}
 			continue
 		}
+		gone[i] = p.nbdGone(b, begin)
 		flights[i], fresh[i] = p.launch(b.Dev, flightOf{path, b.probeMountID()}, true, func(mark func()) Result { return p.check(b, path, mark) })
 	}
 
@@ -281,6 +295,9 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 				// over a hang a quarter deadline past the hang's own
 				// deadline.
 				began := f.began
+				if gone[i] != "" {
+					until, began = begin.Add(p.nbdGrace()), nil
+				}
 				if s := p.started(f); !s.IsZero() {
 					began = nil
 					if s.Add(p.cfg.Timeout).Before(until) {
@@ -330,6 +347,11 @@ func (p *Prober) Probe(ctx context.Context, inv *Inventory) *Report {
 		default:
 		}
 		r := p.judge(ctx, f, fresh[i], b.ProbePath(), now)
+		if gone[i] != "" && !(r.State == Healthy && fresh[i]) {
+			// Not answered within the grace, or an answer older than the
+			// verdict: the daemon is gone, whatever the read waits on.
+			r = Result{State: Disconnected, Err: fmt.Errorf("/dev/%s: %s: %w", b.Device, gone[i], ErrNBDDaemonGone), Took: r.Took}
+		}
 		r.Backend = b
 		rep.Backends[i] = r
 		if logger.V(4).Enabled() {
@@ -615,8 +637,12 @@ func (p *Prober) checkDevice(b *Backend) (State, error) {
 	}
 	if p.cfg.ReadDevice {
 		dev := filepath.Join(p.cfg.DevDir, b.Device)
+		start := time.Now()
 		if err := p.sys.ReadDevice(dev); err != nil && !errors.Is(err, unix.ENOENT) {
 			return StateOf(err), fmt.Errorf("read %s: %w", dev, err)
+		}
+		if b.Dev.Major == NBDMajor {
+			p.nbd.answered(b.Device, start)
 		}
 	}
 	return Healthy, nil

@@ -614,31 +614,65 @@ func TestNBDReattachRefusesOthersDevices(t *testing.T) {
 // TestNBDKillRepeat is the benchmark of issue 24's first figure: the
 // daemon of a volume killed MOUNTMEDIC_NBD_KILLS times (the test does
 // nothing without it), each time found by a probe loop at the agent's
-// defaults (a cycle every 2 s, a 2 s deadline, 2 strikes) and healed by
-// the re-attach tier; it logs the time from each kill to the container
-// reading its acknowledged data again and writing, and their p50 and p99.
+// defaults (a cycle every 2 s, a 2 s deadline, 2 strikes, none for a
+// daemon known gone) that the kernel's link-dead event wakes at once
+// (probe.Prober.WatchNBD, as the agent runs it; MOUNTMEDIC_NBD_WATCH=0
+// leaves it out: the cycles alone, as before), and healed by the
+// re-attach tier sharing that prober; it logs the time from each kill to
+// the volume found broken and to the container reading its acknowledged
+// data again and writing, and their p50 and p99.
 func TestNBDKillRepeat(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("MOUNTMEDIC_NBD_KILLS"))
 	if n <= 0 {
 		t.Log("MOUNTMEDIC_NBD_KILLS is not set: nothing measured")
 		return
 	}
+	watch := os.Getenv("MOUNTMEDIC_NBD_WATCH") != "0"
+	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true})
+	wake := make(chan struct{}, 1)
+	// The watch starts before the volume, as the agent's starts with the
+	// agent: it has joined the group by the first kill.
+	if watch {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		t.Cleanup(func() { cancel(); <-done })
+		go func() {
+			defer close(done)
+			p.WatchNBD(ctx, func() {
+				select {
+				case wake <- struct{}{}:
+				default:
+				}
+			})
+		}()
+	}
 	l := startNBDLab(t)
 	v := l.newVolume(t, "0001-lab-repeat")
-	p := probe.NewProber(probe.Config{Timeout: 2 * time.Second, ReadDevice: true})
+	select {
+	case <-wake: // nothing died yet; a wake now would be the lab's
+	default:
+	}
 	// The agent's stage deadline (30 s), and its retry of a driver out
-	// of time.
-	r, err := New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second}})
+	// of time; the agent's prober, as agent.NewProber gives it.
+	r, err := New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second}, Prober: p})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { r.Close() })
-	var times []time.Duration
+	var times, founds []time.Duration
 	for i := range n {
 		killed := time.Now()
 		l.drv.Daemon(v.id).Kill()
 		strikes := 0
-		for tick := time.NewTicker(2 * time.Second); strikes < 2; <-tick.C {
+		tick := time.NewTicker(2 * time.Second)
+		var how string
+		for strikes < 2 {
+			select {
+			case <-tick.C:
+				how += "tick "
+			case <-wake:
+				how += "wake "
+			}
 			inv, err := probe.ReadFile("/proc/self/mountinfo", probe.Options{Root: l.root, Live: true})
 			if err != nil {
 				t.Fatal(err)
@@ -648,6 +682,10 @@ func TestNBDKillRepeat(t *testing.T) {
 				if r.Mount.Path == v.mount && !r.Mount.Covered && r.State.Broken() {
 					broken = true
 					v.vol.Backend, v.vol.Hung = r.Mount.Backend, r.State == probe.Hung
+					how += r.State.String() + " "
+					if errors.Is(r.Err, probe.ErrNBDDaemonGone) {
+						strikes = 1 // certain: the agent waits no strikes
+					}
 				}
 			}
 			if broken {
@@ -656,6 +694,8 @@ func TestNBDKillRepeat(t *testing.T) {
 				strikes = 0
 			}
 		}
+		tick.Stop()
+		founds = append(founds, time.Since(killed))
 		o := r.Reattach(context.Background(), v.vol)
 		for tries := 1; !o.Healed && errors.Is(o.Err, ErrDriverUnavailable) && tries < 5; tries++ {
 			time.Sleep(time.Second)
@@ -668,12 +708,20 @@ func TestNBDKillRepeat(t *testing.T) {
 			t.Fatalf("kill %d: %v", i, err)
 		}
 		times = append(times, time.Since(killed))
-		t.Logf("kill %d: reader reads and writes %v after the kill", i, times[len(times)-1].Round(time.Millisecond))
+		t.Logf("nbd figures: kill %d: broken %v (%s), reader reads and writes %v after the kill", i, founds[i].Round(time.Millisecond), how, times[i].Round(time.Millisecond))
 		l.wantKept(t, v)
 		time.Sleep(3 * time.Second) // let the prober's parked read return
+		// Drain a wake of the re-attach's own events, if any.
+		select {
+		case <-wake:
+		default:
+		}
 	}
-	slices.Sort(times)
-	pct := func(q float64) time.Duration { return times[min(len(times)-1, int(q*float64(len(times))))] }
-	t.Logf("nbd figures: daemon killed %d times, agent defaults (2 s cycle, 2 strikes): kill -> reader reads and writes p50 %v, p99 %v, max %v; no container restarted, device and mount kept",
-		n, pct(0.5).Round(time.Millisecond), pct(0.99).Round(time.Millisecond), times[len(times)-1].Round(time.Millisecond))
+	pct := func(ts []time.Duration, q float64) time.Duration {
+		ts = slices.Clone(ts)
+		slices.Sort(ts)
+		return ts[min(len(ts)-1, int(q*float64(len(ts))))].Round(time.Millisecond)
+	}
+	t.Logf("nbd figures: daemon killed %d times, agent defaults (2 s cycle, 2 strikes, none for a daemon known gone), link-dead watch %v: kill -> broken p50 %v, p99 %v; kill -> reader reads and writes p50 %v, p99 %v, max %v; no container restarted, device and mount kept",
+		n, watch, pct(founds, 0.5), pct(founds, 0.99), pct(times, 0.5), pct(times, 0.99), pct(times, 1))
 }

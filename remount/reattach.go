@@ -85,14 +85,26 @@ func (r *Repairer) Reattach(ctx context.Context, v *Volume) Outcome {
 		}
 		dev := "/dev/" + st.device
 		start := time.Now()
-		if err := r.readDevice(ctx, dev); err == nil {
+		sent := true
+		if r.daemonGone(st.device) {
+			// Known dead without I/O: a read would only wait out the
+			// probe deadline on the held requests.
+			add(Action{Op: opVerify, Path: dev, Detail: "device's daemon is gone (" + probe.ErrNBDDaemonGone.Error() + "): not read"})
+			if err := r.sendReattach(ctx, v, dev, add); err != nil {
+				o.Err = err
+				return
+			}
+		} else if err := r.readDevice(ctx, dev); err == nil {
 			add(Action{Op: opVerify, Path: dev, Took: time.Since(start), Detail: "device answers: nothing to re-attach"})
+			sent = false
 		} else {
 			add(Action{Op: opVerify, Path: dev, Took: time.Since(start), Detail: "device does not answer: " + err.Error()})
 			if err := r.sendReattach(ctx, v, dev, add); err != nil {
 				o.Err = err
 				return
 			}
+		}
+		if sent {
 			if r.cfg.DryRun {
 				o.Err = actionsErr(o.Actions)
 				return
@@ -100,7 +112,11 @@ func (r *Repairer) Reattach(ctx context.Context, v *Volume) Outcome {
 			start = time.Now()
 			var rerr error
 			for deadline := time.Now().Add(reattachWait); ; time.Sleep(100 * time.Millisecond) {
+				began := time.Now()
 				if rerr = r.readDevice(ctx, dev); rerr == nil || time.Now().After(deadline) || ctx.Err() != nil {
+					if rerr == nil {
+						r.deviceAnswered(st.device, began)
+					}
 					break
 				}
 			}
@@ -259,6 +275,30 @@ func (r *Repairer) sendReattach(ctx context.Context, v *Volume, dev string, add 
 	}
 	add(a)
 	return nil
+}
+
+// nbdVerdicts is what the re-attach tier asks of a *probe.Prober: whether
+// an nbd device's daemon is known dead without I/O, and that a read of the
+// device answered (which ends that verdict).
+type nbdVerdicts interface {
+	NBDDaemonGone(dev string) bool
+	NBDAnswered(dev string, start time.Time)
+}
+
+// daemonGone reports whether the prober knows the daemon of nbd device
+// dev ("nbd0") dead without I/O.
+func (r *Repairer) daemonGone(dev string) bool {
+	g, ok := r.prober.(nbdVerdicts)
+	return ok && g.NBDDaemonGone(dev)
+}
+
+// deviceAnswered tells the prober that a read of nbd device dev begun at
+// start answered: the re-attached device is served, whatever its sysfs
+// pid says, and the next probe cycle needs not hear it again first.
+func (r *Repairer) deviceAnswered(dev string, start time.Time) {
+	if g, ok := r.prober.(nbdVerdicts); ok {
+		g.NBDAnswered(dev, start)
+	}
 }
 
 // readDevice reads the first block of dev with O_DIRECT under the probe
