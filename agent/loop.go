@@ -46,7 +46,7 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			logger.V(2).Info("CSI driver answers again; probing its volumes now", "driver", driver)
 			a.driverBack(c, driver)
 		case <-a.stalled:
-			logger.V(2).Info("A FUSE backend's probe passed its deadline while requests wait on it; probing now")
+			logger.V(2).Info("A watch saw a backend fail (FUSE requests waiting past the probe deadline, or an nbd link dead); probing now")
 			c.soon()
 		case r := <-a.results:
 			a.runEnded(ctx, r, rel)
