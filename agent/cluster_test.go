@@ -8,6 +8,8 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"testing"
@@ -403,7 +405,16 @@ func (e *env) reasons(uid types.UID) []string {
 type recorder struct {
 	mu    sync.Mutex
 	count map[string]int
-	next  http.RoundTripper
+	// log has each request's key and when it left the client's rate
+	// limiter, for the scale benchmarks' timeline.
+	log  []recorded
+	next http.RoundTripper
+}
+
+// recorded is one request the recorder saw.
+type recorded struct {
+	at  time.Time
+	key string
 }
 
 func (r *recorder) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -413,6 +424,7 @@ func (r *recorder) RoundTrip(req *http.Request) (*http.Response, error) {
 		key = "WATCH " + req.URL.Path
 	}
 	r.count[key]++
+	r.log = append(r.log, recorded{at: time.Now(), key: key})
 	r.mu.Unlock()
 	return r.next.RoundTrip(req)
 }
@@ -425,6 +437,14 @@ func (r *recorder) snapshot() map[string]int {
 		out[k] = v
 	}
 	return out
+}
+
+// since returns the requests the recorder saw from t on.
+func (r *recorder) since(t time.Time) []recorded {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	i := sort.Search(len(r.log), func(i int) bool { return !r.log[i].at.Before(t) })
+	return slices.Clone(r.log[i:])
 }
 
 // countingClient is a client with the agent's credentials and rate limits

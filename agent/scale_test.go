@@ -347,6 +347,8 @@ type scaleResult struct {
 	pvGets int
 	// remounted lists the paths the driver mounted more than once.
 	remounted []string
+	// split is where the time from the fault to the heal went.
+	split faultSplit
 	// cpu is the test process's CPU time (user + system) from the fault
 	// to the heal: the agent's loop and repairs, and the lab driver's
 	// mounts and the test's own checks, which run in the process too.
@@ -449,6 +451,7 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 	}
 	res.took = time.Since(start)
 	res.cpu = processCPU(t) - cpu0
+	healedAt := time.Now()
 	stopProfile()
 	time.Sleep(eventSummaryWait) // the agent's summary of held events
 	// Every path the driver mounted more than once: a volume staged or
@@ -476,9 +479,85 @@ func runScale(t testing.TB, n int, shared, hang, defaults bool) (*scaleNode, *ru
 			res.podGets += v
 		}
 	}
+	res.split = splitFault(rec.since(start), start, healedAt, s.e.agentConfig.QPS, s.e.agentConfig.Burst)
+	t.Logf("%d volumes: %s", n, res.split)
 	t.Logf("%d volumes (shared backend %v, hung %v, defaults %v): all healed %.2fs after the fault, %.2fs of the process's CPU; %d stages, %d publishes; %d event writes; threads %d before the agent, peak %d; %d pod GETs, %d pod LISTs, %d PV GETs after the fault",
 		n, shared, hang, defaults, res.took.Seconds(), res.cpu.Seconds(), s.driver.stages.Load(), s.driver.publishes.Load(), res.eventWrites, res.threadsBefore, res.threadsPeak, res.podGets, res.podLists, res.pvGets)
 	return s, a, res
+}
+
+// faultSplit is where the time from the fault to the heal went, from the
+// agent's requests as they left its client's rate limiter.
+type faultSplit struct {
+	// detect is from the fault to the first repair request (a claim GET
+	// or a LIST of the node's pods): the probe cycle's finding.
+	detect time.Duration
+	// limited is from the first repair request to the last claim GET;
+	// floor is the least the client's token bucket allows for the
+	// requests sent in that span (full at the start: burst of them at
+	// once, then qps a second).
+	limited, floor time.Duration
+	// tail is from the last claim GET to the last volume healed.
+	tail time.Duration
+	// Requests in the limited span, by kind; eventsAfter are the event
+	// writes after the last claim GET, up to the heal.
+	claimGets, podLists, events, other, eventsAfter, listsAfter int
+}
+
+func (f faultSplit) String() string {
+	return fmt.Sprintf("fault -> first repair request %.2fs; -> last claim GET %.2fs (token bucket floor %.2fs for %d claim GETs, %d pod LISTs, %d event writes, %d others); -> all healed %.2fs (%d event writes, %d pod LISTs meanwhile)",
+		f.detect.Seconds(), f.limited.Seconds(), f.floor.Seconds(), f.claimGets, f.podLists, f.events, f.other, f.tail.Seconds(), f.eventsAfter, f.listsAfter)
+}
+
+// splitFault splits the span from the fault (start) to the heal by the
+// agent's requests log (from start on).
+func splitFault(log []recorded, start, healed time.Time, qps float32, burst int) faultSplit {
+	var f faultSplit
+	isClaim := func(k string) bool {
+		return strings.HasPrefix(k, "GET /api/v1/namespaces/") && strings.Contains(k, "/persistentvolumeclaims/")
+	}
+	isEvent := func(k string) bool {
+		return strings.Contains(k, "/apis/events.k8s.io/") && (strings.HasPrefix(k, "POST ") || strings.HasPrefix(k, "PATCH "))
+	}
+	first, last := -1, -1
+	for i, r := range log {
+		if first < 0 && (isClaim(r.key) || r.key == "GET /api/v1/pods") {
+			first = i
+		}
+		if isClaim(r.key) {
+			last = i
+		}
+	}
+	if first < 0 || last < first {
+		return f
+	}
+	f.detect = log[first].at.Sub(start)
+	f.limited = log[last].at.Sub(log[first].at)
+	f.tail = healed.Sub(log[last].at)
+	for i, r := range log {
+		switch {
+		case i > last:
+			if isEvent(r.key) && r.at.Before(healed) {
+				f.eventsAfter++
+			}
+			if r.key == "GET /api/v1/pods" && r.at.Before(healed) {
+				f.listsAfter++
+			}
+		case i < first:
+		case isClaim(r.key):
+			f.claimGets++
+		case r.key == "GET /api/v1/pods":
+			f.podLists++
+		case isEvent(r.key):
+			f.events++
+		default:
+			f.other++
+		}
+	}
+	if n := last - first + 1; n > burst && qps > 0 {
+		f.floor = time.Duration(float64(n-burst) / float64(qps) * float64(time.Second))
+	}
+	return f
 }
 
 // checkScale asserts the outcomes of a scale run.
@@ -567,6 +646,10 @@ func BenchmarkScale(b *testing.B) {
 			}
 			b.ReportMetric(res.took.Seconds(), "healed-s")
 			b.ReportMetric(res.cpu.Seconds(), "cpu-s")
+			b.ReportMetric(res.split.detect.Seconds(), "detect-s")
+			b.ReportMetric(res.split.limited.Seconds(), "limited-s")
+			b.ReportMetric(res.split.floor.Seconds(), "floor-s")
+			b.ReportMetric(res.split.tail.Seconds(), "tail-s")
 			b.ReportMetric(float64(res.eventWrites), "event-writes")
 			b.ReportMetric(float64(res.threadsPeak-res.threadsBefore), "agent-threads-peak")
 		})
