@@ -94,6 +94,9 @@ type Agent struct {
 	events      eventRecorder
 	// limiter holds the events past the node's budget for a summary.
 	limiter *limitedRecorder
+	// gate holds the event writes while volumes wait for a repair slot
+	// (the loop sets it).
+	gate *eventGate
 
 	// The pod informer is made in New, started by Run, so
 	// that /readyz (served before the informer starts) reads them safely.
@@ -180,6 +183,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		driverOK:    make(map[string]bool),
 		driverUp:    make(chan string, 16),
 		stalled:     make(chan struct{}, 1),
+		gate:        newEventGate(eventHoldMax, nil),
 		fenced:      deps.Fenced,
 		results:     make(chan jobResult, cfg.RepairSlots()),
 		release:     deps.ReleaseCode,
@@ -249,7 +253,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if a.events == nil {
-		b := events.NewBroadcaster(kubeclient.NodeEventSink{EventSink: &events.EventSinkImpl{Interface: a.client.EventsV1()}, Node: a.cfg.NodeName})
+		sink := kubeclient.NodeEventSink{EventSink: &events.EventSinkImpl{Interface: a.client.EventsV1()}, Node: a.cfg.NodeName}
+		b := events.NewBroadcaster(gatedSink{EventSink: sink, gate: a.gate})
 		if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
 			return fmt.Errorf("start event recording: %w", err)
 		}

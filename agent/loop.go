@@ -221,4 +221,7 @@ func (a *Agent) startRuns(ctx context.Context) {
 		}()
 	}
 	a.queue = held
+	// Volumes left waiting for a slot: the API budget goes to their
+	// repairs first (eventGate).
+	a.gate.set(len(a.queue) > 0)
 }
