@@ -131,9 +131,14 @@ type Agent struct {
 	running, reattaching int
 	// broken and queue are the last probe cycle's broken volumes and the
 	// keys it found due that no run has taken yet (owned by the loop).
-	broken  map[string]*brokenVolume
-	queue   []string
-	workers sync.WaitGroup
+	broken map[string]*brokenVolume
+	queue  []string
+	// ahead are the queued keys whose claims were read ahead (readAhead),
+	// reading the reads in flight; each ends on aheadDone.
+	ahead     map[string]bool
+	reading   int
+	aheadDone chan struct{}
+	workers   sync.WaitGroup
 }
 
 // New checks the configuration and prepares an agent.
@@ -186,6 +191,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		gate:        newEventGate(eventHoldMax, nil),
 		fenced:      deps.Fenced,
 		results:     make(chan jobResult, cfg.RepairSlots()),
+		aheadDone:   make(chan struct{}, cfg.MaxConcurrentRepairs),
 		release:     deps.ReleaseCode,
 	}
 	// The loop's reads say a bare globalmount is a lost staging only for

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -25,6 +26,19 @@ type kube struct {
 	timeout time.Duration
 	// pvs are the PVs of the node's volumes, read ahead of any repair.
 	pvs *pvStore
+
+	// flights are the GETs in flight by cache key: a run that asks for
+	// an object whose read (its own claim read ahead, readAhead) is under
+	// way takes that answer instead of a second request.
+	mu      sync.Mutex
+	flights map[string]*flight
+}
+
+// flight is one GET in flight; done is closed when obj and err are set.
+type flight struct {
+	done chan struct{}
+	obj  any
+	err  error
 }
 
 // unreachable reports whether err means the API server could not answer
@@ -46,22 +60,55 @@ func cachedGet[T any](ctx context.Context, k *kube, key string, fetch func(conte
 	if obj, fresh, ok := k.cache.get(key); ok && fresh {
 		return obj.(T), nil
 	}
-	cctx, cancel := context.WithTimeout(ctx, k.timeout)
-	defer cancel()
-	got, err := fetch(cctx)
+	got, err := k.shared(ctx, key, func(ctx context.Context) (any, error) {
+		cctx, cancel := context.WithTimeout(ctx, k.timeout)
+		defer cancel()
+		v, err := fetch(cctx)
+		if err == nil {
+			k.cache.put(key, v) // before the flight ends: no second read
+		}
+		return v, err
+	})
+	obj, _ := got.(T)
 	if err == nil {
-		k.cache.put(key, got)
-		return got, nil
+		return obj, nil
 	}
 	if apierrors.IsNotFound(err) {
 		k.cache.remove(key)
-		return got, err
+		return obj, err
 	}
 	if obj, _, ok := k.cache.get(key); ok && unreachable(err) {
 		klog.FromContext(ctx).V(2).Info("API server unreachable, using the cached object", "object", key, "err", err)
 		return obj.(T), nil
 	}
-	return got, err
+	return obj, err
+}
+
+// shared runs fetch for key, or waits for the one in flight for the same
+// key and takes its answer. A caller whose ctx ends stops waiting.
+func (k *kube) shared(ctx context.Context, key string, fetch func(context.Context) (any, error)) (any, error) {
+	k.mu.Lock()
+	if f := k.flights[key]; f != nil {
+		k.mu.Unlock()
+		select {
+		case <-f.done:
+			return f.obj, f.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	f := &flight{done: make(chan struct{})}
+	if k.flights == nil {
+		k.flights = make(map[string]*flight)
+	}
+	k.flights[key] = f
+	k.mu.Unlock()
+	f.obj, f.err = fetch(ctx)
+	k.mu.Lock()
+	delete(k.flights, key)
+	k.mu.Unlock()
+	close(f.done)
+	return f.obj, f.err
 }
 
 func (k *kube) pvc(ctx context.Context, ns, name string) (*corev1.PersistentVolumeClaim, error) {

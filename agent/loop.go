@@ -50,6 +50,11 @@ func (a *Agent) loop(ctx context.Context, tw *tableWatcher, pw *pluginWatcher) {
 			c.soon()
 		case r := <-a.results:
 			a.runEnded(ctx, r, rel)
+		case <-a.aheadDone:
+			a.reading--
+			if a.synced() {
+				a.startRuns(ctx)
+			}
 		case <-c.timer.C:
 			a.startCycle(ctx, c, pw)
 		case p := <-c.reports:
@@ -205,6 +210,7 @@ func (a *Agent) startRuns(ctx context.Context) {
 		}
 		st := a.decider.start(key)
 		j.floor, j.since, j.attempt = st.floor, st.since, st.attempts
+		delete(a.ahead, key)
 		a.running++
 		if reattach {
 			a.reattaching++
@@ -221,6 +227,7 @@ func (a *Agent) startRuns(ctx context.Context) {
 		}()
 	}
 	a.queue = held
+	a.readAhead(ctx)
 	// Volumes left waiting for a slot: the API budget goes to their
 	// repairs first (eventGate).
 	a.gate.set(len(a.queue) > 0)
