@@ -116,3 +116,25 @@ func TestStartRunsClosesTheGateWhileVolumesWait(t *testing.T) {
 		t.Error("gate closed with no volume queued, want it open")
 	}
 }
+
+// TestNextCycle: the next cycle starts a probe interval (jittered by up to
+// 10 %) after the last one started, a quarter interval after its end at the
+// soonest.
+func TestNextCycle(t *testing.T) {
+	const interval = 2 * time.Second
+	for _, tc := range []struct {
+		took     time.Duration
+		min, max time.Duration
+	}{
+		{0, interval, interval + interval/10},
+		{600 * time.Millisecond, interval - 600*time.Millisecond, interval + interval/10 - 600*time.Millisecond},
+		{interval, interval / 4, interval / 4},
+		{10 * interval, interval / 4, interval / 4},
+	} {
+		for range 20 {
+			if got := nextCycle(interval, tc.took); got < tc.min || got > tc.max {
+				t.Errorf("nextCycle(%s, took %s) = %s, want in [%s, %s]", interval, tc.took, got, tc.min, tc.max)
+			}
+		}
+	}
+}

@@ -97,6 +97,15 @@ func (c *cycle) soon() {
 // later starts the next cycle after the probe interval.
 func (a *Agent) later(c *cycle) { c.timer.Reset(wait.Jitter(a.cfg.ProbeInterval, 0.1)) }
 
+// nextCycle is the wait from a cycle's end to the next cycle, which starts
+// a (jittered) probe interval after the cycle started: a cycle held by a
+// slow backend does not push the next one back by its own length, nor the
+// finding of a volume that broke meanwhile. The loop rests a quarter
+// interval between two cycles at least.
+func nextCycle(interval, took time.Duration) time.Duration {
+	return max(wait.Jitter(interval, 0.1)-took, interval/4)
+}
+
 // startCycle reads the mount table when it changed and starts the cycle's
 // probes; their report comes back on c.reports.
 func (a *Agent) startCycle(ctx context.Context, c *cycle, pw *pluginWatcher) {
@@ -132,7 +141,7 @@ func (a *Agent) endCycle(ctx context.Context, c *cycle, p probed) {
 		c.again = false
 		c.timer.Reset(0)
 	} else {
-		a.later(c)
+		c.timer.Reset(nextCycle(a.cfg.ProbeInterval, time.Since(p.start)))
 	}
 }
 
