@@ -55,8 +55,8 @@ var guestLeftOut = map[string]string{
 		" TestAgentGuardsALostPublishTarget (k8s-csi-s3: pass on 6.1, 30-65 s each under" +
 		" emulation: CI's time); TestAgentRollsForwardAfterCrashMidRepair (k8s-csi-s3, CI's" +
 		" time; its set-up's stat of a dead FUSE mount fails on 6.1, fixed since, not re-run there);" +
-		" TestAgentHealsRepeatedCrashes (fails on 6.1: the second crash's live swap of the subPath" +
-		" into the container fails with ENOENT; docs/kernel-facts.md);" +
+		" TestAgentHealsRepeatedCrashes (fails on 6.1: the live swap of a subPath over its dead" +
+		" mount fails with ENOENT, the lab cannot restart the container; docs/kernel-facts.md);" +
 		" TestAgentHealsCephFSFuse, TestHealthyLayoutsUnderRunningAgent (the Ceph lab's daemons" +
 		" do not start under emulation)",
 }
