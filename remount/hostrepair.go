@@ -772,9 +772,9 @@ func (h *hostRun) rebindSubPaths(ctx context.Context, p *podPlan) {
 }
 
 // bindSubPath binds sub, below the fresh publish target, onto target. The
-// lookup of sub asks the fresh volume's filesystem: it is bounded by the
-// probe timeout (lookupFlights), so a fresh daemon that hangs fails the
-// bind instead of holding the repair worker.
+// lookup of sub asks the fresh volume's filesystem: it is bounded
+// (freshLookupTimeout, lookupFlights), so a fresh daemon that never
+// answers fails the bind instead of holding the repair worker for good.
 func (r *Repairer) bindSubPath(ctx context.Context, publish, sub, target string) error {
 	src, err := openSafe(r.root, publish)
 	if err != nil {
@@ -784,7 +784,7 @@ func (r *Repairer) bindSubPath(ctx context.Context, publish, sub, target string)
 	if !src.IsMountPoint() {
 		return fmt.Errorf("publish target %s is not a mount point", publish)
 	}
-	fd, err := r.lookups.open(ctx, filepath.Join(publish, sub), src.FD(), sub, r.cfg.Probe.Timeout)
+	fd, err := r.lookups.open(ctx, filepath.Join(publish, sub), src.FD(), sub, r.lookupTimeout)
 	if err != nil {
 		if errors.Is(err, probe.ErrHung) || ctx.Err() != nil {
 			return err

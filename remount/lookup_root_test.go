@@ -13,8 +13,8 @@ import (
 )
 
 // TestBindSubPathBoundedOnAHungFreshVolume: a fresh volume whose daemon
-// hangs before the subPath is looked up fails the bind within the probe
-// timeout instead of holding the repair worker; a second try while the
+// hangs before the subPath is looked up fails the bind within its bound
+// (shortened here) instead of holding the repair worker; a second try while the
 // first lookup is parked parks nothing more; the late lookup binds nothing;
 // once the daemon answers, the bind goes through.
 func TestBindSubPathBoundedOnAHungFreshVolume(t *testing.T) {
@@ -29,10 +29,11 @@ func TestBindSubPathBoundedOnAHungFreshVolume(t *testing.T) {
 	if err := os.MkdirAll(target, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	r, err := New(Config{KubeletRoot: root, Probe: probe.Config{Timeout: 200 * time.Millisecond}})
+	r, err := New(Config{KubeletRoot: root})
 	if err != nil {
 		t.Fatal(err)
 	}
+	r.lookupTimeout = 200 * time.Millisecond
 	bind := func() error {
 		errc := make(chan error, 1)
 		go func() { errc <- r.bindSubPath(context.Background(), publish, "sub", target) }()

@@ -22,6 +22,13 @@ import (
 const (
 	defaultParallel       = 4
 	defaultRestartTimeout = 2 * time.Minute
+	// freshLookupTimeout bounds the lookup of a subPath below a fresh
+	// publish target. A fresh filesystem may rightly take long to answer
+	// its first lookup (a fresh ceph-fuse waits for the capabilities the
+	// dead client held until the MDS drops its session: 30-60 s), so the
+	// bound only keeps a fresh daemon that never answers from holding a
+	// repair worker for good.
+	freshLookupTimeout = 2 * time.Minute
 	// restartPoll is how often Restart asks the runtime whether a stopped
 	// container runs again.
 	restartPoll = 200 * time.Millisecond
@@ -123,6 +130,8 @@ type Repairer struct {
 	lookup  lookups
 	checks  checkFlights
 	lookups lookupFlights
+	// lookupTimeout is freshLookupTimeout (tests shorten it).
+	lookupTimeout time.Duration
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint   // driver -> endpoint
@@ -187,14 +196,15 @@ func New(cfg Config) (*Repairer, error) {
 		table = probe.NewTableReader(filepath.Join(cfg.ProcDir, "thread-self", "mountinfo"), probe.Options{Root: root, MaxSize: cfg.MaxTableSize})
 	}
 	return &Repairer{
-		cfg:       cfg,
-		root:      root,
-		procDir:   cfg.ProcDir,
-		table:     table,
-		sem:       make(chan struct{}, cfg.Parallel),
-		prober:    cfg.Prober,
-		endpoints: map[string]Endpoint{},
-		clients:   map[string]*CSIClient{},
+		lookupTimeout: freshLookupTimeout,
+		cfg:           cfg,
+		root:          root,
+		procDir:       cfg.ProcDir,
+		table:         table,
+		sem:           make(chan struct{}, cfg.Parallel),
+		prober:        cfg.Prober,
+		endpoints:     map[string]Endpoint{},
+		clients:       map[string]*CSIClient{},
 	}, nil
 }
 
