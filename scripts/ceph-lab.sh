@@ -166,6 +166,15 @@ EOC
 		((i < 300)) || die "CephFS not ready after 60 s: see $D/mds.a.log and $D/osd.0.log"
 		sleep 0.2
 	done
+	# The mgr's volumes module serves `ceph fs subvolume...` (ceph-csi's
+	# CephFS provisioning, and the tests'): until it has registered its
+	# commands the mon refuses them (EPERM "problem getting command
+	# descriptions"), on a loaded host seconds after the MDS is active.
+	for i in $(seq 120); do
+		timeout 10 ceph fs subvolumegroup ls cephfs >/dev/null 2>&1 && break
+		((i < 120)) || die "the mgr's volumes module answered no command in 60 s: see $D/mgr.x.log"
+		sleep 0.5
+	done
 	ok=1
 	log "ceph ready (mon, mgr, osd, mds, cephfs) in $(echo "$(now) - $t" | bc) s"
 	echo "CEPH_CONF=$D/ceph.conf"
