@@ -178,14 +178,48 @@ func (c *Ceph) MonAddr() string { return c.monAddr }
 func (c *Ceph) Command(ctx context.Context, args ...string) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "ceph", append([]string{"-c", c.conf}, args...)...)
-	cmd.Env = c.env
-	var out, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &stderr
-	if err := cmd.Run(); err != nil {
-		return nil, fmt.Errorf("ceph %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	return cephCLI(ctx, c.env, append([]string{"-c", c.conf}, args...)...)
+}
+
+// cephDescriptionsRace is what the ceph CLI says when the mon refused the
+// command it sends before any other (get_command_descriptions): a client
+// can send it before the mon's map has reached it, with a zero fsid, which
+// the mon refuses as "wrong fsid" (its log: "handle_command on fsid
+// 00000000-... != ..."). The CLI then stops before sending the command it
+// was given, so running it again is safe. Seen in about 1 of 20 calls
+// while a lab starts, on an idle host too.
+const cephDescriptionsRace = "problem getting command descriptions"
+
+// cephCLIAttempts bounds the runs of one ceph CLI call that lost
+// cephDescriptionsRace.
+const cephCLIAttempts = 5
+
+// cephBin is the ceph CLI (a test's own, in this package's tests).
+var cephBin = "ceph"
+
+// cephCLI runs the ceph CLI with args (and env, when not nil) and returns
+// its output; a run that lost cephDescriptionsRace runs again, at most
+// cephCLIAttempts times in all.
+func cephCLI(ctx context.Context, env []string, args ...string) ([]byte, error) {
+	for attempt := 1; ; attempt++ {
+		cmd := exec.CommandContext(ctx, cephBin, args...)
+		cmd.Env = env
+		cmd.WaitDelay = 5 * time.Second
+		var out, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &stderr
+		err := cmd.Run()
+		if err == nil {
+			return out.Bytes(), nil
+		}
+		msg := strings.TrimSpace(stderr.String())
+		if !strings.Contains(msg, cephDescriptionsRace) || attempt == cephCLIAttempts || ctx.Err() != nil {
+			return nil, fmt.Errorf("ceph %s: %w: %s (attempt %d)", strings.Join(args, " "), err, msg, attempt)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
-	return out.Bytes(), nil
 }
 
 // Subvolume creates subvolume name in ceph-csi's group "csi" of the file

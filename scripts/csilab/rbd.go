@@ -527,7 +527,7 @@ func (cfg RBDConfig) Ceph(t testing.TB, args ...string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	d := &NBDDriver{rbd: &cfg}
-	if _, err := runQuiet(ctx, "ceph", d.rbdArgs(args...)...); err != nil {
-		t.Fatalf("ceph %s: %v", strings.Join(args, " "), err)
+	if _, err := cephCLI(ctx, nil, d.rbdArgs(args...)...); err != nil {
+		t.Fatal(err)
 	}
 }
