@@ -28,11 +28,31 @@ var (
 	// or ran out of time (no connection came up, or the driver accepted it
 	// and never answered the call). Retry later.
 	ErrDriverUnavailable = errors.New("csi driver unavailable")
+	// ErrBackendUnavailable marks a volume whose driver answered and whose
+	// device still does not: the storage behind it (the Ceph OSDs of an
+	// rbd-nbd volume) is down. Such an error matches ErrDriverUnavailable
+	// too: both are waited out, never escalated; the agent tells them
+	// apart to name what is down.
+	ErrBackendUnavailable = errors.New("volume backend unavailable")
 	// errDriverNotFound marks a driver that no registration socket names and
 	// that has no socket at the conventional path. Such an error matches
 	// ErrDriverUnavailable too: the driver may be restarting.
 	errDriverNotFound = errors.New("csi driver not found")
 )
+
+// backendError is ErrBackendUnavailable with its cause.
+type backendError struct{ err error }
+
+func (e *backendError) Error() string {
+	return e.err.Error() + ": the driver answered, its backend does not"
+}
+
+func (e *backendError) Unwrap() error { return e.err }
+
+// Is matches ErrBackendUnavailable and ErrDriverUnavailable.
+func (e *backendError) Is(target error) bool {
+	return target == ErrBackendUnavailable || target == ErrDriverUnavailable
+}
 
 // Default per-call timeouts of a CSIClient.
 const (

@@ -186,8 +186,9 @@ func TestRBDPluginRestart(t *testing.T) {
 // an OSD down is for its clients): rbd-nbd lives, the device does not
 // answer. The re-attach tier asks the driver, which finds the image still
 // mapped by its live rbd-nbd and answers OK (ceph-csi's attachRBDImage),
-// while the device still does not answer: the tier must say wait
-// (ErrDriverUnavailable), never escalate, and nothing is staged, mapped or
+// while the device still does not answer: the tier must say the backend
+// is down (ErrBackendUnavailable, which is waited out as
+// ErrDriverUnavailable), never escalate, and nothing is staged, mapped or
 // unmounted. Once the OSD serves again, the volume answers by itself.
 func TestRBDBackendDown(t *testing.T) {
 	l, cfg := startRBDLab(t)
@@ -205,8 +206,8 @@ func TestRBDBackendDown(t *testing.T) {
 	l.markBroken(t, v)
 	o := l.r.Reattach(context.Background(), v.vol)
 	logOutcome(t, "reattach while the OSD is paused", o)
-	if o.Healed || !errors.Is(o.Err, ErrDriverUnavailable) {
-		t.Errorf("reattach with the OSD paused: healed %v, err %v; want ErrDriverUnavailable (wait)", o.Healed, o.Err)
+	if o.Healed || !errors.Is(o.Err, ErrBackendUnavailable) || !errors.Is(o.Err, ErrDriverUnavailable) {
+		t.Errorf("reattach with the OSD paused: healed %v, err %v; want ErrBackendUnavailable (wait)", o.Healed, o.Err)
 	}
 	if l.drv.Stages != stages || connectedNBD(t) != devices {
 		t.Errorf("with the OSD paused: %d stages, %d devices; want none new", l.drv.Stages-stages, connectedNBD(t)-devices)

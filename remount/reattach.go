@@ -63,8 +63,8 @@ const reattachWait = 10 * time.Second
 // device (freshFilesystem); when that cannot be done the tier ends with
 // ErrFilesystemFailed. A driver that does not answer, whose re-attach
 // runs out of time, or whose device still does not answer after the
-// driver answered (its backend down) ends it with ErrDriverUnavailable:
-// wait, never escalate.
+// driver answered ends it with ErrBackendUnavailable (which matches
+// ErrDriverUnavailable too): wait, never escalate.
 //
 // Nothing is ever re-attached, unmounted or read that is not the volume's
 // own: a device is only ever named by the driver (from its own record of
@@ -129,7 +129,7 @@ func (r *Repairer) Reattach(ctx context.Context, v *Volume) Outcome {
 					// not: its backend (the Ceph OSDs) does not. Wait for
 					// it as for a driver that is down; never escalate.
 					a.Detail = "device still does not answer: its backend is down"
-					a.Err = fmt.Errorf("%w: the driver answered, the backend does not: %w", a.Err, ErrDriverUnavailable)
+					a.Err = &backendError{err: a.Err}
 				}
 				add(a)
 				o.Err = a.Err

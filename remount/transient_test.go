@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -49,6 +50,7 @@ func TestTransient(t *testing.T) {
 		{"not connected", fmt.Errorf("verify: %w", unix.ENOTCONN), false},
 		{"unsafe path", &unsafePathError{Path: "/x", Root: "/r", Reason: "a symlink"}, false},
 		{"driver unavailable", fmt.Errorf("x: %w", ErrDriverUnavailable), false},
+		{"backend unavailable: waited for", &backendError{err: fmt.Errorf("/dev/nbd0: %w", probe.ErrHung)}, false},
 		{"cancelled", fmt.Errorf("wait: %w", context.Canceled), false},
 		{"joined, all transient", errors.Join(fmt.Errorf("a: %w", unix.EBUSY), fmt.Errorf("b: %w", ErrMountChanged)), true},
 		{"joined, one says the tier cannot work", errors.Join(fmt.Errorf("a: %w", unix.EBUSY), errors.New("pod p: no publish target")), false},
@@ -57,6 +59,24 @@ func TestTransient(t *testing.T) {
 		if got := Transient(tc.err); got != tc.want {
 			t.Errorf("%s: Transient(%v) = %t, want %t", tc.name, tc.err, got, tc.want)
 		}
+	}
+}
+
+// TestBackendErrorIsWaitedOut: a backend that is down matches both
+// ErrBackendUnavailable (the agent names it) and ErrDriverUnavailable
+// (every caller waits it out), keeps its cause and says both.
+func TestBackendErrorIsWaitedOut(t *testing.T) {
+	err := fmt.Errorf("reattach: %w", &backendError{err: fmt.Errorf("/dev/nbd0 after the re-attach: %w", probe.ErrHung)})
+	for _, target := range []error{ErrBackendUnavailable, ErrDriverUnavailable, probe.ErrHung} {
+		if !errors.Is(err, target) {
+			t.Errorf("errors.Is(%v, %v) = false", err, target)
+		}
+	}
+	if errors.Is(fmt.Errorf("x: %w", ErrDriverUnavailable), ErrBackendUnavailable) {
+		t.Error("a driver that is down reads as a backend that is down")
+	}
+	if msg := err.Error(); !strings.Contains(msg, "/dev/nbd0") || !strings.Contains(msg, "its backend does not") {
+		t.Errorf("message %q names neither the device nor the backend", msg)
 	}
 }
 

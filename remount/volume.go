@@ -94,7 +94,9 @@ type Outcome struct {
 	// the tier can reach (for a dry run: never).
 	Healed bool
 	// Err is why the tier failed; errors.Is(Err, ErrDriverUnavailable)
-	// means retry later, not escalate.
+	// means retry later, not escalate (errors.Is(Err,
+	// ErrBackendUnavailable): the driver answered, the volume's backend
+	// did not).
 	Err  error
 	Took time.Duration
 }
