@@ -262,6 +262,7 @@ const (
 	noteNoRung                          // no enabled tier can repair it
 	noteDryRun                          // a dry run's plan (subject: the plan)
 	noteDriverDown                      // the CSI driver does not answer
+	noteBackendDown                     // the driver answers, the volume's backend does not
 	noteTerminating                     // a terminating pod holds the dead mount (subject: its UID)
 	noteUnmounted                       // its dead mounts were unmounted (subject: the pod's UID)
 	noteRefused                         // an eviction was refused (subject: the pod's UID)

@@ -79,3 +79,30 @@ func (a *Agent) driverDown(ctx context.Context, j *job, r *resolved, res jobResu
 	res.outcome = outcomeDriverDown
 	return res
 }
+
+// backendDown records a volume whose driver answered and whose device
+// still does not: the storage behind it is down. The driver is not marked
+// down (it answered, and mountmedic_driver_up says so); one BackendDown
+// event per episode, no escalation; the run is retried with the volume's
+// backoff, and a backend that comes back heals the volume by itself
+// before that (its daemon lives).
+func (a *Agent) backendDown(ctx context.Context, j *job, r *resolved, res jobResult, err error) jobResult {
+	if j.vol.csi {
+		a.setDriver(j.vol.driver, true)
+	}
+	var pvc *corev1.PersistentVolumeClaim
+	pods := j.active
+	if r != nil {
+		pvc = r.pvc
+		if len(r.pods) > 0 {
+			pods = r.pods
+		}
+	}
+	if a.notes.once(j.key, noteBackendDown, "") {
+		klog.FromContext(ctx).V(2).Info("The volume's backend is down; waiting for it", "err", err)
+		a.report.volume(pods, pvc, corev1.EventTypeWarning, ReasonBackendDown, actionRepair,
+			a.report.message("CSI driver %s answered, but the volume's device still does not (%v): the storage behind it is down; waiting for it, nothing escalated", j.vol.driver, err))
+	}
+	res.outcome = outcomeWaiting
+	return res
+}

@@ -26,7 +26,11 @@ const (
 	ReasonEvictionBlocked Reason = "EvictionBlocked"
 	ReasonNotRepaired     Reason = "NotRepaired"
 	ReasonDriverDown      Reason = "DriverDown"
-	ReasonVolumeGuarded   Reason = "VolumeGuarded"
+	// ReasonBackendDown: the CSI driver answered and the volume's device
+	// still does not (remount.ErrBackendUnavailable): the storage behind it
+	// is down; the agent waits, nothing escalated.
+	ReasonBackendDown   Reason = "BackendDown"
+	ReasonVolumeGuarded Reason = "VolumeGuarded"
 	// ReasonRepairOptedOut: the pod or claim opted out of repairs
 	// (OptOutAnnotation); the volume is probed and reported only.
 	ReasonRepairOptedOut Reason = "RepairOptedOut"

@@ -253,6 +253,10 @@ func (a *Agent) checkResolved(ctx context.Context, j *job, r *resolved, err erro
 func (a *Agent) dryRun(ctx context.Context, j *job, r *resolved, rungs []remount.Tier, res jobResult) jobResult {
 	tier := rungs[0]
 	out := a.tier(ctx, tier, r.vol)
+	if errors.Is(out.Err, remount.ErrBackendUnavailable) {
+		a.metrics.repair(tier, resultBackendUnavailable, out.Took)
+		return a.backendDown(ctx, j, r, res, out.Err)
+	}
 	if errors.Is(out.Err, remount.ErrDriverUnavailable) {
 		a.metrics.repair(tier, resultDriverUnavailable, out.Took)
 		return a.driverDown(ctx, j, r, res, out.Err)
@@ -297,6 +301,10 @@ func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.
 		}
 		out := a.tier(ctx, tier, r.vol)
 		logger.V(2).Info("Repair tier done", "tier", tier, "healed", out.Healed, "took", out.Took, "actions", len(out.Actions), "err", out.Err)
+		if errors.Is(out.Err, remount.ErrBackendUnavailable) {
+			a.metrics.repair(tier, resultBackendUnavailable, out.Took)
+			return a.backendDown(ctx, j, r, res, out.Err)
+		}
 		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
 			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
 			return a.driverDown(ctx, j, r, res, out.Err)

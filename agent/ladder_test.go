@@ -278,6 +278,35 @@ func TestLadderWaitsForADriverThatIsDown(t *testing.T) {
 	})
 }
 
+// TestLadderWaitsForABackendThatIsDown: the driver answered and the
+// volume's device did not (remount.ErrBackendUnavailable, which matches
+// ErrDriverUnavailable too): one BackendDown event that names the backend,
+// the run waits without escalating, and the driver is not called down.
+func TestLadderWaitsForABackendThatIsDown(t *testing.T) {
+	c := newLadderCase(t, ladderOptions{})
+	c.rep.outcomes[remount.TierRestage] = remount.Outcome{Err: fmt.Errorf("/dev/nbd0 after the re-attach: hung (test): %w, %w",
+		remount.ErrBackendUnavailable, remount.ErrDriverUnavailable)}
+	c.run(t, outcomeWaiting, "restage")
+	c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonBackendDown}, "storage behind it is down", "nothing escalated")
+	var m dto.Metric
+	if err := c.a.metrics.repairs.WithLabelValues(remount.TierRestage.String(), resultBackendUnavailable).Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	if n := m.GetCounter().GetValue(); n != 1 {
+		t.Errorf("repairs_total{restage,backend_unavailable} = %v, want 1", n)
+	}
+	m.Reset()
+	if err := c.a.metrics.driverUp.WithLabelValues(ladderDriver).Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	if v := m.GetGauge().GetValue(); v != 1 {
+		t.Errorf("driver_up{%s} = %v, want 1: the driver answered", ladderDriver, v)
+	}
+	// The volume stays down: the next run says nothing again.
+	c.run(t, outcomeWaiting, "restage")
+	c.wantEvents(t, []Reason{ReasonVolumeBroken, ReasonBackendDown})
+}
+
 // wantDriverUnavailable: the run's DriverDown is counted as one attempt of
 // the first rung that found the driver unavailable, whichever step
 // noticed (the alert on failing repairs reads it).

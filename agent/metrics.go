@@ -19,7 +19,10 @@ const (
 	resultSuccess           = "success"
 	resultFailure           = "failure"
 	resultDriverUnavailable = "driver_unavailable"
-	resultDryRun            = "dry_run"
+	// resultBackendUnavailable: the driver answered, the volume's
+	// backend did not (remount.ErrBackendUnavailable).
+	resultBackendUnavailable = "backend_unavailable"
+	resultDryRun             = "dry_run"
 )
 
 // Eviction results, as mountmedic_evictions_total labels them.

@@ -108,6 +108,7 @@ var repairOutcome = map[agent.Reason]string{
 	agent.ReasonEvicting:        "evicting",
 	agent.ReasonEvictionBlocked: "eviction blocked",
 	agent.ReasonDriverDown:      "driver down",
+	agent.ReasonBackendDown:     "backend down",
 	agent.ReasonVolumeBroken:    "broken",
 	agent.ReasonRepairOptedOut:  "opted out",
 	agent.ReasonWouldRepair:     "dry run",
