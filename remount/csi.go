@@ -56,9 +56,14 @@ func (e *backendError) Is(target error) bool {
 
 // Default per-call timeouts of a CSIClient.
 const (
-	defaultStageTimeout   = 30 * time.Second
-	defaultPublishTimeout = 15 * time.Second
-	defaultProbeTimeout   = 5 * time.Second
+	defaultStageTimeout = 30 * time.Second
+	// defaultReattachTimeout covers ceph-csi's wait in a re-attach for
+	// the dead rbd-nbd's watch on the image to expire (waitForrbdImage:
+	// 1 s backoff, factor 1.4, 10 steps, about 50 s of sleeps besides
+	// its `rbd status` calls), with room for a loaded node.
+	defaultReattachTimeout = 90 * time.Second
+	defaultPublishTimeout  = 15 * time.Second
+	defaultProbeTimeout    = 5 * time.Second
 	// defaultReconnectMaxDelay caps gRPC's reconnect backoff, so that a
 	// client notices a restarted driver within about a second (gRPC's own
 	// default grows to two minutes).
@@ -69,6 +74,9 @@ const (
 type CSIOptions struct {
 	// StageTimeout bounds NodeStageVolume.
 	StageTimeout time.Duration
+	// ReattachTimeout bounds a re-attach: NodeStageVolume whose volume
+	// context has kubelet.ReattachContextKey "true".
+	ReattachTimeout time.Duration
 	// PublishTimeout bounds NodePublishVolume.
 	PublishTimeout time.Duration
 	// ProbeTimeout bounds NodeGetCapabilities and each connection attempt.
@@ -80,6 +88,9 @@ type CSIOptions struct {
 func (o CSIOptions) withDefaults() CSIOptions {
 	if o.StageTimeout <= 0 {
 		o.StageTimeout = defaultStageTimeout
+	}
+	if o.ReattachTimeout <= 0 {
+		o.ReattachTimeout = defaultReattachTimeout
 	}
 	if o.PublishTimeout <= 0 {
 		o.PublishTimeout = defaultPublishTimeout
@@ -274,7 +285,11 @@ func (c *CSIClient) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolum
 	}
 	klog.FromContext(ctx).V(4).Info("Calling NodeStageVolume", "endpoint", c.path,
 		"volumeID", req.GetVolumeId(), "stagingPath", req.GetStagingTargetPath())
-	return c.call(ctx, "NodeStageVolume", c.opts.StageTimeout, func(ctx context.Context) error {
+	timeout := c.opts.StageTimeout
+	if req.GetVolumeContext()[kubelet.ReattachContextKey] == "true" {
+		timeout = c.opts.ReattachTimeout
+	}
+	return c.call(ctx, "NodeStageVolume", timeout, func(ctx context.Context) error {
 		_, err := c.node.NodeStageVolume(ctx, req)
 		return err
 	})

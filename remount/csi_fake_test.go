@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -122,12 +123,26 @@ type fakeDriver struct {
 	capsCalls atomic.Int32
 	mu        sync.Mutex
 	got       []proto.Message
+	// left is the time each call had left before its deadline, as the
+	// driver got it (0: no deadline).
+	left []time.Duration
 }
 
 func (f *fakeDriver) record(m proto.Message) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.got = append(f.got, proto.Clone(m))
+}
+
+// recordDeadline records what ctx had left before its deadline.
+func (f *fakeDriver) recordDeadline(ctx context.Context) {
+	var left time.Duration
+	if d, ok := ctx.Deadline(); ok {
+		left = time.Until(d)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.left = append(f.left, left)
 }
 
 func (f *fakeDriver) received() []proto.Message {
@@ -161,6 +176,7 @@ func (f *fakeDriver) NodeGetCapabilities(ctx context.Context, _ *csi.NodeGetCapa
 
 func (f *fakeDriver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
 	f.record(req)
+	f.recordDeadline(ctx)
 	if err := f.answer(ctx); err != nil {
 		return nil, err
 	}

@@ -250,6 +250,40 @@ func TestCSIClientDriverDown(t *testing.T) {
 	})
 }
 
+// TestCSIClientGivesAReattachItsOwnDeadline: a re-attach (the volume
+// context's kubelet.ReattachContextKey) gets ReattachTimeout, longer than
+// a stage's: ceph-csi waits there for the dead daemon's watch to expire.
+// The driver reports the deadline each call came with.
+func TestCSIClientGivesAReattachItsOwnDeadline(t *testing.T) {
+	f := &fakeDriver{}
+	path, _ := serveDriver(t, f)
+	c := dial(t, path, CSIOptions{StageTimeout: time.Minute, ReattachTimeout: time.Hour})
+	vr := kubelet.VolumeRequest{VolumeHandle: "v", StagingPath: "/s", TargetPath: "/t", StageUnstage: true}
+	if err := c.NodeStageVolume(t.Context(), kubelet.StageRequest(vr)); err != nil {
+		t.Fatal(err)
+	}
+	req := kubelet.StageRequest(vr)
+	req.VolumeContext = map[string]string{kubelet.ReattachContextKey: "true"}
+	if err := c.NodeStageVolume(t.Context(), req); err != nil {
+		t.Fatal(err)
+	}
+	f.mu.Lock()
+	left := append([]time.Duration(nil), f.left...)
+	f.mu.Unlock()
+	if len(left) != 2 {
+		t.Fatalf("the driver got %d stage calls, want 2", len(left))
+	}
+	if left[0] <= 0 || left[0] > time.Minute {
+		t.Errorf("a stage came with %v left, want StageTimeout (1m) at most", left[0])
+	}
+	if left[1] <= time.Minute || left[1] > time.Hour {
+		t.Errorf("a re-attach came with %v left, want more than StageTimeout, ReattachTimeout (1h) at most", left[1])
+	}
+	if d := (CSIOptions{}).withDefaults(); d.ReattachTimeout <= d.StageTimeout {
+		t.Errorf("default ReattachTimeout %v is not longer than StageTimeout %v", d.ReattachTimeout, d.StageTimeout)
+	}
+}
+
 func TestCSIClientTimeouts(t *testing.T) {
 	f := &fakeDriver{block: true}
 	path, _ := serveDriver(t, f)

@@ -74,7 +74,7 @@ func startNBDLab(t testing.TB, opts ...csilab.NBDDriverOption) *nbdLab {
 	// connection timeout, so that a re-attach blocked on a backend that is
 	// down runs out of time as rbd-nbd attach does.
 	l.r, err = New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second},
-		CSI: CSIOptions{StageTimeout: 8 * time.Second, PublishTimeout: time.Minute}})
+		CSI: CSIOptions{StageTimeout: 8 * time.Second, ReattachTimeout: 8 * time.Second, PublishTimeout: time.Minute}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -45,9 +45,8 @@ func (l *nbdLab) newRBDVolume(t testing.TB, cfg csilab.RBDConfig, id string) *nb
 }
 
 // healUntil runs the re-attach tier as the agent does until it heals the
-// volume: a driver out of time (ErrDriverUnavailable: ceph-csi's re-attach
-// waits for the dead daemon's watch on the image to expire) or busy with
-// the volume (Aborted) is asked again a second later.
+// volume: a driver out of time (ErrDriverUnavailable) or busy with the
+// volume (Aborted) is asked again a second later.
 func healUntil(t testing.TB, r *Repairer, v *nbdVol, d time.Duration) Outcome {
 	t.Helper()
 	for deadline := time.Now().Add(d); ; time.Sleep(time.Second) {
@@ -59,8 +58,9 @@ func healUntil(t testing.TB, r *Repairer, v *nbdVol, d time.Duration) Outcome {
 	}
 }
 
-// agentRepairer is a Repairer at the agent's defaults (a 30 s stage
-// deadline).
+// agentRepairer is a Repairer at the agent's defaults (a 90 s re-attach
+// deadline, which covers ceph-csi's wait for the dead daemon's watch on
+// the image to expire).
 func agentRepairer(t testing.TB, l *nbdLab) *Repairer {
 	t.Helper()
 	r, err := New(Config{KubeletRoot: l.root, Probe: probe.Config{Timeout: 2 * time.Second}})
