@@ -131,8 +131,8 @@ func TestInGuest(t *testing.T) {
 				skips = append(skips, skip)
 				t.Logf("left out on 6.1 (docs/kernel-facts.md; MOUNTMEDIC_GUEST_ALL=1 runs them): %s", skip)
 			}
-			if pkg == "remount" {
-				skips = append(skips, rbdTests) // TestRBDInGuest's, with the host's Ceph
+			if p := rbdTests[pkg]; p != "" {
+				skips = append(skips, p) // TestRBDInGuest's, with the host's Ceph
 			}
 			if len(skips) > 0 {
 				args = append(args, "-test.skip", strings.Join(skips, "|"))

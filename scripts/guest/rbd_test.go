@@ -11,20 +11,24 @@ import (
 	"time"
 
 	"github.com/mountmedic/mountmedic/scripts/csilab"
+	"github.com/mountmedic/mountmedic/scripts/kubetest"
 )
 
-// rbdTests are the remount tests of rbd-nbd on a real Ceph
-// (remount/rbd_guest_root_test.go): they need the host's Ceph lab, which
-// TestRBDInGuest starts.
-const rbdTests = "^TestRBD"
+// rbdTests are the tests of rbd-nbd on a real Ceph, by package
+// (remount/rbd_guest_root_test.go, agent/rbd_guest_root_test.go): they need
+// the host's Ceph lab, which TestRBDInGuest starts; TestInGuest skips them.
+var rbdTests = map[string]string{"remount": "^TestRBD", "agent": "^TestAgentRBD$"}
 
 // rbdDefaultTests are the ones TestRBDInGuest runs unless MOUNTMEDIC_RBD_RUN
 // says otherwise: what fits CI's guest step. ceph-csi's re-attach waits for
 // the killed rbd-nbd's watch on the image to expire (30 s), so each heal
 // takes about 35-50 s under emulation; the plugin restart with several
 // volumes runs in scripts/bench-rbd-nbd.sh, and CI covers it with nbdkit
-// (remount's TestNBDPluginRestart).
-const rbdDefaultTests = "^TestRBD(DaemonKilled|BackendDown)$"
+// (remount's TestNBDPluginRestart). The agent's test runs whole.
+var rbdDefaultTests = map[string]string{"remount": "^TestRBD(DaemonKilled|BackendDown)$", "agent": rbdTests["agent"]}
+
+// rbdRunEnv names the setting that chooses a package's rbd tests.
+var rbdRunEnv = map[string]string{"remount": "MOUNTMEDIC_RBD_RUN", "agent": "MOUNTMEDIC_RBD_AGENT_RUN"}
 
 // TestMain stops the Ceph lab of TestRBDInGuest when the binary ends.
 func TestMain(m *testing.M) {
@@ -38,14 +42,16 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// TestRBDInGuest runs remount's rbd-nbd tests in the guest against a real
-// Ceph on the host: the Ceph lab (scripts/ceph-lab.sh: mon, mgr, OSD on
-// 127.0.0.1) with a pool for RBD, the guest on qemu's user-mode network,
-// and scripts/guest/fwd in the guest forwarding each of the lab's ports to
-// the host. MOUNTMEDIC_RBD_RUN chooses the tests (go test's -run pattern;
-// rbdDefaultTests when unset); MOUNTMEDIC_RBD_* pass
-// to the guest (MOUNTMEDIC_RBD_VOLUMES: the plugin-restart benchmark's
-// volume count).
+// TestRBDInGuest runs the rbd-nbd tests of remount and of the agent in the
+// guest against a real Ceph on the host: the Ceph lab
+// (scripts/ceph-lab.sh: mon, mgr, OSD on 127.0.0.1) with a pool for RBD,
+// the guest on qemu's user-mode network, and scripts/guest/fwd in the
+// guest forwarding each of the lab's ports to the host; for the agent, the
+// API server on the host too (kubetest's broker). MOUNTMEDIC_RBD_RUN
+// chooses remount's tests and MOUNTMEDIC_RBD_AGENT_RUN the agent's (go
+// test's -run pattern; rbdDefaultTests when unset; "none" boots no guest
+// for the package); MOUNTMEDIC_RBD_* pass to the guest
+// (MOUNTMEDIC_RBD_VOLUMES: the plugin-restart benchmark's volume count).
 func TestRBDInGuest(t *testing.T) {
 	k := requireKernel(t)
 	root := moduleRoot(t)
@@ -53,47 +59,59 @@ func TestRBDInGuest(t *testing.T) {
 	ceph := csilab.SharedCeph(t)
 	ceph.RBDPool(t)
 	ready := time.Since(start)
-	run := t.TempDir()
-	bin := filepath.Join(run, "remount.test")
-	fwd := filepath.Join(run, "fwd")
-	for _, b := range [][]string{
-		{"test", "-c", "-tags", "guest", "-o", bin, "./remount"},
-		{"build", "-o", fwd, "./scripts/guest/fwd"},
-	} {
-		build := exec.Command("go", b...)
-		build.Dir = root
-		if out, err := build.CombinedOutput(); err != nil {
-			t.Fatalf("go %s: %v\n%s", strings.Join(b, " "), err, out)
-		}
-	}
-	pattern := rbdDefaultTests
-	if p := os.Getenv("MOUNTMEDIC_RBD_RUN"); p != "" {
-		pattern = p
-	}
-	lo, hi := ceph.Ports()
-	env := []string{"MOUNTMEDIC_REQUIRE_ROOT=1", "GOTRACEBACK=all",
-		fmt.Sprintf("%s=%d-%d", csilab.EnvRBDPorts, lo, hi), csilab.EnvRBDFwd + "=" + fwd}
-	for _, kv := range os.Environ() {
-		if strings.HasPrefix(kv, "MOUNTMEDIC_RBD_") && !strings.HasPrefix(kv, csilab.EnvRBDPorts+"=") && !strings.HasPrefix(kv, csilab.EnvRBDFwd+"=") {
-			env = append(env, kv)
-		}
-	}
-	res, err := k.Run(context.Background(), Config{RunDir: run, Timeout: 25 * time.Minute, MemoryMiB: 1536, Network: true},
-		Command{Args: []string{bin, "-test.v", "-test.count=1", "-test.timeout=20m", "-test.run", pattern},
-			Dir: filepath.Join(root, "remount"), Modules: guestModules, Env: env})
-	if res != nil {
-		t.Logf("guest figures: rbd: Ceph ready on the host %.2fs; guest boot %.2fs; whole guest run %.2fs, exit %d",
-			ready.Seconds(), res.Boot.Seconds(), res.Took.Seconds(), res.Exit)
-		t.Logf("summary of ./remount's rbd tests in the guest:\n%s", summary(res.Output))
-		if dir := os.Getenv("MOUNTMEDIC_GUEST_KEEP"); dir != "" {
-			// The whole output, for a look at each tier's actions.
-			_ = os.WriteFile(filepath.Join(dir, "remount-rbd.out"), res.Output, 0o644)
-		}
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res.Exit != 0 {
-		t.Errorf("./remount's rbd tests in the guest exited %d; its output:\n%s\nconsole tail:\n%s", res.Exit, res.Output, tail(res.Console, 4000))
+	t.Logf("guest figures: rbd: Ceph ready on the host %.2fs", ready.Seconds())
+	for _, pkg := range []string{"remount", "agent"} {
+		t.Run(pkg, func(t *testing.T) {
+			pattern := rbdDefaultTests[pkg]
+			if p := os.Getenv(rbdRunEnv[pkg]); p != "" {
+				pattern = p
+			}
+			if pattern == "none" {
+				t.Skipf("%s=none", rbdRunEnv[pkg])
+			}
+			// The guest sees the run directory: the binaries go there.
+			run := t.TempDir()
+			bin, fwd := filepath.Join(run, pkg+".test"), filepath.Join(run, "fwd")
+			for _, b := range [][]string{
+				{"test", "-c", "-tags", "guest", "-o", bin, "./" + pkg},
+				{"build", "-o", fwd, "./scripts/guest/fwd"},
+			} {
+				build := exec.Command("go", b...)
+				build.Dir = root
+				if out, err := build.CombinedOutput(); err != nil {
+					t.Fatalf("go %s: %v\n%s", strings.Join(b, " "), err, out)
+				}
+			}
+			lo, hi := ceph.Ports()
+			env := []string{"MOUNTMEDIC_REQUIRE_ROOT=1", "GOTRACEBACK=all",
+				fmt.Sprintf("%s=%d-%d", csilab.EnvRBDPorts, lo, hi), csilab.EnvRBDFwd + "=" + fwd}
+			for _, kv := range os.Environ() {
+				if strings.HasPrefix(kv, "MOUNTMEDIC_RBD_") && !strings.HasPrefix(kv, csilab.EnvRBDPorts+"=") && !strings.HasPrefix(kv, csilab.EnvRBDFwd+"=") {
+					env = append(env, kv)
+				}
+			}
+			if pkg == "agent" {
+				b := kubetest.Serve(t, filepath.Join(run, "kubetest"))
+				env = append(env, kubetest.EnvBroker+"=10.0.2.2:"+b.Addr[strings.LastIndexByte(b.Addr, ':')+1:])
+			}
+			res, err := k.Run(context.Background(), Config{RunDir: run, Timeout: 25 * time.Minute, MemoryMiB: 1536, Network: true},
+				Command{Args: []string{bin, "-test.v", "-test.count=1", "-test.timeout=20m", "-test.run", pattern},
+					Dir: filepath.Join(root, pkg), Modules: guestModules, Env: env})
+			if res != nil {
+				t.Logf("guest figures: rbd %s: guest boot %.2fs; whole guest run %.2fs, exit %d",
+					pkg, res.Boot.Seconds(), res.Took.Seconds(), res.Exit)
+				t.Logf("summary of ./%s's rbd tests in the guest:\n%s", pkg, summary(res.Output))
+				if dir := os.Getenv("MOUNTMEDIC_GUEST_KEEP"); dir != "" {
+					// The whole output, for a look at each tier's actions.
+					_ = os.WriteFile(filepath.Join(dir, pkg+"-rbd.out"), res.Output, 0o644)
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Exit != 0 {
+				t.Errorf("./%s's rbd tests in the guest exited %d; its output:\n%s\nconsole tail:\n%s", pkg, res.Exit, res.Output, tail(res.Console, 4000))
+			}
+		})
 	}
 }
