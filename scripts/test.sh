@@ -66,8 +66,8 @@ fi
 # boots Debian's 6.1 kernel under qemu (software emulation) and runs the
 # probe, remount and agent root tests there, NBD included, which the host
 # kernel cannot run (the agent's API servers run on the host, about 3 min),
-# and the real rbd-nbd on a Ceph lab on the host (TestRBDInGuest, about
-# 4 min). About 14 min.
+# and the real rbd-nbd on a Ceph lab on the host (TestRBDInGuest: remount's
+# re-attach tier, then the whole agent; about 7 min). About 16 min.
 if ! go test -count=1 -timeout 30m -v ./scripts/guest 2>&1 | tee /tmp/mountmedic-guest.log | grep -E '^(=== RUN|--- |\s+--- |ok|FAIL|PASS)|guest figures|(nbd|rbd) (facts|figures)|left out'; then
 	echo "--- the guest run failed (whole log: /tmp/mountmedic-guest.log):"
 	tail -n 200 /tmp/mountmedic-guest.log
