@@ -63,14 +63,7 @@ func isDriverDown(err error) bool {
 func (a *Agent) driverDown(ctx context.Context, j *job, r *resolved, res jobResult, err error) jobResult {
 	a.setDriver(j.vol.driver, false)
 	a.caps.forget(j.vol.driver)
-	var pvc *corev1.PersistentVolumeClaim
-	pods := j.active
-	if r != nil {
-		pvc = r.pvc
-		if len(r.pods) > 0 {
-			pods = r.pods
-		}
-	}
+	pods, pvc := eventTargets(j, r)
 	if a.notes.once(j.key, noteDriverDown, "") {
 		klog.FromContext(ctx).V(2).Info("CSI driver is down; waiting for it to register again", "err", err)
 		a.report.volume(pods, pvc, corev1.EventTypeWarning, ReasonDriverDown, actionRepair,
@@ -90,14 +83,7 @@ func (a *Agent) backendDown(ctx context.Context, j *job, r *resolved, res jobRes
 	if j.vol.csi {
 		a.setDriver(j.vol.driver, true)
 	}
-	var pvc *corev1.PersistentVolumeClaim
-	pods := j.active
-	if r != nil {
-		pvc = r.pvc
-		if len(r.pods) > 0 {
-			pods = r.pods
-		}
-	}
+	pods, pvc := eventTargets(j, r)
 	if a.notes.once(j.key, noteBackendDown, "") {
 		klog.FromContext(ctx).V(2).Info("The volume's backend is down; waiting for it", "err", err)
 		a.report.volume(pods, pvc, corev1.EventTypeWarning, ReasonBackendDown, actionRepair,
@@ -105,4 +91,16 @@ func (a *Agent) backendDown(ctx context.Context, j *job, r *resolved, res jobRes
 	}
 	res.outcome = outcomeWaiting
 	return res
+}
+
+// eventTargets are the pods and the claim a volume's events go to: the
+// resolved ones, else the job's active pods and no claim.
+func eventTargets(j *job, r *resolved) ([]*corev1.Pod, *corev1.PersistentVolumeClaim) {
+	if r == nil {
+		return j.active, nil
+	}
+	if len(r.pods) > 0 {
+		return r.pods, r.pvc
+	}
+	return j.active, r.pvc
 }
