@@ -253,13 +253,8 @@ func (a *Agent) checkResolved(ctx context.Context, j *job, r *resolved, err erro
 func (a *Agent) dryRun(ctx context.Context, j *job, r *resolved, rungs []remount.Tier, res jobResult) jobResult {
 	tier := rungs[0]
 	out := a.tier(ctx, tier, r.vol)
-	if errors.Is(out.Err, remount.ErrBackendUnavailable) {
-		a.metrics.repair(tier, resultBackendUnavailable, out.Took)
-		return a.backendDown(ctx, j, r, res, out.Err)
-	}
-	if errors.Is(out.Err, remount.ErrDriverUnavailable) {
-		a.metrics.repair(tier, resultDriverUnavailable, out.Took)
-		return a.driverDown(ctx, j, r, res, out.Err)
+	if res, waits := a.waitsOn(ctx, j, r, res, tier, out); waits {
+		return res
 	}
 	a.metrics.repair(tier, resultDryRun, 0)
 	plan := planText(a.cfg.KubeletRoot, out.Actions)
@@ -301,13 +296,8 @@ func (a *Agent) climb(ctx context.Context, j *job, r *resolved, rungs []remount.
 		}
 		out := a.tier(ctx, tier, r.vol)
 		logger.V(2).Info("Repair tier done", "tier", tier, "healed", out.Healed, "took", out.Took, "actions", len(out.Actions), "err", out.Err)
-		if errors.Is(out.Err, remount.ErrBackendUnavailable) {
-			a.metrics.repair(tier, resultBackendUnavailable, out.Took)
-			return a.backendDown(ctx, j, r, res, out.Err)
-		}
-		if errors.Is(out.Err, remount.ErrDriverUnavailable) {
-			a.metrics.repair(tier, resultDriverUnavailable, out.Took)
-			return a.driverDown(ctx, j, r, res, out.Err)
+		if res, waits := a.waitsOn(ctx, j, r, res, tier, out); waits {
+			return res
 		}
 		if j.vol.csi {
 			a.setDriver(j.vol.driver, true)
@@ -440,4 +430,20 @@ func errText(err error) string {
 		return "still broken after it"
 	}
 	return err.Error()
+}
+
+// waitsOn ends a run whose tier found something down that no later tier
+// can bring back: the volume's backend (remount.ErrBackendUnavailable,
+// checked first: it matches ErrDriverUnavailable too) or its driver. It
+// counts the attempt and reports whether the run ends.
+func (a *Agent) waitsOn(ctx context.Context, j *job, r *resolved, res jobResult, tier remount.Tier, out remount.Outcome) (jobResult, bool) {
+	switch {
+	case errors.Is(out.Err, remount.ErrBackendUnavailable):
+		a.metrics.repair(tier, resultBackendUnavailable, out.Took)
+		return a.backendDown(ctx, j, r, res, out.Err), true
+	case errors.Is(out.Err, remount.ErrDriverUnavailable):
+		a.metrics.repair(tier, resultDriverUnavailable, out.Took)
+		return a.driverDown(ctx, j, r, res, out.Err), true
+	}
+	return res, false
 }
